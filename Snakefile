@@ -1,0 +1,21 @@
+# dflash: train DFlash speculative-decoding drafters and keep their throughput honest.
+# Thin orchestration only: every rule calls `python -m dflash <stage>`; the logic lives in the dflash package.
+from snakemake.utils import min_version, validate
+
+min_version("9.0")
+
+
+configfile: "config/config.yaml"
+
+
+validate(config, "workflow/schemas/config.schema.yaml")
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/env.smk"
+
+
+rule all:
+    input:
+        ALL_TARGETS,
+    default_target: True

@@ -1,0 +1,64 @@
+"""`python -m dflash <stage> --config CONFIG ...`: one subcommand per pipeline stage."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from dflash.config import ConfigError, load
+from dflash.errors import UserError
+
+# stage name -> one-line help; the module is dflash.stages.<name> (dashes become underscores).
+STAGES = {
+    "env": "check the environment against envs/ pins and write the fingerprint",
+    "target": "build the embedded tiny target (or a random-weight benchmark target)",
+    "data": "expand sources into tokenised, length-bucketed Arrow shards with a manifest",
+    "warmup": "compile the drafter's attention for every length bucket on one device",
+    "train": "train the drafter (threads or distributed runtime)",
+    "evaluate": "speculative decoding with the target: acceptance length tau, losslessness",
+    "export": "write the drafter in the reference inference format with a model card",
+    "report": "throughput history, regressions with attribution, plots and report.md",
+}
+
+
+def _parse_value(text: str):
+    import yaml
+    return yaml.safe_load(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflash", description=__doc__)
+    sub = parser.add_subparsers(dest="stage", required=True, metavar="STAGE")
+    for name, help_text in STAGES.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("--config", required=True, help="pipeline YAML (validated by workflow/schemas/config.schema.yaml)")
+        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config key, e.g. --set train.steps=10 (repeatable)")
+        p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+        module = importlib.import_module(f"dflash.stages.{name}")
+        module.add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    try:
+        overrides = {}
+        for item in args.set:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ConfigError(f"--set {item}: expected KEY=VALUE")
+            overrides[key] = _parse_value(value)
+        loaded = load(args.config, overrides)
+        module = importlib.import_module(f"dflash.stages.{args.stage}")
+        return int(module.run(loaded, args) or 0)
+    except ConfigError as e:
+        print(f"dflash {args.stage}: config error: {e}", file=sys.stderr)
+        return 2
+    except UserError as e:
+        print(f"dflash {args.stage}: error: {e}", file=sys.stderr)
+        return 1
+

@@ -1,0 +1,10 @@
+"""Stage `export` (not built yet)."""
+from dflash.errors import UserError
+
+
+def add_arguments(p):
+    pass
+
+
+def run(loaded, args):
+    raise UserError("stage 'export' is not built yet")

@@ -1,0 +1,10 @@
+"""Stage `report` (not built yet)."""
+from dflash.errors import UserError
+
+
+def add_arguments(p):
+    pass
+
+
+def run(loaded, args):
+    raise UserError("stage 'report' is not built yet")

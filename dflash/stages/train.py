@@ -1,0 +1,10 @@
+"""Stage `train` (not built yet)."""
+from dflash.errors import UserError
+
+
+def add_arguments(p):
+    pass
+
+
+def run(loaded, args):
+    raise UserError("stage 'train' is not built yet")

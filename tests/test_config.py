@@ -1,0 +1,91 @@
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from dflash import config as C
+
+
+def write(tmp_path, data):
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump(data))
+    return p
+
+
+def test_defaults_applied(tmp_path):
+    loaded = C.load(write(tmp_path, {"train": {"steps": 7}}))
+    cfg = loaded.cfg
+    assert cfg.train.steps == 7
+    assert cfg.train.lr == pytest.approx(6e-4)          # schema default
+    assert cfg.drafter.block_size == 16
+    assert cfg.train.drafters == ("cpu", "cpu")          # arrays become tuples
+    assert cfg.train.rendezvous.nnodes == 1              # nested defaults
+    assert loaded.raw["report"]["threshold"] == pytest.approx(-0.10)
+
+
+def test_every_schema_key_has_default_and_description():
+    def walk(schema, path):
+        for key, sub in schema.get("properties", {}).items():
+            assert "description" in sub, f"{path}{key} has no description"
+            assert "default" in sub, f"{path}{key} has no default"
+            walk(sub, f"{path}{key}.")
+            if isinstance(sub.get("items"), dict):
+                for k, s in sub["items"].get("properties", {}).items():
+                    assert "description" in s, f"{path}{key}[].{k} has no description"
+    walk(C.load_schema(), "")
+
+
+def test_unknown_key_named(tmp_path):
+    p = write(tmp_path, {"train": {"stepz": 3}})
+    with pytest.raises(C.ConfigError, match=r"c\.yaml: unknown key 'train\.stepz'"):
+        C.load(p)
+
+
+def test_wrong_type_named(tmp_path):
+    p = write(tmp_path, {"drafter": {"block_size": "sixteen"}})
+    with pytest.raises(C.ConfigError, match=r"c\.yaml: key 'drafter\.block_size' must be integer"):
+        C.load(p)
+
+
+def test_missing_file_named(tmp_path):
+    with pytest.raises(C.ConfigError, match="nope.yaml: config file not found"):
+        C.load(tmp_path / "nope.yaml")
+
+
+def test_source_items_validated(tmp_path):
+    p = write(tmp_path, {"data": {"sources": [{"name": "x", "path": "a.jsonl", "colour": "red"}]}})
+    with pytest.raises(C.ConfigError, match=r"unknown key 'data\.sources\.0\.colour'"):
+        C.load(p)
+    ok = C.load(write(tmp_path, {"data": {"sources": [{"name": "x", "path": "a.jsonl"}]}}))
+    assert ok.cfg.data.sources[0].kind == "auto" and ok.cfg.data.sources[0].weight == 1.0
+
+
+def test_config_hash_ignores_names_but_not_settings(tmp_path):
+    a = C.from_dict({"run_name": "a"})
+    b = C.from_dict({"run_name": "b", "report": {"threshold": -0.2}})
+    c = C.from_dict({"run_name": "a", "train": {"lr": 1e-3}})
+    assert a.hash == b.hash
+    assert a.hash != c.hash
+
+
+def test_shipped_configs_validate(repo):
+    for name in ("config.yaml", "h200.yaml", "seed-8gpu.yaml"):
+        C.load(repo / "config" / name)
+
+
+@pytest.mark.parametrize("stage", ["env", "train"])
+def test_cli_reports_config_error_in_one_line(tmp_path, repo, stage):
+    p = write(tmp_path, {"bogus": 1})
+    r = subprocess.run([sys.executable, "-m", "dflash", stage, "--config", str(p)], cwd=repo,
+                       capture_output=True, text=True)
+    assert r.returncode == 2
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and "unknown key 'bogus'" in lines[0] and str(p) in lines[0]
+
+
+def test_cli_help_lists_stages(repo):
+    r = subprocess.run([sys.executable, "-m", "dflash", "--help"], cwd=repo, capture_output=True, text=True)
+    assert r.returncode == 0
+    for stage in ("env", "data", "warmup", "train", "evaluate", "export", "report"):
+        assert stage in r.stdout

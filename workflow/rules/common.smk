@@ -1,0 +1,16 @@
+# Shared helpers for the rules: paths derived from the validated config, nothing else.
+import json
+
+CONFIG_FILE = workflow.configfiles[-1] if workflow.configfiles else "config/config.yaml"
+RESULTS = config["results_dir"]
+RUN = config["run_name"]
+DATASET = config["dataset_name"]
+ENV = "../../envs/dflash.yaml"
+
+
+def section(name):
+    """A config section as a stable string: a rule whose section changes reruns (params trigger)."""
+    return json.dumps(config.get(name, {}), sort_keys=True)
+
+
+ALL_TARGETS = [f"{RESULTS}/env/fingerprint.json"]
