@@ -13,6 +13,13 @@ validate(config, "workflow/schemas/config.schema.yaml")
 
 include: "workflow/rules/common.smk"
 include: "workflow/rules/env.smk"
+include: "workflow/rules/target.smk"
+include: "workflow/rules/data.smk"
+include: "workflow/rules/warmup.smk"
+include: "workflow/rules/train.smk"
+include: "workflow/rules/export.smk"
+include: "workflow/rules/evaluate.smk"
+include: "workflow/rules/report.smk"
 
 
 rule all:

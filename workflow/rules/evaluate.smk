@@ -1,0 +1,1 @@
+# Rules of stage 'evaluate': thin shell lines calling python -m dflash evaluate; each appends its outputs to ALL_TARGETS.
