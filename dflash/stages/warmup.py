@@ -1,10 +1,44 @@
-"""Stage `warmup` (not built yet)."""
-from dflash.errors import UserError
+"""Stage `warmup`: compile the drafter's forward and backward for every length bucket on one device, single-threaded,
+into the persistent Inductor cache of this environment; write results/compile/<device>.json."""
+import logging
+
+log = logging.getLogger("dflash.warmup")
 
 
 def add_arguments(p):
-    pass
+    p.add_argument("--device", required=True, help="device to warm up (cpu, cuda:N, N, or the file form cuda0)")
+    p.add_argument("--out", default=None, help="record JSON (default: <results_dir>/compile/<device>.json)")
+
+
+def device_slug(device: str) -> str:
+    return str(device).replace(":", "")
 
 
 def run(loaded, args):
-    raise UserError("stage 'warmup' is not built yet")
+    import torch
+
+    from dflash.atomic import atomic_write_json
+    from dflash.config import results_path
+    from dflash.fingerprint import compile_cache_dir
+    from dflash.train import compile_guard, placement as P
+    from dflash.train.reader import ShardReader
+    from dflash.train.setup import build_drafter, prepare, random_head, warm_up
+
+    spec = args.device
+    if spec.startswith("cuda") and spec[4:].isdigit():
+        spec = f"cuda:{spec[4:]}"
+    device = P.parse_device(spec)
+    setup = prepare(loaded)
+    if device not in setup.placement.drafters:
+        log.warning("%s runs no drafter in this placement; warming it up anyway", device)
+    cache = compile_guard.use_compile_cache(compile_cache_dir(loaded.cfg.results_dir, setup.env["hash"]))
+    reader = ShardReader(setup.data_dir, loaded.cfg.train.batch_size, loaded.cfg.seed, setup.extra["pad_id"])
+    dtype = P.autocast_dtype(loaded.cfg.train, device) or torch.float32
+    drafter = build_drafter(setup, *random_head(setup, device, dtype), device)
+    record = warm_up(drafter, setup, device, reader.shapes())
+    record.update({"env_hash": setup.env["hash"], "cache_dir": str(cache)})
+    out = args.out or results_path(loaded, "compile", f"{device_slug(args.device)}.json")
+    atomic_write_json(out, record)
+    log.info("warm-up %s: %d shape(s), %d graph(s), %d cache hit(s), %.1f s -> %s", device, len(record["shapes"]),
+             record["graphs"], record["cache_hits"], record["seconds"], out)
+    return 0

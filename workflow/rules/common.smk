@@ -14,3 +14,14 @@ def section(name):
 
 
 ALL_TARGETS = [f"{RESULTS}/env/fingerprint.json"]
+
+
+def device_slug(spec):
+    """'cuda:3' / '3' -> 'cuda3'; 'cpu' -> 'cpu' (file names of results/compile/<device>.json)."""
+    s = str(spec)
+    return f"cuda{s}" if s.isdigit() else s.replace(":", "")
+
+
+DRAFTER_DEVICES = sorted({device_slug(d) for d in config["train"]["drafters"]})
+TRAIN_GPUS = len({device_slug(d) for d in config["train"]["targets"] + config["train"]["drafters"]} - {"cpu"})
+TARGET_DIR = config["target"]["path"]

@@ -1,0 +1,1 @@
+"""Training: reader -> target workers -> feature queues -> drafter replicas -> optimizer, in two runtimes."""

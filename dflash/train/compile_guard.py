@@ -1,0 +1,174 @@
+"""Race-free compilation for the threads runtime.
+
+The hazard (torch <= 2.13): any FX trace — torch.fx.symbolic_trace, make_fx inside a torch.compile, uncompiled
+create_block_mask — sets the process-wide `torch.fx._symbolic_trace._is_fx_tracing_flag`; a compiled function
+entered by *another* thread meanwhile raises "Detected that you are using FX to symbolically trace a
+dynamo-optimized function". Three defences, used together:
+  1. every compile happens in a single-threaded warm-up before the workers start, for every shape bucket;
+  2. afterwards the compile stance forbids recompiles: a new shape fails fast, naming the shape, never falls back;
+  3. `FX_GUARD`: an FX trace holds an exclusive lock (Tracer.trace is wrapped once, process-wide) and compiled
+     calls made through `guarded()` hold it shared, so no compiled call ever starts while a trace is open.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+
+class SharedExclusiveLock:
+    """Many shared holders or one exclusive holder (re-entrant for that thread); writers are preferred."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._shared: dict[int, int] = {}
+        self._owner: int | None = None
+        self._depth = 0
+        self._waiting_writers = 0
+
+    @contextlib.contextmanager
+    def shared(self):
+        me = threading.get_ident()
+        with self._cond:
+            if self._owner != me:
+                while self._owner is not None or (self._waiting_writers and me not in self._shared):
+                    self._cond.wait()
+            self._shared[me] = self._shared.get(me, 0) + 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._shared[me] -= 1
+                if not self._shared[me]:
+                    del self._shared[me]
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self, timeout: float = 600.0):
+        me = threading.get_ident()
+        with self._cond:
+            if self._owner != me:
+                if me in self._shared:
+                    raise RuntimeError("an FX trace or compile started inside a guarded compiled call "
+                                       "(a shape the warm-up did not compile?)")
+                self._waiting_writers += 1
+                try:
+                    if not self._cond.wait_for(lambda: self._owner is None and not self._shared, timeout):
+                        raise TimeoutError("FX guard: waited too long for compiled calls to finish")
+                finally:
+                    self._waiting_writers -= 1
+                self._owner = me
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._depth -= 1
+                if not self._depth:
+                    self._owner = None
+                self._cond.notify_all()
+
+
+FX_GUARD = SharedExclusiveLock()
+_installed = False
+
+
+def install_fx_guard() -> None:
+    """Wrap torch.fx.Tracer.trace so every FX trace in this process holds FX_GUARD exclusively."""
+    global _installed
+    if _installed:
+        return
+    original = torch.fx.Tracer.trace
+
+    @functools.wraps(original)
+    def trace(self, *args, **kwargs):
+        with FX_GUARD.exclusive():
+            return original(self, *args, **kwargs)
+
+    torch.fx.Tracer.trace = trace
+    _installed = True
+
+
+def guarded(fn):
+    """A compiled callable made safe to call from many threads while other code may FX-trace."""
+    install_fx_guard()
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with FX_GUARD.shared():
+            return fn(*args, **kwargs)
+
+    return call
+
+
+# ---- compile state ---------------------------------------------------------------------------------------
+def use_compile_cache(cache_dir: str | Path) -> Path:
+    """Point Inductor's persistent caches (FX graph + AOT autograd) at a folder named by the environment."""
+    path = Path(cache_dir).resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
+    os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
+    return path
+
+
+def configure_thread(num_shapes: int) -> None:
+    """Dynamo config is per thread (torch >= 2.12): call at the start of every worker thread.
+
+    The recompile limit covers every warmed shape; reaching it is an error, never a silent eager fallback.
+    """
+    torch._dynamo.config.recompile_limit = max(8, 2 * num_shapes + 2)
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+
+
+def counters() -> dict:
+    from torch._dynamo.utils import counters as c
+    frames = c["frames"]
+    return {
+        "graphs": int(c["stats"]["unique_graphs"]),
+        "cache_hits": int(c["inductor"]["fxgraph_cache_hit"]),
+        "cache_misses": int(c["inductor"]["fxgraph_cache_miss"]),
+        "eager_fallbacks": int(frames["total"] - frames["ok"]) if frames["total"] else 0,
+        "graph_breaks": int(sum(c["graph_break"].values())),
+    }
+
+
+def forbid_recompiles() -> None:
+    """After warm-up: any compile is an error (process-wide stance)."""
+    torch.compiler.set_stance("fail_on_recompile")
+
+
+def allow_compiles() -> None:
+    torch.compiler.set_stance("default")
+
+
+class RecompileError(RuntimeError):
+    pass
+
+
+@contextlib.contextmanager
+def no_new_graphs(what: str):
+    """Fail fast, naming `what` (the shape), if the body compiled anything after warm-up."""
+    before = counters()["graphs"]
+    try:
+        yield
+    except Exception as e:  # the fail_on_recompile stance raises from inside dynamo
+        if "recompil" in str(e).lower() or "fail_on_recompile" in str(e):
+            raise RecompileError(f"recompile after warm-up for {what}: {str(e).splitlines()[0]}") from e
+        raise
+    after = counters()["graphs"]
+    if after != before:
+        raise RecompileError(f"{after - before} new graph(s) compiled after warm-up for {what}")
+
+
+class Stopwatch:
+    def __init__(self):
+        self.t0 = time.perf_counter()
+
+    def __call__(self) -> float:
+        return time.perf_counter() - self.t0

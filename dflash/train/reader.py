@@ -1,0 +1,84 @@
+"""ShardReader: a deterministic, resumable stream of fixed-shape batches from the length-bucketed Arrow shards.
+
+Batch i of the stream is a pure function of (seed, i): every batch holds `batch_size` rows of one bucket, padded to
+the bucket edge (the shapes the warm-up compiled). Resuming at index i reproduces the same order exactly.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dflash.atomic import read_json
+from dflash.errors import UserError
+
+
+@dataclass
+class Batch:
+    index: int                 # position in the stream
+    input_ids: torch.Tensor    # [b, edge] long, padded with pad_id
+    loss_mask: torch.Tensor    # [b, edge] bool
+    lengths: torch.Tensor      # [b] long, unpadded lengths
+    ids: list[str]             # sample ids, for tracing the data order
+
+    @property
+    def tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    def pin(self) -> "Batch":
+        return Batch(self.index, self.input_ids.pin_memory(), self.loss_mask.pin_memory(), self.lengths, self.ids)
+
+
+class ShardReader:
+    def __init__(self, data_dir: str | Path, batch_size: int, seed: int = 0, pad_id: int = 0):
+        import datasets
+
+        self.data_dir = Path(data_dir)
+        manifest = self.data_dir / "manifest.json"
+        if not manifest.is_file():
+            raise UserError(f"{manifest}: dataset manifest not found (run the data stage first)")
+        self.manifest = read_json(manifest)
+        self.batch_size, self.seed, self.pad_id = batch_size, seed, pad_id
+        self.buckets: dict[int, "datasets.Dataset"] = {}
+        for folder in sorted((self.data_dir / "train").glob("bucket-*")):
+            edge = int(folder.name.split("-")[1])
+            ds = datasets.load_from_disk(str(folder))
+            if len(ds) >= batch_size:
+                self.buckets[edge] = ds
+        if not self.buckets:
+            raise UserError(f"{self.data_dir}: no length bucket holds a full batch of {batch_size} rows")
+        self.batches_per_epoch = sum(len(ds) // batch_size for ds in self.buckets.values())
+        self._plans: dict[int, list[tuple[int, list[int]]]] = {}
+
+    @property
+    def edges(self) -> list[int]:
+        return sorted(self.buckets)
+
+    def _plan(self, epoch: int) -> list[tuple[int, list[int]]]:
+        if epoch not in self._plans:
+            plan = []
+            for edge, ds in sorted(self.buckets.items()):
+                rows = list(range(len(ds)))
+                random.Random(f"{self.seed}-{epoch}-{edge}").shuffle(rows)
+                n = len(rows) // self.batch_size * self.batch_size
+                plan += [(edge, rows[k:k + self.batch_size]) for k in range(0, n, self.batch_size)]
+            random.Random(f"{self.seed}-{epoch}").shuffle(plan)
+            self._plans = {epoch: plan}  # keep one epoch in memory
+        return self._plans[epoch]
+
+    def batch(self, index: int) -> Batch:
+        edge, rows = self._plan(index // self.batches_per_epoch)[index % self.batches_per_epoch]
+        data = self.buckets[edge][rows]
+        ids = torch.full((len(rows), edge), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), edge), dtype=torch.bool)
+        lengths = torch.tensor([len(x) for x in data["input_ids"]], dtype=torch.long)
+        for r, (tok, lm) in enumerate(zip(data["input_ids"], data["loss_mask"])):
+            ids[r, :len(tok)] = torch.as_tensor(tok, dtype=torch.long)
+            mask[r, :len(lm)] = torch.as_tensor(lm, dtype=torch.bool)
+        return Batch(index, ids, mask, lengths, list(data["id"]))
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every (batch, length) shape the stream can produce: what the warm-up must compile."""
+        return [(self.batch_size, edge) for edge in self.edges]

@@ -1,0 +1,176 @@
+"""What both runtimes and the warm-up stage share: resolved placement, data, drafter config, the micro-step."""
+from __future__ import annotations
+
+import logging
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dflash import fingerprint
+from dflash.atomic import read_json
+from dflash.config import REPO, results_path
+from dflash.errors import UserError
+from dflash.train import compile_guard, placement as P
+
+log = logging.getLogger("dflash.train")
+
+
+@dataclass
+class Setup:
+    loaded: object
+    placement: P.Placement
+    backend: str
+    run_dir: Path
+    data_dir: Path
+    target_config: object      # transformers config of the target
+    drafter_config: object     # dflash.model.DrafterConfig
+    gamma: float
+    env: dict
+    compile: bool
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def cfg(self):
+        return self.loaded.cfg
+
+
+def default_gamma(block_size: int) -> float:
+    return 7.0 * (block_size - 1) / 15.0
+
+
+def prepare(loaded, need_data: bool = True) -> Setup:
+    from transformers import AutoConfig
+
+    from dflash.model import DrafterConfig
+    from dflash.target import load_tokenizer, mask_token_id
+
+    cfg = loaded.cfg
+    placement = P.resolve(cfg.train)
+    backend = P.attention_backend(cfg.train, placement.drafters)
+    if backend == "flex" and any(d.type != "cuda" for d in placement.drafters):
+        raise UserError("train.attention is flex but a drafter is on the CPU: flex_attention has no CPU backward; "
+                        "use sdpa there")
+    tpath = Path(cfg.target.path)
+    if not (tpath / "config.json").is_file():
+        raise UserError(f"{tpath}: target folder has no config.json (run the target stage, or set target.path)")
+    tconf = AutoConfig.from_pretrained(tpath, trust_remote_code=cfg.target.trust_remote_code)
+    tok = load_tokenizer(cfg.target)
+    mask_id = cfg.drafter.mask_token_id if cfg.drafter.mask_token_id is not None else mask_token_id(tok)
+    dconf = DrafterConfig.from_target(tconf, cfg.drafter, mask_id)
+    env = fingerprint.collect()
+    data_dir = results_path(loaded, "data", cfg.dataset_name)
+    if need_data and not (data_dir / "manifest.json").is_file():
+        raise UserError(f"{data_dir}/manifest.json: dataset not found (run the data stage first)")
+    use_compile = cfg.train.compile and backend == "flex"
+    setup = Setup(loaded, placement, backend, results_path(loaded, "runs", cfg.run_name), data_dir, tconf, dconf,
+                 cfg.train.gamma if cfg.train.gamma is not None else default_gamma(dconf.block_size), env, use_compile)
+    setup.extra["pad_id"] = tok.pad_token_id if tok.pad_token_id is not None else 0
+    return setup
+
+
+def git_state() -> dict:
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+    return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+
+
+def frozen_head(target_model, device: torch.device):
+    """The target's embedding and LM head on `device`: the target's own modules there, one frozen copy elsewhere."""
+    embed, head = target_model.get_input_embeddings(), target_model.get_output_embeddings()
+    if next(embed.parameters()).device != device:
+        embed = torch.nn.Embedding.from_pretrained(embed.weight.detach().to(device), freeze=True)
+        w = head.weight.detach().to(device)
+        head = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=device, dtype=w.dtype)
+        head.weight = torch.nn.Parameter(w, requires_grad=False)
+    for p in list(embed.parameters()) + list(head.parameters()):
+        p.requires_grad_(False)
+    return embed, head
+
+
+def random_head(setup: Setup, device: torch.device, dtype):
+    """Stand-ins of the right shape for the warm-up stage (compiled graphs depend on shapes, not values)."""
+    v, h = setup.drafter_config.vocab_size, setup.drafter_config.hidden_size
+    embed = torch.nn.Embedding(v, h, device=device, dtype=dtype).requires_grad_(False)
+    head = torch.nn.Linear(h, v, bias=False, device=device, dtype=dtype).requires_grad_(False)
+    return embed, head
+
+
+def build_drafter(setup: Setup, embed, head, device: torch.device):
+    from dflash.model import DFlashDrafter
+    from dflash.model.export import load_drafter
+
+    init_from = setup.cfg.drafter.init_from
+    if init_from:
+        return load_drafter(init_from, embed, head, device=device).train()
+    torch.manual_seed(setup.cfg.seed)
+    with torch.device(device):
+        drafter = DFlashDrafter(setup.drafter_config, embed, head)
+    return drafter.to(device).train()
+
+
+def micro_step(drafter, feats, input_ids, loss_mask, index: int, setup: Setup, autocast_dtype):
+    """Anchors -> drafter forward -> chunked loss for one micro-batch. Anchors are seeded by the batch index,
+    so the same batch gets the same anchors in any runtime, replica or resumed run."""
+    from dflash.model import block_labels, dflash_loss, sample_anchors
+
+    device = input_ids.device
+    gen = torch.Generator(device=device)
+    gen.manual_seed(setup.cfg.seed * 1_000_003 + index)
+    bk = setup.drafter_config.block_size
+    anchors = sample_anchors(loss_mask, setup.cfg.train.num_anchors, bk, gen)
+    labels, weights = block_labels(input_ids, loss_mask, anchors, setup.gamma)
+    with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+        hidden = drafter(feats, input_ids, anchors, backend=setup.backend)
+        out = dflash_loss(hidden, drafter.lm_head.weight, labels, weights, bk, setup.cfg.train.loss_chunk)
+    return out
+
+
+def dummy_batch(setup: Setup, batch: int, length: int, device, dtype):
+    """Random features and tokens of one bucket's shape, every position supervised (for warm-up)."""
+    k, h = len(setup.drafter_config.target_layer_ids), setup.drafter_config.hidden_size
+    g = torch.Generator(device="cpu").manual_seed(length)
+    ids = torch.randint(0, setup.drafter_config.vocab_size, (batch, length), generator=g).to(device)
+    feats = torch.randn(batch, length, k * h, generator=g).to(device=device, dtype=dtype or torch.float32)
+    return feats, ids, torch.ones(batch, length, dtype=torch.bool, device=device)
+
+
+def warm_up(drafter, setup: Setup, device, shapes) -> dict:
+    """Compile (or just run) the drafter's forward and backward for every shape, single-threaded, holding the
+    FX guard exclusively. Leaves no gradients behind."""
+    dtype = P.autocast_dtype(setup.cfg.train, device)
+    before = compile_guard.counters()
+    t0 = time.perf_counter()
+    per_shape = []
+    with compile_guard.FX_GUARD.exclusive():
+        compile_guard.allow_compiles()
+        compile_guard.configure_thread(len(shapes))
+        for b, s in shapes:
+            t = time.perf_counter()
+            feats, ids, mask = dummy_batch(setup, b, s, device, dtype)
+            out = micro_step(drafter, feats, ids, mask, 0, setup, dtype)
+            out.loss.backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            per_shape.append({"batch": b, "length": s, "seconds": round(time.perf_counter() - t, 3)})
+        drafter.zero_grad(set_to_none=True)
+    after = compile_guard.counters()
+    return {"device": str(device), "backend": setup.backend, "compiled": setup.compile, "shapes": per_shape,
+            "graphs": after["graphs"] - before["graphs"], "cache_hits": after["cache_hits"] - before["cache_hits"],
+            "cache_misses": after["cache_misses"] - before["cache_misses"],
+            "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def data_summary(manifest: dict) -> dict:
+    keys = ("content_hash", "num_samples", "total_tokens", "supervised_tokens", "buckets", "length_histogram",
+            "bucket_edges", "max_length", "truncation")
+    return {k: manifest.get(k) for k in keys}
+
+
+def read_manifest(setup: Setup) -> dict:
+    return read_json(setup.data_dir / "manifest.json")

@@ -1,0 +1,65 @@
+"""Per-device memory and utilisation: torch's peak-memory counters plus an NVML sampler thread on GPUs."""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+
+class GpuSampler:
+    """Samples NVML utilisation (percent) and used memory every `period` seconds for the given CUDA devices."""
+
+    def __init__(self, devices, period: float = 0.5):
+        self.devices = [d for d in devices if d.type == "cuda"]
+        self.period = period
+        self.samples: dict[str, list[float]] = {str(d): [] for d in self.devices}
+        self._stop = threading.Event()
+        self._thread = None
+
+    def start(self):
+        if not self.devices:
+            return self
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+        except Exception:
+            self.devices = []
+            return self
+        self._thread = threading.Thread(target=self._run, name="gpu-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self):
+        import os
+
+        import pynvml
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = [int(x) for x in visible.split(",")] if visible and all(x.strip().isdigit() for x in visible.split(",")) else None
+        handles = {str(d): pynvml.nvmlDeviceGetHandleByIndex(ids[d.index] if ids else d.index) for d in self.devices}
+        while not self._stop.wait(self.period):
+            for name, h in handles.items():
+                try:
+                    self.samples[name].append(float(pynvml.nvmlDeviceGetUtilizationRates(h).gpu))
+                except Exception:
+                    pass
+
+    def stop(self):
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout=2)
+
+    def mean(self, device) -> float | None:
+        s = self.samples.get(str(device))
+        return sum(s) / len(s) if s else None
+
+
+def device_report(placement, sampler: GpuSampler | None) -> list[dict]:
+    out = []
+    for d in placement.devices:
+        roles = [r for r, devs in (("target", placement.targets), ("drafter", placement.drafters)) if d in devs]
+        row = {"device": str(d), "roles": roles, "peak_memory_gb": None, "util_mean": None}
+        if d.type == "cuda":
+            row["peak_memory_gb"] = round(torch.cuda.max_memory_allocated(d) / 2**30, 3)
+            row["util_mean"] = sampler.mean(d) if sampler else None
+        out.append(row)
+    return out
