@@ -1,0 +1,115 @@
+"""The seed's failure, reproduced, and the guard that prevents it.
+
+While one thread holds an FX trace open, another thread entering a compiled function raises
+"Detected that you are using FX to symbolically trace a dynamo-optimized function" (torch <= 2.13: the tracing flag
+is a process-wide global). Calls made through compile_guard.guarded() wait for the trace instead.
+"""
+import threading
+
+import pytest
+import torch
+
+from dflash.train import compile_guard
+
+
+def _compiled():
+    def f(x):
+        return torch.sin(x) * 2 + 1
+
+    return torch.compile(f, backend="eager", dynamic=False)
+
+
+class _WaitsWhileTraced(torch.nn.Module):
+    def __init__(self, tracing: threading.Event, release: threading.Event):
+        super().__init__()
+        self.tracing, self.release = tracing, release
+
+    def forward(self, x):
+        self.tracing.set()
+        self.release.wait(10)
+        return x + 1
+
+
+def _run_threads(fn, n, x):
+    results, errors = [None] * n, [None] * n
+
+    def work(i):
+        try:
+            results[i] = fn(x)
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            errors[i] = e
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    return threads, results, errors
+
+
+def test_fx_trace_hazard_reproduced_and_guarded():
+    compile_guard.install_fx_guard()
+    f = _compiled()
+    x = torch.randn(8)
+    expected = torch.sin(x) * 2 + 1
+    with compile_guard.FX_GUARD.exclusive():  # the single-threaded warm-up
+        torch.testing.assert_close(f(x), expected)
+
+    tracing, release = threading.Event(), threading.Event()
+    tracer = threading.Thread(target=lambda: torch.fx.symbolic_trace(_WaitsWhileTraced(tracing, release)))
+    tracer.start()
+    assert tracing.wait(10)
+    assert torch.fx._symbolic_trace.is_fx_tracing()  # the process-wide flag is up
+
+    # the seed's way: three workers call the compiled function directly -> all three die
+    threads, _, errors = _run_threads(f, 3, x)
+    for t in threads:
+        t.join(10)
+    assert all(isinstance(e, RuntimeError) and "Detected that you are using FX" in str(e) for e in errors), errors
+
+    # the project's way: the same calls through the guard wait for the trace, then succeed
+    safe = compile_guard.guarded(f)
+    threads, results, errors = _run_threads(safe, 3, x)
+    for t in threads:
+        t.join(0.3)
+    assert all(t.is_alive() for t in threads)  # waiting, not failing
+    release.set()
+    tracer.join(10)
+    for t in threads:
+        t.join(10)
+    assert errors == [None, None, None]
+    for r in results:
+        torch.testing.assert_close(r, expected)
+
+
+def test_compile_inside_guarded_call_is_refused_not_deadlocked():
+    compile_guard.install_fx_guard()
+
+    def traced_inside(x):
+        torch.fx.symbolic_trace(torch.nn.Identity())
+        return x
+
+    with pytest.raises(RuntimeError, match="inside a guarded compiled call"):
+        compile_guard.guarded(traced_inside)(torch.ones(1))
+
+
+def test_shared_calls_run_together_exclusive_waits():
+    lock = compile_guard.SharedExclusiveLock()
+    inside = threading.Barrier(3, timeout=5)
+
+    def reader():
+        with lock.shared():
+            inside.wait()  # three holders at once, or this times out
+
+    ts = [threading.Thread(target=reader) for _ in range(3)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(5)
+    assert not inside.broken
+    order = []
+    with lock.shared():
+        w = threading.Thread(target=lambda: (lock.exclusive().__enter__(), order.append("writer")))
+        w.start()
+        w.join(0.3)
+        assert order == []  # the writer waits for the shared holder
+    w.join(5)
+    assert order == ["writer"]
