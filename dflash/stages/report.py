@@ -1,10 +1,26 @@
-"""Stage `report` (not built yet)."""
-from dflash.errors import UserError
+"""Stage `report`: throughput history (append-only), regressions with attribution, plots and report.md."""
+import logging
+import sys
+
+log = logging.getLogger("dflash.report")
 
 
 def add_arguments(p):
-    pass
+    p.add_argument("--runs-dir", default=None, help="folder of run folders (default: <results_dir>/runs)")
+    p.add_argument("--out", default=None,
+                   help="report folder: report.md, history.csv, history/, regressions.json, *.png "
+                        "(default: <results_dir>/report)")
 
 
 def run(loaded, args):
-    raise UserError("stage 'report' is not built yet")
+    from dflash.config import results_path
+    from dflash.report import build
+    from dflash.report.regress import Settings
+
+    settings = Settings.from_config(loaded.cfg)
+    result = build(args.runs_dir or results_path(loaded, "runs"), args.out or results_path(loaded, "report"), settings)
+    latest = result.latest
+    if loaded.cfg.report.fail_on_regression and latest is not None and latest["verdict"] == "regression":
+        print(f"dflash report: regression: {latest['sentence']}", file=sys.stderr)
+        return 3
+    return 0

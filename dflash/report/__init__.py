@@ -1,0 +1,57 @@
+"""Throughput report: history (append-only), regressions with attribution, anomalies, plots, report.md."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("dflash.report")
+
+OUTPUTS = ("report.md", "history.csv", "regressions.json")
+
+
+@dataclass
+class Result:
+    records: list[dict]
+    appended: list[str]
+    skipped: list[dict]
+    out: Path
+
+    @property
+    def latest(self) -> dict | None:
+        return self.records[-1] if self.records else None
+
+
+def build(runs_dir: str | Path, out: str | Path, settings) -> Result:
+    """Read run folders, append new runs to the history, and write regressions.json, the plots and report.md."""
+    from dflash.atomic import atomic_write_json, atomic_write_text
+    from dflash.report import history, markdown, plots, regress
+
+    out = Path(out)
+    found, skipped = history.scan_runs(runs_dir)
+    store = history.History(out)
+    runs, appended = store.append(found)
+    # tau that arrived after a run was recorded: shown (not stored) while the run folder still holds that run
+    current = {s["run_id"]: s for _, s in found}
+    for r in runs:
+        if not r.row.get("tau") and current.get(r.run_id, {}).get("_tau") is not None:
+            r.row = dict(r.row, tau=repr(current[r.run_id]["_tau"]))
+    if not store.csv.exists():       # an empty history is still a history: the header alone
+        atomic_write_text(store.csv, ",".join(history.COLUMNS) + "\n")
+    records = regress.evaluate(runs, settings)
+    atomic_write_json(out / "regressions.json", {
+        "settings": {"baseline_run": settings.baseline_run, "baseline_window": settings.baseline_window,
+                     "threshold": settings.threshold, "memory_imbalance": settings.memory_imbalance,
+                     "min_utilisation": settings.min_utilisation},
+        "latest": records[-1]["run_id"] if records else None,
+        "latest_verdict": records[-1]["verdict"] if records else None,
+        "latest_sentence": records[-1]["sentence"] if records else None,
+        "skipped": skipped,
+        "runs": records,
+    })
+    pngs = plots.make_all(runs, records, settings, out)
+    atomic_write_text(out / "report.md", markdown.render(runs, records, pngs, out, settings, skipped))
+    log.info("report: %d run(s) in the history (%d new, %d skipped) -> %s", len(runs), len(appended), len(skipped), out)
+    if records:
+        log.info("%s", records[-1]["sentence"])
+    return Result(records, appended, skipped, out)

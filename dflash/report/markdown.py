@@ -1,0 +1,69 @@
+"""report.md: the latest verdict in one sentence, a table of runs, the anomalies, the plots (relative links)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from dflash.report.history import Run
+from dflash.report.regress import changed_text
+
+PLOT_TITLES = {
+    "ktok": "Ktok/s per run, with the baseline band and regressions",
+    "devices": "Peak memory and utilisation per device (latest run)",
+    "time_split": "Time split per step (queue wait / target / drafter / optimizer)",
+    "training": "Loss and per-position accuracy (latest run)",
+}
+
+
+def _cell(text) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _num(value, fmt="{:.2f}") -> str:
+    return "" if value is None else fmt.format(value)
+
+
+def render(runs: list[Run], records: list[dict], plots: dict[str, Path], out: Path, settings, skipped: list[dict]) -> str:
+    lines = ["# dflash throughput report", ""]
+    if not records:
+        lines += ["No runs in the history yet.", ""]
+    else:
+        latest = records[-1]
+        lines += [f"**Latest run — {latest['verdict']}.** {latest['sentence']}", ""]
+        base = f"pinned run `{settings.baseline_run}`" if settings.baseline_run else \
+            f"the best of the last {settings.baseline_window} earlier runs with the same config hash"
+        lines += [f"Baseline: {base}; a change below {settings.threshold:+.0%} in Ktok/s is a regression.", ""]
+        lines += ["## Runs", "",
+                  "| run | date | Ktok/s | tau | MFU | status | baseline | vs baseline | verdict | what changed |",
+                  "|---|---|---:|---:|---:|---|---|---:|---|---|"]
+        for rec in reversed(records):
+            if rec["baseline"]:
+                vs, what = f"{rec['ratio']:.2f}x ({rec['change']:+.0%})", rec["what_changed"] or "nothing recorded"
+                base_id = rec["baseline"]["run_id"]
+            else:
+                vs, base_id = "", ""
+                prev = rec.get("previous")
+                what = f"vs previous {prev['run_id']}: {changed_text(prev['changed']) or 'nothing recorded'}" if prev else ""
+            mfu = rec["mfu"]
+            lines.append("| " + " | ".join(_cell(c) for c in (
+                rec["run_id"], (rec["started_at"] or "")[:16].replace("T", " "), _num(rec["ktok_per_s"]),
+                _num(rec["tau"]), "" if mfu is None else f"{mfu:.1%}", rec["status"], base_id, vs, rec["verdict"], what,
+            )) + " |")
+        lines.append("")
+        lines += ["## Anomalies", ""]
+        flagged = [r for r in reversed(records) if r["anomalies"]]
+        if not flagged:
+            lines.append("None: no recompiles after warm-up, no eager fallbacks, no memory imbalance, no idle GPU, "
+                         "no silent worker.")
+        for rec in flagged:
+            lines.append(f"- **{_cell(rec['run_id'])}**")
+            lines += [f"  - {a['kind']}: {a['message']}" for a in rec["anomalies"]]
+        lines.append("")
+    if skipped:
+        lines += ["## Skipped inputs", ""] + [f"- `{s['file']}`: {s['reason']}" for s in skipped] + [""]
+    lines += ["## Plots", ""]
+    for key, path in plots.items():
+        rel = Path(path).relative_to(out) if Path(path).is_relative_to(out) else Path(path)
+        lines += [f"### {PLOT_TITLES.get(key, key)}", "", f"![{PLOT_TITLES.get(key, key)}]({rel.as_posix()})", ""]
+    lines += ["Data: `history.csv` (one row per run, append-only; nested fields in `history/<run_id>.json`), "
+              "`regressions.json` (baselines, ratios, attribution, anomalies).", ""]
+    return "\n".join(lines)

@@ -1,0 +1,195 @@
+"""PNG plots of the history and the latest run (matplotlib, Agg backend; every axis labelled with its unit)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from dflash.report.history import TIME_KEYS, Run, to_float  # noqa: E402
+
+log = logging.getLogger("dflash.report")
+
+PLOTS = {
+    "ktok": "ktok_history.png",
+    "devices": "devices_latest.png",
+    "time_split": "time_split.png",
+    "training": "training_latest.png",
+}
+DPI = 80
+
+
+def _save(fig, path: Path) -> Path:
+    """Atomic like every output: render to a temporary sibling, then rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=DPI, metadata={"Software": None})
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def _placeholder(path: Path, title: str, message: str) -> Path:
+    fig, ax = plt.subplots(figsize=(6, 2.5), layout="constrained")
+    ax.set_axis_off()
+    ax.set_title(title)
+    ax.text(0.5, 0.5, message, ha="center", va="center", wrap=True)
+    return _save(fig, path)
+
+
+def _labels(runs: list[Run]) -> list[str]:
+    return [f"{r.run_id}\n{(r.row.get('started_at') or '')[:10]}" for r in runs]
+
+
+def ktok_history(runs: list[Run], records: list[dict], threshold: float, path: Path) -> Path:
+    if not runs:
+        return _placeholder(path, "Ktok/s per run", "no runs in the history yet")
+    x = list(range(len(runs)))
+    ktok = [r.num("ktok_per_s") or 0.0 for r in runs]
+    base = [rec["baseline"]["ktok_per_s"] if rec["baseline"] else float("nan") for rec in records]
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(runs) + 2), 4), layout="constrained")
+    lo = [b * (1 + threshold) for b in base]
+    hi = [b * (1 - threshold) for b in base]
+    ax.fill_between(x, lo, hi, step="mid", alpha=0.2, color="tab:green",
+                    label=f"baseline ±{abs(threshold):.0%} (threshold band)")
+    ax.step(x, base, where="mid", color="tab:green", linestyle="--", linewidth=1, label="baseline Ktok/s")
+    ax.plot(x, ktok, marker="o", color="tab:blue", label="trained Ktok/s")
+    bad = [i for i, rec in enumerate(records) if rec["verdict"] == "regression"]
+    if bad:
+        ax.scatter([x[i] for i in bad], [ktok[i] for i in bad], s=140, marker="x", color="tab:red", zorder=5,
+                   label="regression")
+        for i in bad:
+            ax.annotate(f"{records[i]['ratio']:.2f}x", (x[i], ktok[i]), textcoords="offset points", xytext=(6, -12),
+                        color="tab:red", fontsize=8)
+    ax.set_xticks(x, _labels(runs), rotation=30, ha="right", fontsize=7)
+    ax.set_xlabel("run (in start order)")
+    ax.set_ylabel("trained throughput (Ktok/s)")
+    ax.set_ylim(bottom=0)
+    ax.set_title("Ktok/s per run")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    return _save(fig, path)
+
+
+def devices_latest(run: Run | None, min_util: float, path: Path) -> Path:
+    devices = [d for d in (run.snapshot.get("devices") or [] if run else []) if isinstance(d, dict)]
+    if not devices:
+        return _placeholder(path, "Devices of the latest run", "no per-device figures recorded")
+    names = [f"{d.get('device')}\n{'/'.join(d.get('roles') or [])}" for d in devices]
+    mem = [to_float(d.get("peak_memory_gb")) or 0.0 for d in devices]
+    util = [to_float(d.get("util_mean")) for d in devices]
+    colors = ["tab:orange" if "drafter" in (d.get("roles") or []) else "tab:blue" for d in devices]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(max(7, 1.2 * len(devices) + 3), 3.5), layout="constrained")
+    a1.bar(names, mem, color=colors)
+    a1.set_ylabel("peak memory (GB)")
+    a1.set_xlabel("device (roles)")
+    a1.set_title("Peak memory per device")
+    a2.bar(names, [u if u is not None else 0.0 for u in util], color=colors)
+    for i, u in enumerate(util):
+        if u is None:
+            a2.text(i, 1, "n/a", ha="center", fontsize=7)
+    a2.axhline(min_util, color="tab:red", linestyle="--", linewidth=1, label=f"min utilisation {min_util:.0f}%")
+    a2.set_ylim(0, 100)
+    a2.set_ylabel("mean utilisation (%)")
+    a2.set_xlabel("device (roles)")
+    a2.set_title("GPU utilisation per device")
+    a2.legend(fontsize=7)
+    for ax in (a1, a2):
+        ax.tick_params(axis="x", labelsize=7)
+    fig.suptitle(f"run {run.run_id} (orange: drafter)", fontsize=9)
+    return _save(fig, path)
+
+
+def time_split(runs: list[Run], path: Path) -> Path:
+    if not runs:
+        return _placeholder(path, "Time split per step", "no runs in the history yet")
+    x = list(range(len(runs)))
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(runs) + 2), 4), layout="constrained")
+    bottom = [0.0] * len(runs)
+    for key in TIME_KEYS:
+        vals = []
+        for r in runs:
+            steps = r.num("measured_steps") or r.num("steps") or 0
+            t = r.num(f"time_{key}_s")
+            vals.append(1000.0 * t / steps if t is not None and steps > 0 else 0.0)
+        ax.bar(x, vals, bottom=bottom, label=key.replace("_", " "))
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_xticks(x, _labels(runs), rotation=30, ha="right", fontsize=7)
+    ax.set_xlabel("run (in start order)")
+    ax.set_ylabel("time per optimizer step (ms)")
+    ax.set_title("Time split per step: queue wait / target / drafter / optimizer")
+    ax.legend(fontsize=7)
+    ax.grid(axis="y", alpha=0.3)
+    return _save(fig, path)
+
+
+def read_metrics(path: Path) -> list[dict]:
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            log.warning("%s:%d: not valid JSON; line skipped", path, n)
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def training_latest(run: Run | None, path: Path) -> Path:
+    metrics = run.folder / "metrics.jsonl" if run is not None and run.folder is not None else None
+    if metrics is None or not metrics.is_file():
+        why = "its run folder is gone" if run is not None and run.folder is None else "no metrics.jsonl"
+        return _placeholder(path, "Training curves of the latest run",
+                            f"run {run.run_id if run else '-'}: {why}; curves skipped")
+    rows = read_metrics(metrics)
+    steps = [r.get("step") for r in rows if to_float(r.get("loss")) is not None]
+    losses = [float(r["loss"]) for r in rows if to_float(r.get("loss")) is not None]
+    accs = [(r.get("step"), r["acc_per_position"]) for r in rows if isinstance(r.get("acc_per_position"), list)
+            and r["acc_per_position"]]
+    if not steps and not accs:
+        return _placeholder(path, "Training curves of the latest run", f"{metrics}: no loss or accuracy rows")
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.5), layout="constrained")
+    a1.plot(steps, losses, color="tab:blue")
+    a1.set_xlabel("optimizer step")
+    a1.set_ylabel("loss (weighted CE, nats)")
+    a1.set_title("Loss")
+    a1.grid(alpha=0.3)
+    if accs:
+        picks = sorted({0, len(accs) // 2, len(accs) - 1})
+        cmap = plt.get_cmap("viridis")
+        for j, i in enumerate(picks):
+            step, acc = accs[i]
+            a2.plot(range(1, len(acc) + 1), [100.0 * (to_float(a) or 0.0) for a in acc], marker=".",
+                    color=cmap(j / max(1, len(picks) - 1)), label=f"step {step}")
+        a2.legend(fontsize=7)
+    a2.set_xlabel("block position k")
+    a2.set_ylabel("accuracy (%)")
+    a2.set_title("Per-position accuracy")
+    a2.grid(alpha=0.3)
+    fig.suptitle(f"run {run.run_id}", fontsize=9)
+    return _save(fig, path)
+
+
+def make_all(runs: list[Run], records: list[dict], settings, out: Path) -> dict[str, Path]:
+    latest = runs[-1] if runs else None
+    return {
+        "ktok": ktok_history(runs, records, settings.threshold, out / PLOTS["ktok"]),
+        "devices": devices_latest(latest, settings.min_utilisation, out / PLOTS["devices"]),
+        "time_split": time_split(runs, out / PLOTS["time_split"]),
+        "training": training_latest(latest, out / PLOTS["training"]),
+    }

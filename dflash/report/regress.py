@@ -1,0 +1,362 @@
+"""Each run against its baseline: the Ktok/s ratio, a verdict, what changed (attribution) and anomalies.
+
+Attribution compares the run's snapshot with its baseline's, in four categories:
+  environment  packages (name old -> new), python, CUDA, cuDNN, GPU models/count/driver, CPU, lock file
+  data         sample count, token totals, mean length, length-histogram quantiles, bucket counts, other manifest keys
+  config       every differing key, dotted (train.batch_size 8 -> 16); keys that do not change what a run computes
+               (run_name, results_dir, report, evaluate, strict_env) are left out
+  code         git commit old -> new, and a dirty working tree
+A category whose hash differs but whose fields show no difference (a snapshot is missing) is still named, by hash.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dflash.config import UNHASHED
+from dflash.report.history import Run, to_float
+
+CATEGORIES = ("environment", "data", "config", "code")
+ENV_KEYS = ("python", "cuda", "cudnn", "cpu", "lock_hash")
+DATA_SKIP = ("created_at", "content_hash", "length_histogram", "buckets", "regeneration")
+
+
+@dataclass(frozen=True)
+class Settings:
+    baseline_run: str | None = None
+    baseline_window: int = 10
+    threshold: float = -0.10
+    memory_imbalance: float = 0.25
+    min_utilisation: float = 30.0
+
+    @classmethod
+    def from_config(cls, cfg) -> "Settings":
+        r = cfg.report
+        return cls(r.baseline_run, r.baseline_window, r.threshold, r.memory_imbalance, r.min_utilisation)
+
+
+# ---- diffs -------------------------------------------------------------------------------------------------
+def _change(key, old, new) -> dict:
+    return {"key": key, "old": old, "new": new}
+
+
+def change_text(c: dict) -> str:
+    def show(v):
+        if v is None:
+            return "none"
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        if isinstance(v, (list, dict)):
+            import json
+            return json.dumps(v, sort_keys=True)
+        return str(v)
+    return f"{c['key']} {show(c['old'])} -> {show(c['new'])}"
+
+
+def flat_diff(old, new, prefix="") -> list[dict]:
+    """Dotted keys whose values differ between two nested mappings (lists compared whole)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for k in sorted(set(old) | set(new), key=str):
+            key = f"{prefix}.{k}" if prefix else str(k)
+            if k not in old:
+                out.append(_change(key, None, new[k]))
+            elif k not in new:
+                out.append(_change(key, old[k], None))
+            else:
+                out += flat_diff(old[k], new[k], key)
+        return out
+    return [] if old == new else [_change(prefix or "<value>", old, new)]
+
+
+def env_changes(old: dict, new: dict) -> list[dict]:
+    out = []
+    po, pn = old.get("packages") or {}, new.get("packages") or {}
+    for name in sorted(set(po) | set(pn)):
+        if po.get(name) != pn.get(name):
+            out.append(_change(name, po.get(name), pn.get(name)))
+    for key in ENV_KEYS:
+        if old.get(key) != new.get(key) and (key in old or key in new):
+            out.append(_change({"lock_hash": "lock file"}.get(key, key), old.get(key), new.get(key)))
+    go, gn = old.get("gpu") or {}, new.get("gpu") or {}
+    for key in sorted(set(go) | set(gn)):
+        if go.get(key) != gn.get(key):
+            vo, vn = go.get(key), gn.get(key)
+            if key == "models":
+                vo, vn = "/".join(vo or []) or None, "/".join(vn or []) or None
+            out.append(_change(f"GPU {key}", vo, vn))
+    return out
+
+
+def _quantiles(hist) -> dict | None:
+    """p50/p90 from a {bin-edge: count} histogram (or [[edge, count], ...]); None if it is not one."""
+    try:
+        items = hist.items() if isinstance(hist, dict) else hist
+        pairs = sorted((float(e), float(c)) for e, c in items)
+    except (TypeError, ValueError, AttributeError):
+        return None
+    total = sum(c for _, c in pairs)
+    if not pairs or total <= 0:
+        return None
+    out, acc = {}, 0.0
+    want = [("length p50", 0.5), ("length p90", 0.9)]
+    for edge, count in pairs:
+        acc += count
+        while want and acc >= want[0][1] * total:
+            out[want.pop(0)[0]] = edge
+    return out
+
+
+def data_changes(old: dict, new: dict) -> list[dict]:
+    out = []
+    for key in ("num_samples", "total_tokens", "supervised_tokens"):
+        if old.get(key) != new.get(key) and (key in old or key in new):
+            out.append(_change(key, old.get(key), new.get(key)))
+    mo, mn = _mean_len(old), _mean_len(new)
+    if mo is not None and mn is not None and round(mo, 1) != round(mn, 1):
+        out.append(_change("mean length", round(mo, 1), round(mn, 1)))
+    ho, hn = old.get("length_histogram"), new.get("length_histogram")
+    if ho != hn:
+        qo, qn = _quantiles(ho or {}), _quantiles(hn or {})
+        moved = [k for k in sorted(set(qo or {}) | set(qn or {})) if (qo or {}).get(k) != (qn or {}).get(k)]
+        if qo is not None and qn is not None and moved:
+            out += [_change(k, qo.get(k), qn.get(k)) for k in moved]
+        elif not any(c["key"] == "mean length" for c in out):
+            out.append(_change("length histogram", "(before)", "(changed)"))
+    bo, bn = old.get("buckets") or {}, new.get("buckets") or {}
+    for edge in sorted(set(bo) | set(bn), key=_edge_key):
+        if bo.get(edge) != bn.get(edge):
+            out.append(_change(f"bucket {edge}", bo.get(edge), bn.get(edge)))
+    skip = {"num_samples", "total_tokens", "supervised_tokens", *DATA_SKIP}
+    out += flat_diff({k: v for k, v in old.items() if k not in skip}, {k: v for k, v in new.items() if k not in skip})
+    if not out and old.get("content_hash") != new.get("content_hash"):
+        out.append(_change("content_hash", old.get("content_hash"), new.get("content_hash")))
+    return out
+
+
+def _edge_key(edge):
+    try:
+        return (0, float(edge), "")
+    except (TypeError, ValueError):
+        return (1, 0.0, str(edge))
+
+
+def _mean_len(d: dict) -> float | None:
+    n, t = to_float(d.get("num_samples")), to_float(d.get("total_tokens"))
+    return t / n if n and t is not None else None
+
+
+def config_changes(old: dict, new: dict) -> list[dict]:
+    strip = lambda c: {k: v for k, v in (c or {}).items() if k not in UNHASHED}  # noqa: E731
+    return flat_diff(strip(old), strip(new))
+
+
+def code_changes(old: dict, new: dict) -> list[dict]:
+    out = []
+    co, cn = old.get("commit"), new.get("commit")
+    if co != cn:
+        out.append(_change("commit", (co or "")[:12] or None, (cn or "")[:12] or None))
+    if old.get("dirty") or new.get("dirty"):
+        out.append(_change("dirty", bool(old.get("dirty")), bool(new.get("dirty"))))
+    return out
+
+
+def attribute(run: Run, base: Run) -> dict[str, list[dict]]:
+    """What differs between a run and its baseline, per category (empty lists for categories that match)."""
+    s, b = run.snapshot, base.snapshot
+    both = bool(s) and bool(b)
+    out = {
+        "environment": env_changes(b.get("env") or {}, s.get("env") or {}) if both else [],
+        "data": data_changes(b.get("data") or {}, s.get("data") or {}) if both else [],
+        "config": config_changes(b.get("config") or {}, s.get("config") or {}) if both else [],
+        "code": code_changes(b.get("git") or {}, s.get("git") or {}) if both else [],
+    }
+    # a hash that moved is always named, even where the snapshot cannot say how
+    for cat, col in (("environment", "env_hash"), ("data", "data_hash"), ("config", "config_hash")):
+        if not out[cat] and run.row.get(col) != base.row.get(col):
+            out[cat].append(_change(col, base.row.get(col), run.row.get(col)))
+    if not out["code"] and (run.row.get("git_commit") != base.row.get("git_commit")):
+        out["code"].append(_change("commit", (base.row.get("git_commit") or "")[:12], (run.row.get("git_commit") or "")[:12]))
+    return out
+
+
+def changed_text(changes: dict[str, list[dict]], limit: int = 4) -> str:
+    """'environment (torch 2.11.0 -> 2.13.0); data (num_samples 1000 -> 3000)' or '' when nothing changed."""
+    parts = []
+    for cat in CATEGORIES:
+        items = changes.get(cat) or []
+        if items:
+            shown = ", ".join(change_text(c) for c in items[:limit])
+            more = f", +{len(items) - limit} more" if len(items) > limit else ""
+            parts.append(f"{cat} ({shown}{more})")
+    return "; ".join(parts)
+
+
+# ---- anomalies ---------------------------------------------------------------------------------------------
+def anomalies(run: Run, st: Settings) -> list[dict]:
+    snap, out = run.snapshot, []
+
+    def add(kind, message, **extra):
+        out.append({"kind": kind, "message": message, **extra})
+
+    status = run.row.get("status")
+    if status and status != "completed":
+        add("status", f"run ended with status '{status}'")
+    rec = to_float(run.row.get("recompiles_after_warmup")) or 0
+    if rec > 0:
+        add("recompiles", f"{int(rec)} recompile(s) after warm-up (a shape not compiled in warm-up)", count=int(rec))
+    eager = to_float(run.row.get("eager_fallbacks")) or 0
+    if eager > 0:
+        add("eager_fallbacks", f"{int(eager)} eager fallback(s) (compiled attention not used)", count=int(eager))
+    for w in snap.get("workers") or []:
+        if isinstance(w, dict) and w.get("steps") == 0:
+            add("silent_worker", f"worker {w.get('name')} ({w.get('role')}) on {w.get('device')} never produced a step",
+                worker=w.get("name"), device=w.get("device"))
+    devices = [d for d in snap.get("devices") or [] if isinstance(d, dict)]
+    groups: dict[tuple, list[dict]] = {}
+    for d in devices:
+        roles = tuple(sorted(d.get("roles") or []))
+        if "drafter" in roles and to_float(d.get("peak_memory_gb")) is not None:
+            groups.setdefault(roles, []).append(d)
+    for group in groups.values():
+        if len(group) < 2:
+            continue
+        mems = sorted(float(d["peak_memory_gb"]) for d in group)
+        mid = len(mems) // 2
+        median = mems[mid] if len(mems) % 2 else (mems[mid - 1] + mems[mid]) / 2
+        if median <= 0:
+            continue
+        for d in group:
+            share = float(d["peak_memory_gb"]) / median - 1
+            if abs(share) > st.memory_imbalance:
+                add("memory_imbalance", f"drafter replica on {d.get('device')} peaked at {float(d['peak_memory_gb']):.1f} GB "
+                    f"vs median {median:.1f} GB ({share:+.0%}); did it initialise?", device=d.get("device"), share=round(share, 4))
+    for d in devices:
+        util = to_float(d.get("util_mean"))
+        if util is not None and not str(d.get("device", "")).startswith("cpu") and util < st.min_utilisation:
+            add("low_utilisation", f"{d.get('device')} ({'/'.join(d.get('roles') or [])}) averaged {util:.0f}% utilisation "
+                f"(< {st.min_utilisation:.0f}%)", device=d.get("device"), util_mean=util)
+    return out
+
+
+# ---- baselines and verdicts --------------------------------------------------------------------------------
+def _usable(run: Run) -> bool:
+    ktok = run.num("ktok_per_s")
+    return run.row.get("status") == "completed" and ktok is not None and ktok > 0
+
+
+def find_baseline(i: int, runs: list[Run], st: Settings) -> tuple[Run | None, str]:
+    run = runs[i]
+    if st.baseline_run:
+        if run.run_id == st.baseline_run:
+            return None, "is the pinned baseline"
+        for r in runs:
+            if r.run_id == st.baseline_run:
+                return r, "pinned (report.baseline_run)"
+        return None, f"pinned baseline {st.baseline_run} is not in the history"
+    same = [r for r in runs[:i] if r.row.get("config_hash") == run.row.get("config_hash") and _usable(r)]
+    window = same[-st.baseline_window:]
+    if not window:
+        return None, "no earlier completed run with the same config hash"
+    best = max(window, key=lambda r: r.num("ktok_per_s"))
+    return best, f"best of the last {len(window)} run(s) with the same config hash"
+
+
+def compare(run: Run, base: Run) -> dict:
+    k, kb = run.num("ktok_per_s") or 0.0, base.num("ktok_per_s") or 0.0
+    ratio = k / kb if kb > 0 else None
+    return {"run_id": base.run_id, "ktok_per_s": kb, "ratio": None if ratio is None else round(ratio, 4),
+            "change": None if ratio is None else round(ratio - 1, 4), "changed": attribute(run, base)}
+
+
+def verdict_of(change: float | None, threshold: float) -> str:
+    if change is None:
+        return "no baseline"
+    if change < threshold:
+        return "regression"
+    if change > -threshold:
+        return "improvement"
+    return "ok"
+
+
+def evaluate(runs: list[Run], st: Settings) -> list[dict]:
+    """One record per run (history order) for regressions.json."""
+    out = []
+    for i, run in enumerate(runs):
+        base, why = find_baseline(i, runs, st)
+        rec = {
+            "run_id": run.run_id, "started_at": run.row.get("started_at"), "status": run.row.get("status"),
+            "ktok_per_s": run.num("ktok_per_s"), "tau": run.num("tau"), "mfu": run.num("mfu"),
+            "baseline": None, "baseline_reason": why, "ratio": None, "change": None,
+            "changed": {c: [] for c in CATEGORIES}, "previous": None,
+        }
+        if base is not None:
+            cmp_ = compare(run, base)
+            rec.update(baseline={"run_id": base.run_id, "ktok_per_s": cmp_["ktok_per_s"]}, ratio=cmp_["ratio"],
+                       change=cmp_["change"], changed=cmp_["changed"])
+            rec["verdict"] = verdict_of(cmp_["change"], st.threshold)
+        else:
+            earlier = [r for r in runs[:i] if _usable(r)]
+            rec["verdict"] = "first run" if i == 0 else "no baseline"
+            if earlier and why != "is the pinned baseline":
+                # no like-for-like baseline, but say how it compares with the run before it and what differs
+                cmp_ = compare(run, earlier[-1])
+                rec["previous"] = {"run_id": earlier[-1].run_id, "ktok_per_s": cmp_["ktok_per_s"],
+                                   "ratio": cmp_["ratio"], "changed": cmp_["changed"]}
+        rec["what_changed"] = changed_text(rec["changed"]) if base is not None else ""
+        rec["anomalies"] = anomalies(run, st)
+        rec["sentence"] = sentence(rec)
+        out.append(rec)
+    return out
+
+
+def anomaly_brief(items: list[dict]) -> str:
+    """The anomalies of one run in a clause: grouped by kind, devices and workers named."""
+    by: dict[str, list[dict]] = {}
+    for a in items:
+        by.setdefault(a["kind"], []).append(a)
+    parts = []
+    for kind, group in by.items():
+        if kind == "status":
+            parts.append(group[0]["message"])
+        elif kind == "recompiles":
+            parts.append(f"{group[0]['count']} recompile(s) after warm-up")
+        elif kind == "eager_fallbacks":
+            parts.append(f"{group[0]['count']} eager fallback(s)")
+        elif kind == "silent_worker":
+            parts.append(f"worker(s) that never stepped: {', '.join(str(a['worker']) for a in group)}")
+        elif kind == "memory_imbalance":
+            parts.append("drafter memory imbalance on " + ", ".join(f"{a['device']} ({a['share']:+.0%} vs median)" for a in group))
+        elif kind == "low_utilisation":
+            parts.append(f"{len(group)} GPU(s) under the utilisation floor ({', '.join(str(a['device']) for a in group)})")
+        else:
+            parts += [a["message"] for a in group]
+    return "; ".join(parts)
+
+
+def _times(ratio: float) -> str:
+    return f"{1 / ratio:.1f}x" if ratio < 1 else f"{ratio:.1f}x"
+
+
+def sentence(rec: dict) -> str:
+    """The verdict in one sentence that names the cause."""
+    rid, k = rec["run_id"], rec["ktok_per_s"] or 0.0
+    anom = anomaly_brief(rec["anomalies"])
+    anom_txt = f"; anomalies: {anom}" if anom else ""
+    if rec["baseline"] is not None and rec["ratio"] is not None:
+        base, kb, ratio = rec["baseline"]["run_id"], rec["baseline"]["ktok_per_s"], rec["ratio"]
+        what = rec["what_changed"] or "nothing recorded (same environment, data, config and code)"
+        nums = f"({kb:.2f} -> {k:.2f} Ktok/s, {rec['change']:+.0%})"
+        if rec["verdict"] == "regression":
+            return f"Run {rid}: Ktok/s fell {_times(ratio)} vs run {base} {nums}; what changed: {what}{anom_txt}."
+        if rec["verdict"] == "improvement":
+            return f"Run {rid}: Ktok/s rose {_times(ratio)} vs run {base} {nums}; what changed: {what}{anom_txt}."
+        return f"Run {rid}: Ktok/s within the threshold of run {base} {nums}; what changed: {what}{anom_txt}."
+    prev = rec.get("previous")
+    if rec["verdict"] == "first run":
+        return f"Run {rid}: first run in the history, {k:.2f} Ktok/s; no baseline yet{anom_txt}."
+    text = f"Run {rid}: {k:.2f} Ktok/s; no baseline ({rec['baseline_reason']})"
+    if prev and prev["ratio"]:
+        what = changed_text(prev["changed"]) or "nothing recorded"
+        text += f"; vs the previous run {prev['run_id']} ({prev['ktok_per_s']:.2f} Ktok/s, {_times(prev['ratio'])} " \
+                f"{'slower' if prev['ratio'] < 1 else 'faster'}) what changed: {what}"
+    return text + anom_txt + "."
