@@ -144,3 +144,18 @@ def test_attribution_works_from_history_alone(tmp_path):
     rec = regress.evaluate(runs, regress.Settings())[-1]
     assert rec["verdict"] == "regression"
     assert rec["what_changed"] == "environment (torch 2.11.0 -> 2.13.0)"
+
+
+def test_a_run_without_measured_throughput_is_kept_and_flagged(tmp_path):
+    s = summary(2, 12.0, status="failed")
+    s["throughput"] = {"ktok_per_s": None, "samples_per_s": None, "draft_positions_per_s": None, "mfu": None}
+    s["data_hash"] = None
+    recs = evaluate(tmp_path, [summary(1, 12.0), s])
+    assert recs[-1]["verdict"] == "not measured"
+    assert {a["kind"] for a in recs[-1]["anomalies"]} == {"status", "not_measured"}
+
+
+def test_the_pinned_baseline_itself(tmp_path):
+    first = summary(1, 12.0)
+    recs = evaluate(tmp_path, [first, summary(2, 12.1)], baseline_run=first["run_id"])
+    assert [r["verdict"] for r in recs] == ["baseline", "ok"]

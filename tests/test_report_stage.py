@@ -116,3 +116,29 @@ def test_regression_without_fail_on_regression_exits_zero(tmp_path):
     out = tmp_path / "elsewhere"
     assert main(["report", "--config", str(cfg), "--runs-dir", str(tmp_path / "results" / "runs"), "--out", str(out)]) == 0
     assert json.loads((out / "regressions.json").read_text())["latest_verdict"] == "regression"
+
+
+def test_rule_file_declares_every_plot_and_leaves_all_targets_to_the_lead(repo):
+    from dflash.report.plots import PLOTS
+    smk = (repo / "workflow" / "rules" / "report.smk").read_text()
+    for name in PLOTS.values():
+        assert f'{{REPORT_DIR}}/{name}"' in smk, name
+    assert 'REPORT_EXTRA_INPUTS = globals().get("REPORT_EXTRA_INPUTS", [])' in smk
+    assert "update(" in smk                                               # history.csv is not deleted before the job
+    assert "\n# ALL_TARGETS.append(" in smk and "\nALL_TARGETS.append(" not in smk
+    for caption in ("report_md", "history", "regressions", "ktok_history", "time_split", "devices_latest", "training_latest"):
+        assert (repo / "workflow" / "report" / f"{caption}.rst").is_file()
+
+
+def test_tau_that_arrives_after_the_run_was_recorded(tmp_path):
+    runs, out = tmp_path / "runs", tmp_path / "report"
+    s = summary(1, 12.0)
+    write_run(runs, s, tau=None, metrics=False)
+    build(runs, out, Settings())
+    before = (out / "history.csv").read_bytes()
+    (runs / s["run_id"] / "acceptance.json").write_text(json.dumps({"tau": {"gsm8k": 6.0, "mt-bench": 5.0}}))
+    result = build(runs, out, Settings())
+    assert (out / "history.csv").read_bytes() == before            # the row is not rewritten ...
+    assert result.records[0]["tau"] == 5.5                           # ... tau comes from history/late_tau.csv
+    (runs / s["run_id"]).rename(tmp_path / "gone")
+    assert build(runs, out, Settings()).records[0]["tau"] == 5.5     # and outlives the run folder

@@ -31,11 +31,6 @@ def build(runs_dir: str | Path, out: str | Path, settings) -> Result:
     found, skipped = history.scan_runs(runs_dir)
     store = history.History(out)
     runs, appended = store.append(found)
-    # tau that arrived after a run was recorded: shown (not stored) while the run folder still holds that run
-    current = {s["run_id"]: s for _, s in found}
-    for r in runs:
-        if not r.row.get("tau") and current.get(r.run_id, {}).get("_tau") is not None:
-            r.row = dict(r.row, tau=repr(current[r.run_id]["_tau"]))
     if not store.csv.exists():       # an empty history is still a history: the header alone
         atomic_write_text(store.csv, ",".join(history.COLUMNS) + "\n")
     records = regress.evaluate(runs, settings)

@@ -25,14 +25,14 @@ COLUMNS = (
     "run_id", "run_name", "started_at", "finished_at", "status", "git_commit", "git_dirty",
     "config_hash", "env_hash", "data_hash", "runtime", "steps", "measured_steps",
     "ktok_per_s", "samples_per_s", "draft_positions_per_s", "mfu", "tau", "acceptance_estimate", "loss",
-    "time_queue_wait_s", "time_target_s", "time_drafter_s", "time_optimizer_s",
+    "step_queue_wait_s", "step_target_s", "step_drafter_s", "step_optimizer_s",
     "recompiles_after_warmup", "eager_fallbacks", "compile_warmup_s", "queue_depth_mean",
     "python", "torch", "cuda", "gpu", "num_samples", "total_tokens", "snapshot",
 )
 TIME_KEYS = ("queue_wait", "target", "drafter", "optimizer")
 # (key, type) that a summary must have for the report to use it; everything else is optional.
 REQUIRED = (("run_id", str), ("started_at", str), ("status", str), ("git", dict), ("config_hash", str),
-            ("config", dict), ("env_hash", str), ("env", dict), ("data_hash", str), ("data", dict),
+            ("config", dict), ("env_hash", str), ("env", dict), ("data_hash", (str, type(None))), ("data", dict),
             ("throughput", dict))
 
 
@@ -79,12 +79,15 @@ def validate_summary(data, path: Path) -> dict:
         if key not in data:
             raise BadSummary(f"{path}: missing key '{key}'")
         if not isinstance(data[key], typ):
-            raise BadSummary(f"{path}: key '{key}' must be {typ.__name__}, got {type(data[key]).__name__}")
+            want = " or ".join(t.__name__ for t in (typ if isinstance(typ, tuple) else (typ,)))
+            raise BadSummary(f"{path}: key '{key}' must be {want}, got {type(data[key]).__name__}")
     if not data["run_id"].strip():
         raise BadSummary(f"{path}: key 'run_id' is empty")
-    ktok = data["throughput"].get("ktok_per_s")
-    if isinstance(ktok, bool) or not isinstance(ktok, (int, float)):
-        raise BadSummary(f"{path}: key 'throughput.ktok_per_s' must be a number, got {ktok!r}")
+    if "ktok_per_s" not in data["throughput"]:
+        raise BadSummary(f"{path}: missing key 'throughput.ktok_per_s'")
+    ktok = data["throughput"]["ktok_per_s"]        # null: nothing was measured (a failed or very short run)
+    if isinstance(ktok, bool) or not isinstance(ktok, (int, float, type(None))):
+        raise BadSummary(f"{path}: key 'throughput.ktok_per_s' must be a number or null, got {ktok!r}")
     if "commit" not in data["git"]:
         raise BadSummary(f"{path}: missing key 'git.commit'")
     return data
@@ -165,7 +168,7 @@ def to_row(summary: dict, snapshot_rel: str) -> dict:
         "ktok_per_s": tp.get("ktok_per_s"), "samples_per_s": tp.get("samples_per_s"),
         "draft_positions_per_s": tp.get("draft_positions_per_s"), "mfu": tp.get("mfu"),
         "tau": summary.get("_tau"), "acceptance_estimate": summary.get("acceptance_estimate"), "loss": summary.get("loss"),
-        **{f"time_{k}_s": ts.get(k) for k in TIME_KEYS},
+        **{f"step_{k}_s": ts.get(k) for k in TIME_KEYS},
         "recompiles_after_warmup": comp.get("recompiles_after_warmup"), "eager_fallbacks": comp.get("eager_fallbacks"),
         "compile_warmup_s": comp.get("warmup_s"), "queue_depth_mean": summary.get("queue_depth_mean"),
         "python": env.get("python"), "torch": (env.get("packages") or {}).get("torch"), "cuda": env.get("cuda"),
@@ -207,6 +210,23 @@ class History:
             log.warning("%s: snapshot of run %s unreadable (%s); attribution falls back to hashes", path, row["run_id"], e)
             return {}
 
+    def late_tau(self, current: dict[str, float | None], rows: list[dict]) -> dict[str, str]:
+        """tau that arrived after its run was recorded: appended once to history/late_tau.csv (rows stay as written)."""
+        path = self.snapdir / "late_tau.csv"
+        text = path.read_text() if path.is_file() else ""
+        late = {r["run_id"]: r["tau"] for r in csv.DictReader(io.StringIO(text))} if text else {}
+        add = [(r["run_id"], current[r["run_id"]]) for r in rows
+               if not r.get("tau") and r["run_id"] not in late and current.get(r["run_id"]) is not None]
+        if add:
+            buf = io.StringIO()
+            w = csv.writer(buf, lineterminator="\n")
+            if not text:
+                w.writerow(["run_id", "tau"])
+            w.writerows((rid, _fmt(tau)) for rid, tau in add)
+            atomic_write_text(path, text + buf.getvalue())
+            late.update((rid, _fmt(tau)) for rid, tau in add)
+        return late
+
     def append(self, summaries: list[tuple[Path, dict]]) -> tuple[list[Run], list[str]]:
         """Append the runs not yet recorded; return every run (history order) and the ids appended now."""
         header, rows = self.read_rows()
@@ -234,6 +254,8 @@ class History:
             writer.writerows(new)
             atomic_write_text(self.csv, old + buf.getvalue())
             rows += [{k: r.get(k, "") for k in header} for r in new]
+        late = self.late_tau({s["run_id"]: s.get("_tau") for _, s in summaries}, rows)
+        rows = [dict(r, tau=late[r["run_id"]]) if not r.get("tau") and r["run_id"] in late else r for r in rows]
         runs = [Run(row=r, snapshot=self.snapshot(r), folder=folders.get(r["run_id"])) for r in rows]
         runs.sort(key=lambda r: (r.row.get("started_at") or "", r.run_id))
         return runs, [r["run_id"] for r in new]

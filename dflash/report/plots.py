@@ -57,7 +57,7 @@ def ktok_history(runs: list[Run], records: list[dict], threshold: float, path: P
     if not runs:
         return _placeholder(path, "Ktok/s per run", "no runs in the history yet")
     x = list(range(len(runs)))
-    ktok = [r.num("ktok_per_s") or 0.0 for r in runs]
+    ktok = [r.num("ktok_per_s") if r.num("ktok_per_s") is not None else float("nan") for r in runs]
     base = [rec["baseline"]["ktok_per_s"] if rec["baseline"] else float("nan") for rec in records]
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(runs) + 2), 4), layout="constrained")
     lo = [b * (1 + threshold) for b in base]
@@ -119,11 +119,7 @@ def time_split(runs: list[Run], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(runs) + 2), 4), layout="constrained")
     bottom = [0.0] * len(runs)
     for key in TIME_KEYS:
-        vals = []
-        for r in runs:
-            steps = r.num("measured_steps") or r.num("steps") or 0
-            t = r.num(f"time_{key}_s")
-            vals.append(1000.0 * t / steps if t is not None and steps > 0 else 0.0)
+        vals = [1000.0 * (r.num(f"step_{key}_s") or 0.0) for r in runs]   # summary time_split_s is per step
         ax.bar(x, vals, bottom=bottom, label=key.replace("_", " "))
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_xticks(x, _labels(runs), rotation=30, ha="right", fontsize=7)

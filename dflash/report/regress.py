@@ -201,6 +201,8 @@ def anomalies(run: Run, st: Settings) -> list[dict]:
     status = run.row.get("status")
     if status and status != "completed":
         add("status", f"run ended with status '{status}'")
+    if run.num("ktok_per_s") is None:
+        add("not_measured", "no throughput measured (no optimizer step after warm-up)")
     rec = to_float(run.row.get("recompiles_after_warmup")) or 0
     if rec > 0:
         add("recompiles", f"{int(rec)} recompile(s) after warm-up (a shape not compiled in warm-up)", count=int(rec))
@@ -262,15 +264,15 @@ def find_baseline(i: int, runs: list[Run], st: Settings) -> tuple[Run | None, st
 
 
 def compare(run: Run, base: Run) -> dict:
-    k, kb = run.num("ktok_per_s") or 0.0, base.num("ktok_per_s") or 0.0
-    ratio = k / kb if kb > 0 else None
+    k, kb = run.num("ktok_per_s"), base.num("ktok_per_s") or 0.0
+    ratio = k / kb if k is not None and kb > 0 else None
     return {"run_id": base.run_id, "ktok_per_s": kb, "ratio": None if ratio is None else round(ratio, 4),
             "change": None if ratio is None else round(ratio - 1, 4), "changed": attribute(run, base)}
 
 
 def verdict_of(change: float | None, threshold: float) -> str:
     if change is None:
-        return "no baseline"
+        return "not measured"
     if change < threshold:
         return "regression"
     if change > -threshold:
@@ -296,7 +298,7 @@ def evaluate(runs: list[Run], st: Settings) -> list[dict]:
             rec["verdict"] = verdict_of(cmp_["change"], st.threshold)
         else:
             earlier = [r for r in runs[:i] if _usable(r)]
-            rec["verdict"] = "first run" if i == 0 else "no baseline"
+            rec["verdict"] = "baseline" if why == "is the pinned baseline" else "first run" if i == 0 else "no baseline"
             if earlier and why != "is the pinned baseline":
                 # no like-for-like baseline, but say how it compares with the run before it and what differs
                 cmp_ = compare(run, earlier[-1])
@@ -352,6 +354,11 @@ def sentence(rec: dict) -> str:
             return f"Run {rid}: Ktok/s rose {_times(ratio)} vs run {base} {nums}; what changed: {what}{anom_txt}."
         return f"Run {rid}: Ktok/s within the threshold of run {base} {nums}; what changed: {what}{anom_txt}."
     prev = rec.get("previous")
+    if rec["ktok_per_s"] is None:
+        base = f" (baseline {rec['baseline']['run_id']})" if rec["baseline"] else ""
+        return f"Run {rid}: no Ktok/s measured{base}{anom_txt}."
+    if rec["verdict"] == "baseline":
+        return f"Run {rid}: {k:.2f} Ktok/s; it is the pinned baseline (report.baseline_run){anom_txt}."
     if rec["verdict"] == "first run":
         return f"Run {rid}: first run in the history, {k:.2f} Ktok/s; no baseline yet{anom_txt}."
     text = f"Run {rid}: {k:.2f} Ktok/s; no baseline ({rec['baseline_reason']})"
