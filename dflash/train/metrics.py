@@ -211,7 +211,7 @@ class RunMetrics:
         peak = ceiling * 1e12 * len(gpus) * s
         return {"mfu": (f_t + f_d) / peak, "mfu_target": f_t / peak, "mfu_drafter": f_d / peak}
 
-    def finish(self, setup, workers: list[dict], status: str, resumed_from=None):
+    def finish(self, setup, workers: list[dict], status: str, resumed_from=None, devices=None):
         from dflash.train.setup import data_summary, git_state, read_manifest
         from dflash.train.telemetry import device_report
 
@@ -243,7 +243,7 @@ class RunMetrics:
             "loss": last.get("loss"), "acc_per_position": last.get("acc_per_position"),
             "acceptance_estimate": last.get("acceptance_estimate"),
             "workers": workers,
-            "devices": device_report(setup.placement, getattr(self, "sampler", None)),
+            "devices": devices or device_report(setup.placement, getattr(self, "sampler", None)),
             "compile": {"graphs": sum(w["graphs"] for w in self.warmup), "warmup_s": round(self.warmup_s, 3),
                         "cache_hits": sum(w["cache_hits"] for w in self.warmup),
                         "recompiles_after_warmup": after["graphs"] - before["graphs"],

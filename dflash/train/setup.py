@@ -37,14 +37,10 @@ class Setup:
         return self.loaded.cfg
 
 
-def default_gamma(block_size: int) -> float:
-    return 7.0 * (block_size - 1) / 15.0
-
-
 def prepare(loaded, need_data: bool = True) -> Setup:
     from transformers import AutoConfig
 
-    from dflash.model import DrafterConfig
+    from dflash.model import DrafterConfig, default_gamma
     from dflash.target import load_tokenizer, mask_token_id
 
     cfg = loaded.cfg
@@ -127,7 +123,7 @@ def micro_step(drafter, feats, input_ids, loss_mask, index: int, setup: Setup, a
     labels, weights = block_labels(input_ids, loss_mask, anchors, setup.gamma)
     with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
         hidden = drafter(feats, input_ids, anchors, backend=setup.backend)
-        out = dflash_loss(hidden, drafter.lm_head.weight, labels, weights, bk, setup.cfg.train.loss_chunk)
+        out = dflash_loss(hidden, drafter.lm_head_weight, labels, weights, bk, setup.cfg.train.loss_chunk)
     return out
 
 

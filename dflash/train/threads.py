@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash.train import checkpoint, compile_guard, optim
-from dflash.train import placement as P
+from dflash.train.loop import DrafterLoop, Micro, StopRun, _Null
 from dflash.train.features import LayerCapture
-from dflash.train.metrics import RunMetrics, device_timer, loss_stats
-from dflash.train.setup import Setup, build_drafter, frozen_head, micro_step, warm_up
+from dflash.train.metrics import RunMetrics, device_timer
+from dflash.train.setup import Setup, build_drafter, frozen_head, warm_up
 
 log = logging.getLogger("dflash.train")
 POLL = 0.1  # seconds between checks of the stop flag in every blocking wait
@@ -80,7 +80,7 @@ class Worker(threading.Thread):
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
             self.body()
-        except Stopped:
+        except (Stopped, StopRun):
             pass
         except BaseException:
             self.shared.errors.put((self.name, traceback.format_exc()))
@@ -126,7 +126,7 @@ class TargetWorker(Worker):
         stream = torch.cuda.Stream(self.device) if cuda else None
         self.mark_ready()
         timer = device_timer(self.device)
-        with torch.cuda.stream(stream) if cuda else _null():
+        with torch.cuda.stream(stream) if cuda else _Null():
             while True:
                 batch = self.shared.wait_get(self.work)
                 self.maybe_fail(self.steps + 1)
@@ -141,7 +141,8 @@ class TargetWorker(Worker):
                 if cuda:
                     ready = torch.cuda.Event()
                     ready.record(stream)
-                self.shared.wait_put(self.inboxes[r], (batch, feats, ids_dst, mask, ready, timer.pop()))
+                self.shared.wait_put(self.inboxes[r], Micro(batch.index, batch.tokens, feats, ids_dst, mask, ready,
+                                                            timer.pop()))
                 self.steps += 1
 
 
@@ -182,79 +183,24 @@ class DrafterWorker(Worker):
         self.pending: dict[int, tuple] = {}
         self.optimizer = self.scheduler = None
 
-    def take(self, index: int):
+    def take(self, index: int) -> Micro:
         """The micro-batch with this stream index (target workers may finish out of order)."""
         while index not in self.pending:
             item = self.shared.wait_get(self.inbox)
-            self.pending[item[0].index] = item
+            self.pending[item.index] = item
         return self.pending.pop(index)
 
     def body(self):
-        cfg, setup = self.setup.cfg, self.setup
         self.maybe_fail(0)
         compile_guard.configure_thread(len(self.setup.extra.get("shapes", [])))
-        n, accum = self.sync.n, cfg.train.grad_accum
-        per_step = n * accum
-        cuda = self.device.type == "cuda"
-        stream = torch.cuda.Stream(self.device) if cuda else None
-        dtype = P.autocast_dtype(cfg.train, self.device)
-        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        self.loop = DrafterLoop(self.rank, self.sync.n, self.device, self.setup, self.drafter, self.optimizer,
+                                self.scheduler, self.sync, self.metrics, self.start_step, self.data_index,
+                                fail=self.maybe_fail)
         self.mark_ready()
-        t_fwd, t_opt = device_timer(self.device), device_timer(self.device)
-        with torch.cuda.stream(stream) if cuda else _null():
-            for step in range(self.start_step, cfg.train.steps):
-                self.maybe_fail(step + 1)
-                stats, wait, target_t = None, 0.0, []
-                for a in range(accum):
-                    index = self.data_index + (step - self.start_step) * per_step + a * n + self.rank
-                    t = time.perf_counter()
-                    batch, feats, ids, mask, ready, t_target = self.take(index)
-                    wait += time.perf_counter() - t
-                    target_t.append(t_target)
-                    if ready is not None:
-                        stream.wait_event(ready)
-                        for x in (feats, ids, mask):
-                            x.record_stream(stream)
-                    with t_fwd, compile_guard.FX_GUARD.shared(), \
-                            compile_guard.no_new_graphs(f"batch {tuple(ids.shape)} on {self.device}"):
-                        out = micro_step(self.drafter, feats, ids, mask, index, setup, dtype)
-                        (out.loss / accum).backward()
-                    s = loss_stats(out, batch.tokens)
-                    stats = s if stats is None else stats + s
-                with t_opt:
-                    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-                    flat = torch._utils._flatten_dense_tensors(grads)
-                    (flat, stats), stop = self.sync.reduce(
-                        self.rank, [flat, stats], want_stop=self.shared.interrupt.is_set())
-                    for g, avg in zip(grads, torch._utils._unflatten_dense_tensors(flat / n, grads)):
-                        g.copy_(avg)
-                    for p, g in zip(params, grads):
-                        p.grad = g
-                    gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip) if cfg.train.grad_clip else \
-                        torch.zeros(())
-                    self.optimizer.step()
-                    self.scheduler.step()
-                    self.optimizer.zero_grad(set_to_none=True)
-                self.steps = step + 1
-                if self.rank == 0:
-                    self.metrics.step_done(step + 1, stats, gnorm, self.scheduler.get_last_lr()[0],
-                                           {"queue_wait": wait, "target": target_t, "drafter": t_fwd.pop(),
-                                            "optimizer": t_opt.pop()}, self.inbox.qsize())
-                    done = step + 1 == cfg.train.steps
-                    every = cfg.train.checkpoint_every
-                    if stop or done or (every and (step + 1) % every == 0):
-                        checkpoint.save(setup.run_dir, step + 1, self.data_index + (step + 1 - self.start_step) * per_step,
-                                        self.drafter, self.optimizer, self.scheduler, checkpoint.identity(setup))
-                if stop:
-                    raise Stopped
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
+        try:
+            self.loop.run(self.take, self.shared.interrupt.is_set, self.inbox.qsize)
+        finally:
+            self.steps = self.loop.steps
 
 
 def run(setup: Setup, reader, metrics: RunMetrics) -> int:
