@@ -112,7 +112,7 @@ def worker_main(loaded, args) -> int:
     from dflash.train import checkpoint, compile_guard, optim
     from dflash.train.features import LayerCapture
     from dflash.train.loop import DrafterLoop, Micro, StopRun
-    from dflash.train.metrics import RunMetrics
+    from dflash.train.metrics import RunMetrics, weight_checksum
     from dflash.train.reader import ShardReader
     from dflash.train.setup import build_drafter, prepare, warm_up
     from dflash.train.telemetry import GpuSampler
@@ -254,6 +254,7 @@ def worker_main(loaded, args) -> int:
         sampler.stop()
         peak = round(torch.cuda.max_memory_allocated(device) / 2**30, 3) if device.type == "cuda" else None
         desc = {"name": name, "role": "drafter", "device": str(device), "steps": loop.steps,
+                "checksum": weight_checksum(drafter),
                 "peak_memory_gb": peak, "util_mean": sampler.mean(device)}
     if is_target:
         desc = {"name": name, "role": "target", "device": str(device), "steps": produced,
@@ -264,7 +265,9 @@ def worker_main(loaded, args) -> int:
     if rank == T:
         devices = [{"device": d["device"], "roles": [d["role"]], "peak_memory_gb": d["peak_memory_gb"],
                     "util_mean": d["util_mean"], "rank": i} for i, d in enumerate(everyone)]
-        metrics.finish(setup, everyone, status=status, resumed_from=start_step or None, devices=devices)
+        checksums = [d.pop("checksum") for d in everyone if "checksum" in d]
+        metrics.finish(setup, everyone, status=status, resumed_from=start_step or None, devices=devices,
+                       checksums=checksums)
     dist.barrier()
     dist.destroy_process_group()
     return code

@@ -27,6 +27,12 @@ def loss_stats(out, tokens: int) -> torch.Tensor:
     return torch.cat([head, out.correct.double(), out.count.double()])
 
 
+def weight_checksum(module) -> float:
+    """Sum of all trainable weights in float64: equal across replicas iff they stayed in lockstep (practically)."""
+    with torch.no_grad():
+        return float(sum(p.detach().double().sum() for p in module.parameters() if p.requires_grad))
+
+
 def split_stats(v: list[float]) -> dict:
     k = (len(v) - 5) // 2
     return {"loss_sum": v[0], "tokens": v[1], "positions": v[2], "blocks": v[3], "accepted": v[4],
@@ -211,7 +217,7 @@ class RunMetrics:
         peak = ceiling * 1e12 * len(gpus) * s
         return {"mfu": (f_t + f_d) / peak, "mfu_target": f_t / peak, "mfu_drafter": f_d / peak}
 
-    def finish(self, setup, workers: list[dict], status: str, resumed_from=None, devices=None):
+    def finish(self, setup, workers: list[dict], status: str, resumed_from=None, devices=None, checksums=None):
         from dflash.train.setup import data_summary, git_state, read_manifest
         from dflash.train.telemetry import device_report
 
@@ -248,6 +254,8 @@ class RunMetrics:
                         "cache_hits": sum(w["cache_hits"] for w in self.warmup),
                         "recompiles_after_warmup": after["graphs"] - before["graphs"],
                         "eager_fallbacks": after["eager_fallbacks"], "per_device": self.warmup},
+            "replica_checksums": checksums,
+            "replicas_identical": (len(set(checksums)) == 1) if checksums else None,
             "queue_depth_mean": (sum(r["queue_depth"] for r in self.rows) / len(self.rows)) if self.rows else None,
         }
         atomic_write_json(setup.run_dir / "summary.json", summary)

@@ -21,7 +21,7 @@ import torch
 from dflash.train import checkpoint, compile_guard, optim
 from dflash.train.loop import DrafterLoop, Micro, StopRun, _Null
 from dflash.train.features import LayerCapture
-from dflash.train.metrics import RunMetrics, device_timer
+from dflash.train.metrics import RunMetrics, device_timer, weight_checksum
 from dflash.train.setup import Setup, build_drafter, frozen_head, warm_up
 
 log = logging.getLogger("dflash.train")
@@ -134,7 +134,8 @@ class TargetWorker(Worker):
                 dst = self.replica_devices[r]
                 with timer:
                     ids = batch.input_ids.to(self.device, non_blocking=True)
-                    feats = self.capture(ids).to(dst, non_blocking=True)
+                    feats = self.capture(ids)  # an inference tensor: autograd may not save it, so copy it out
+                    feats = feats.to(dst, non_blocking=True) if dst != self.device else feats.clone()
                     ids_dst = ids.to(dst, non_blocking=True)
                     mask = batch.loss_mask.to(dst, non_blocking=True)
                 ready = None
@@ -273,7 +274,8 @@ def run(setup: Setup, reader, metrics: RunMetrics) -> int:
         w.start()
     status = _supervise(workers, replicas, shared, sync, cfg.train, metrics)
     compile_guard.allow_compiles()
-    metrics.finish(setup, [w.describe() for w in workers], status=status, resumed_from=start_step or None)
+    metrics.finish(setup, [w.describe() for w in workers], status=status, resumed_from=start_step or None,
+                   checksums=[weight_checksum(dr) for dr in drafters])
     return {"completed": 0, "interrupted": 130}.get(status, 1)
 
 

@@ -1,6 +1,6 @@
 rule env:
     input:
-        config=CONFIG_FILE,
+        config=ancient(CONFIG_FILE),
         pins="envs/requirements.txt",
     output:
         f"{RESULTS}/env/fingerprint.json",

@@ -2,7 +2,7 @@
 # launched by the stage itself.
 rule train:
     input:
-        config=CONFIG_FILE,
+        config=ancient(CONFIG_FILE),
         env=f"{RESULTS}/env/fingerprint.json",
         data=f"{RESULTS}/data/{DATASET}/manifest.json",
         target=TARGET_DIR,

@@ -1,7 +1,7 @@
 # One job per drafter device: compile every length bucket single-threaded into this environment's Inductor cache.
 rule warmup:
     input:
-        config=CONFIG_FILE,
+        config=ancient(CONFIG_FILE),
         env=f"{RESULTS}/env/fingerprint.json",
         data=f"{RESULTS}/data/{DATASET}/manifest.json",
         target=TARGET_DIR,

@@ -1,0 +1,148 @@
+"""The threads runtime end to end on CPU: replicas in lockstep, exact resume after kill -9, failures named fast,
+Ctrl-C checkpoints. Tiny target (tests/conftest_data.py), the built-in corpus without regeneration, sdpa."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from conftest_data import build_tiny_target, target_section
+from dflash.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+_DATA: dict = {}
+
+
+def config(results: Path, target: Path, **train) -> dict:
+    t = {"targets": ["cpu"], "drafters": ["cpu", "cpu"], "attention": "sdpa", "steps": 12, "batch_size": 2,
+         "num_anchors": 8, "log_every": 2, "checkpoint_every": 4, "warmup_steps_excluded": 2}
+    t.update(train)
+    return {"results_dir": str(results), "run_name": "t", "seed": 0, "target": target_section(target),
+            "data": {"builtin_corpus": {"enabled": True, "max_conversations": 150}, "regenerate": {"enabled": False},
+                     "holdout": 0, "min_supervised_blocks": 1, "max_length": 256, "bucket_edges": [64, 128, 256]},
+            "drafter": {"num_layers": 1, "block_size": 4, "num_target_layers": 2, "target_layer_ids": [0, 1]},
+            "train": t}
+
+
+def prepared(tmp_path: Path, **train) -> Path:
+    """A config file whose results folder already holds the expanded dataset (built once per session)."""
+    target = build_tiny_target()
+    if "data" not in _DATA:
+        root = Path(os.environ.get("PYTEST_DATA_ROOT", tmp_path.parent)) / "train-data"
+        cfg = root / "c.yaml"
+        root.mkdir(parents=True, exist_ok=True)
+        cfg.write_text(yaml.safe_dump(config(root / "results", target)))
+        assert main(["data", "--config", str(cfg), "--no-progress"]) == 0
+        _DATA["data"] = root / "results" / "data"
+    results = tmp_path / "results"
+    shutil.copytree(_DATA["data"], results / "data")
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(config(results, target, **train)))
+    return path
+
+
+def run_dir(cfg: Path) -> Path:
+    return Path(yaml.safe_load(cfg.read_text())["results_dir"]) / "runs" / "t"
+
+
+def dflash(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "dflash", *args], cwd=REPO, capture_output=True, text=True, **kw)
+
+
+def test_two_replicas_train_in_lockstep(tmp_path):
+    cfg = prepared(tmp_path)
+    assert main(["train", "--config", str(cfg), "--no-progress"]) == 0
+    s = json.loads((run_dir(cfg) / "summary.json").read_text())
+    assert s["status"] == "completed" and s["steps"] == 12 and s["measured_steps"] == 10
+    assert s["replicas_identical"] is True and len(s["replica_checksums"]) == 2
+    assert s["throughput"]["ktok_per_s"] > 0 and s["compile"]["recompiles_after_warmup"] == 0
+    assert {w["name"] for w in s["workers"]} == {"reader", "target-0", "drafter-0", "drafter-1"}
+    assert all(w["steps"] > 0 for w in s["workers"])
+    rows = [json.loads(l) for l in (run_dir(cfg) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 4, 6, 8, 10, 12]
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    assert len(rows[-1]["acc_per_position"]) == 3  # block 4 -> positions 1..3
+    assert sorted(p.name for p in (run_dir(cfg) / "checkpoints").iterdir()) == \
+        ["step-000004", "step-000008", "step-000012"]
+
+
+def test_kill9_then_resume_trains_exactly_the_same(tmp_path):
+    straight = prepared(tmp_path / "a")
+    assert main(["train", "--config", str(straight), "--no-progress"]) == 0
+    killed = prepared(tmp_path / "b")
+    proc = subprocess.Popen([sys.executable, "-m", "dflash", "train", "--config", str(killed), "--no-progress"],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ckpt = run_dir(killed) / "checkpoints" / "step-000008" / "trainer.json"
+    deadline = time.time() + 300
+    while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert ckpt.exists()
+    done = sorted(p.name for p in (run_dir(killed) / "checkpoints").iterdir() if not p.name.startswith("."))
+    assert "step-000012" not in done  # killed mid-run
+    assert main(["train", "--config", str(killed), "--no-progress"]) == 0
+    s = json.loads((run_dir(killed) / "summary.json").read_text())
+    assert s["resumed_from_step"] == int(done[-1].split("-")[1]) and s["status"] == "completed"
+    a = load_file(str(run_dir(straight) / "checkpoints" / "step-000012" / "model.safetensors"))
+    b = load_file(str(run_dir(killed) / "checkpoints" / "step-000012" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:  # same data order, same anchors, same updates: nothing skipped, nothing trained twice
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+    ta = json.loads((run_dir(straight) / "checkpoints" / "step-000012" / "trainer.json").read_text())
+    tb = json.loads((run_dir(killed) / "checkpoints" / "step-000012" / "trainer.json").read_text())
+    assert ta["data_index"] == tb["data_index"] == 12 * 2
+
+
+@pytest.mark.parametrize("step", [0, 3])
+def test_failing_replica_stops_the_run_fast_and_is_named(tmp_path, step, monkeypatch):
+    from dflash.train import threads
+    cfg = prepared(tmp_path, fail_at_step={"worker": "drafter-1", "step": step}, steps=40)
+    failed_at = {}
+    original = threads.Worker.maybe_fail
+
+    def spy(self, k):
+        try:
+            original(self, k)
+        except threads.InjectedFailure:
+            failed_at["t"] = time.perf_counter()
+            raise
+
+    monkeypatch.setattr(threads.Worker, "maybe_fail", spy)
+    code = main(["train", "--config", str(cfg), "--no-progress"])
+    assert code == 1 and "t" in failed_at
+    assert time.perf_counter() - failed_at["t"] < 10
+    s = json.loads((run_dir(cfg) / "summary.json").read_text())
+    assert s["status"] == "failed"
+
+
+def test_failure_message_names_the_worker(tmp_path):
+    cfg = prepared(tmp_path, fail_at_step={"worker": "target-0", "step": 2})
+    r = dflash("train", "--config", str(cfg), "--no-progress", timeout=300)
+    assert r.returncode == 1
+    assert "worker target-0 failed" in r.stderr and "injected failure at step 2" in r.stderr
+
+
+def test_ctrl_c_writes_a_checkpoint_and_exits(tmp_path):
+    cfg = prepared(tmp_path, steps=400, checkpoint_every=0)
+    proc = subprocess.Popen([sys.executable, "-m", "dflash", "train", "--config", str(cfg), "--no-progress"],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics = run_dir(cfg) / "metrics.jsonl"
+    deadline = time.time() + 300
+    while (not metrics.exists() or len(metrics.read_text().splitlines()) < 3) and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    s = json.loads((run_dir(cfg) / "summary.json").read_text())
+    assert s["status"] == "interrupted"
+    ckpts = sorted((run_dir(cfg) / "checkpoints").glob("step-*"))
+    assert ckpts and int(ckpts[-1].name.split("-")[1]) == s["steps"] < 400
