@@ -1,10 +1,36 @@
-"""Stage `target` (not built yet)."""
+"""Stage `target`: build the embedded tiny target (`build: tiny`) or a random-weight benchmark target's config and
+tokenizer (`build: random`) into target.path, atomically. `build: none` has nothing to build."""
+import json
+import logging
+
 from dflash.errors import UserError
+
+log = logging.getLogger("dflash.target")
 
 
 def add_arguments(p):
-    pass
+    p.add_argument("--out", default=None, help="target folder (default: target.path)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads for pre-training (default 1: fastest on a shared small machine; 0 leaves torch's)")
 
 
 def run(loaded, args):
-    raise UserError("stage 'target' is not built yet")
+    from dflash.atomic import atomic_dir
+    from dflash.config import REPO, inside
+    from dflash.data.tiny_target import build_target
+
+    cfg = loaded.cfg
+    if cfg.target.build == "none":
+        raise UserError(f"target.build is none: nothing to build; point target.path ({cfg.target.path}) at a model folder")
+    out = args.out or cfg.target.path
+    inside(out, cfg.results_dir, REPO)
+    with atomic_dir(out) as tmp:
+        info = build_target(cfg.target, tmp, seed=cfg.seed, corpus_size=cfg.data.builtin_corpus.max_conversations,
+                            progress=not args.no_progress, threads=args.threads)
+    pre = info.get("pretrain") or {}
+    log.info("target %s (%s): tokenizer %d tokens%s, %.1fs -> %s", cfg.target.build, json.dumps(info["corpus"]),
+             info["tokenizer"]["size"],
+             f", {info['params']} params, loss {pre.get('loss_start')} -> {pre.get('loss_end')}" if pre else "",
+             info["seconds"], out)
+    return 0

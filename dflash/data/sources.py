@@ -1,0 +1,257 @@
+"""Reading sources and normalising rows into conversations; malformed rows become counted rejects.
+
+A source yields `Row(source, index, value, reject)`; `normalise(row)` turns a row in ShareGPT (`conversations`:
+`from`/`value`) or OpenAI (`messages`: `role`/`content`) form into `[{"role", "content"}]` with roles
+system/user/assistant, or returns the reason it is rejected. Nothing raises for a bad row; a source that cannot
+be read at all (missing file, unreadable format) raises UserError naming it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+from dflash.errors import UserError
+
+ROLE_ALIASES = {
+    "system": "system", "developer": "system",
+    "user": "user", "human": "user", "prompter": "user",
+    "assistant": "assistant", "gpt": "assistant", "model": "assistant", "bot": "assistant", "chatgpt": "assistant",
+}
+
+
+@dataclasses.dataclass
+class Row:
+    source: str
+    index: int
+    value: Any = None
+    reject: str | None = None        # reason, when the row could not even be parsed
+
+
+@dataclasses.dataclass
+class SourceSpec:
+    name: str
+    path: str
+    kind: str = "auto"
+    format: str = "auto"
+    split: str = "train"
+    limit: int | None = None
+    weight: float = 1.0
+
+    @classmethod
+    def of(cls, cfg) -> "SourceSpec":
+        if isinstance(cfg, dict):
+            return cls(**{f.name: cfg[f.name] for f in dataclasses.fields(cls) if f.name in cfg})
+        return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)})
+
+
+def detect_kind(spec: SourceSpec) -> str:
+    if spec.kind != "auto":
+        return spec.kind
+    p = Path(spec.path)
+    name = p.name.lower()
+    if p.is_dir():
+        return "disk"
+    if name.endswith((".jsonl", ".jsonl.gz", ".ndjson")):
+        return "jsonl"
+    if name.endswith(".json"):
+        return "json"
+    if name.endswith(".parquet"):
+        return "parquet"
+    if not p.exists():
+        raise UserError(f"source '{spec.name}': {spec.path} does not exist (set kind: hub for a hub dataset)")
+    raise UserError(f"source '{spec.name}': cannot tell how to read {spec.path}; set kind to jsonl, json, parquet or disk")
+
+
+def _need_file(spec: SourceSpec) -> Path:
+    p = Path(spec.path)
+    if not p.exists():
+        raise UserError(f"source '{spec.name}': {spec.path} does not exist")
+    return p
+
+
+def _jsonl(spec: SourceSpec) -> Iterator[Row]:
+    p = _need_file(spec)
+    if p.is_dir():
+        raise UserError(f"source '{spec.name}': {spec.path} is a folder, not a JSONL file")
+    index = 0
+    with open(p, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue                      # blank lines are not rows
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                yield Row(spec.name, index, {"_line": lineno}, "invalid_utf8")
+                index += 1
+                continue
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError:
+                yield Row(spec.name, index, {"_line": lineno}, "invalid_json")
+                index += 1
+                continue
+            yield Row(spec.name, index, value)
+            index += 1
+
+
+def _json(spec: SourceSpec) -> Iterator[Row]:
+    p = _need_file(spec)
+    try:
+        data = json.loads(p.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise UserError(f"source '{spec.name}': {spec.path} is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"source '{spec.name}': {spec.path} is not valid JSON (line {e.lineno}: {e.msg})") from None
+    if isinstance(data, dict):
+        for key in ("data", "rows", "train"):
+            if isinstance(data.get(key), list):
+                data = data[key]
+                break
+    if not isinstance(data, list):
+        raise UserError(f"source '{spec.name}': {spec.path} must hold a JSON list of rows (or {{\"data\": [...]}})")
+    for i, value in enumerate(data):
+        yield Row(spec.name, i, value)
+
+
+def _table_rows(spec: SourceSpec, table_iter) -> Iterator[Row]:
+    for i, value in enumerate(table_iter):
+        yield Row(spec.name, i, value)
+
+
+def _parquet(spec: SourceSpec) -> Iterator[Row]:
+    import pyarrow.parquet as pq
+    p = _need_file(spec)
+    try:
+        pf = pq.ParquetFile(p)
+    except Exception as e:    # pyarrow raises several types for a bad file
+        raise UserError(f"source '{spec.name}': {spec.path} is not a readable Parquet file: {e}") from None
+    i = 0
+    for batch in pf.iter_batches(batch_size=1024):
+        for value in batch.to_pylist():
+            yield Row(spec.name, i, value)
+            i += 1
+
+
+def _dataset_rows(spec: SourceSpec, ds) -> Iterator[Row]:
+    from datasets import DatasetDict
+    if isinstance(ds, DatasetDict):
+        if spec.split not in ds:
+            raise UserError(f"source '{spec.name}': {spec.path} has no split {spec.split!r} (has {', '.join(ds)})")
+        ds = ds[spec.split]
+    for i, value in enumerate(ds):
+        yield Row(spec.name, i, value)
+
+
+def _disk(spec: SourceSpec) -> Iterator[Row]:
+    from datasets import load_from_disk
+    p = _need_file(spec)
+    try:
+        ds = load_from_disk(str(p))
+    except (FileNotFoundError, ValueError, OSError) as e:
+        raise UserError(f"source '{spec.name}': {spec.path} is not a datasets folder saved with save_to_disk: "
+                        f"{str(e).splitlines()[0]}") from None
+    yield from _dataset_rows(spec, ds)
+
+
+def _hub(spec: SourceSpec) -> Iterator[Row]:
+    from datasets import load_dataset
+    try:
+        ds = load_dataset(spec.path, split=spec.split)
+    except Exception as e:    # network, auth, missing: all the user's to fix
+        raise UserError(f"source '{spec.name}': cannot load hub dataset {spec.path!r} split {spec.split!r}: "
+                        f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    yield from _dataset_rows(spec, ds)
+
+
+READERS = {"jsonl": _jsonl, "json": _json, "parquet": _parquet, "disk": _disk, "hub": _hub}
+
+
+def read_rows(spec: SourceSpec) -> Iterator[Row]:
+    """Rows of a source, at most `limit`."""
+    kind = detect_kind(spec)
+    n = 0
+    for row in READERS[kind](spec):
+        if spec.limit is not None and n >= spec.limit:
+            break
+        n += 1
+        yield row
+
+
+# ---- normalisation -------------------------------------------------------------------------------------------
+
+def _turn(turn, fmt: str):
+    """(role, content) or a reject reason (str) for one turn."""
+    if not isinstance(turn, dict):
+        return "wrong_type"
+    order = [("from", "value"), ("role", "content")] if fmt == "sharegpt" else [("role", "content"), ("from", "value")]
+    for rk, ck in order:
+        if rk in turn and ck in turn:
+            role, content = turn[rk], turn[ck]
+            break
+    else:
+        return "missing_key"
+    if not isinstance(role, str) or not isinstance(content, str):
+        if content is None:
+            return "empty_turn"
+        return "wrong_type"
+    role = ROLE_ALIASES.get(role.strip().lower())
+    if role is None:
+        return "unknown_role"
+    if "\ufffd" in content or any(0xD800 <= ord(c) <= 0xDFFF for c in content):
+        return "invalid_utf8"
+    if not content.strip():
+        return "empty_turn"
+    return role, content
+
+
+def normalise(value, fmt: str = "auto"):
+    """A list of {"role", "content"} messages, or a reject reason (str)."""
+    if not isinstance(value, dict):
+        return "wrong_type"
+    if fmt == "openai":
+        keys = ["messages"]
+    elif fmt == "sharegpt":
+        keys = ["conversations"]
+    else:
+        keys = ["messages", "conversations", "conversation"]
+    turns = None
+    for k in keys:
+        if k in value:
+            turns = value[k]
+            kf = "openai" if k == "messages" else "sharegpt"
+            break
+    if turns is None:
+        return "missing_conversation"
+    if isinstance(turns, str):
+        try:
+            turns = json.loads(turns)
+        except json.JSONDecodeError:
+            return "wrong_type"
+    if not isinstance(turns, (list, tuple)):
+        return "wrong_type"
+    if not turns:
+        return "empty_conversation"
+    messages = []
+    system = value.get("system")
+    if isinstance(system, str) and system.strip():
+        messages.append({"role": "system", "content": system})
+    for turn in turns:
+        r = _turn(turn, kf)
+        if isinstance(r, str):
+            return r
+        role, content = r
+        if role == "system" and messages and messages[-1]["role"] != "system":
+            return "bad_turn_order"            # a system turn in the middle of a conversation
+        if messages and messages[-1]["role"] == role and role != "system":
+            return "bad_turn_order"            # two user or two assistant turns in a row
+        messages.append({"role": role, "content": content})
+    roles = [m["role"] for m in messages if m["role"] != "system"]
+    if "assistant" not in roles:
+        return "no_assistant_turn"
+    if roles[0] != "user":
+        return "bad_turn_order"
+    while messages[-1]["role"] != "assistant":   # a trailing user turn has no response to learn
+        messages.pop()
+    return messages

@@ -1,0 +1,211 @@
+"""The embedded tiny target: a byte-level BPE tokenizer and a small Qwen3 model pre-trained briefly on CPU.
+
+`build_target(target_cfg, out_dir)` writes a transformers folder into `out_dir` (the caller makes it atomic):
+- `tiny`: tokenizer + Qwen3ForCausalLM of `target.arch`, pre-trained `target.pretrain.steps` steps on the
+  chat-formatted built-in corpus; safetensors weights; `build.json` with the loss curve and seconds.
+- `random`: config.json of `target.arch` + the tiny tokenizer, no weights (`load_target` makes them).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import time
+from pathlib import Path
+
+from dflash.data import corpus as corpus_mod
+
+log = logging.getLogger("dflash.target")
+
+EOS, IM_START, IM_END, MASK = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"
+SPECIAL_TOKENS = [EOS, IM_START, IM_END, MASK]
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+def _get(cfg, key):
+    return cfg[key] if isinstance(cfg, dict) else getattr(cfg, key)
+
+
+def render(messages: list[dict], add_generation_prompt: bool = False) -> str:
+    """The chat template in plain Python (the same text as the tokenizer's template)."""
+    text = "".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in messages)
+    return text + (f"{IM_START}assistant\n" if add_generation_prompt else "")
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    """Byte-level BPE trained on `texts`, wrapped as a PreTrainedTokenizerFast with the chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, min_frequency=2,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, mask_token=MASK,
+                                   additional_special_tokens=[IM_START, IM_END], model_max_length=1 << 20,
+                                   clean_up_tokenization_spaces=False)
+    fast.chat_template = CHAT_TEMPLATE
+    fast.padding_side = "left"
+    return fast
+
+
+def qwen3_config(arch, tokenizer, dtype: str = "float32"):
+    from transformers import Qwen3Config
+    vocab = int(_get(arch, "vocab_size"))
+    if vocab < len(tokenizer):
+        raise ValueError(f"target.arch.vocab_size {vocab} is smaller than the tokenizer ({len(tokenizer)})")
+    return Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=int(_get(arch, "hidden_size")),
+        intermediate_size=int(_get(arch, "intermediate_size")),
+        num_hidden_layers=int(_get(arch, "num_hidden_layers")),
+        num_attention_heads=int(_get(arch, "num_attention_heads")),
+        num_key_value_heads=int(_get(arch, "num_key_value_heads")),
+        head_dim=int(_get(arch, "head_dim")),
+        max_position_embeddings=int(_get(arch, "max_position_embeddings")),
+        rope_theta=float(_get(arch, "rope_theta")),
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.convert_tokens_to_ids(EOS),
+        eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
+        pad_token_id=tokenizer.convert_tokens_to_ids(EOS),
+        dtype=dtype,
+    )
+
+
+def _generation_config(tokenizer):
+    from transformers import GenerationConfig
+    return GenerationConfig(eos_token_id=[tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(EOS)],
+                            pad_token_id=tokenizer.convert_tokens_to_ids(EOS),
+                            bos_token_id=tokenizer.convert_tokens_to_ids(EOS), do_sample=False)
+
+
+def pretrain(model, token_stream, steps: int, batch_size: int, seq_len: int, lr: float, seed: int = 0,
+             progress: bool = True) -> list[float]:
+    """Next-token pre-training on random windows of one token stream; AdamW, warm-up + cosine. Returns losses."""
+    import torch
+    from tqdm import tqdm
+
+    data = torch.tensor(token_stream, dtype=torch.long)
+    if data.numel() <= seq_len + 1:
+        raise ValueError(f"corpus too small for seq_len {seq_len}: {data.numel()} tokens")
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    warm = max(1, steps // 10)
+
+    def lr_at(step):
+        if step < warm:
+            return lr * (step + 1) / warm
+        t = (step - warm) / max(1, steps - warm)
+        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+    model.train()
+    losses = []
+    bar = tqdm(range(steps), desc="pretrain tiny target", disable=not progress, mininterval=2.0)
+    for step in bar:
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        starts = torch.randint(0, data.numel() - seq_len - 1, (batch_size,), generator=gen)
+        batch = torch.stack([data[s:s + seq_len + 1] for s in starts.tolist()])
+        out = model(input_ids=batch[:, :-1])
+        logits = out.logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), batch[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    model.eval()
+    return losses
+
+
+def build_target(target_cfg, out_dir, seed: int = 0, corpus_size: int = 1500, progress: bool = True,
+                 threads: int | None = None) -> dict:
+    """Write the target folder into `out_dir` (tiny: trained; random: config + tokenizer). Returns build info.
+
+    `threads` sets torch's CPU threads for the pre-training (restored after): on a shared 2-core machine one thread
+    is several times faster than two contending ones."""
+    import torch
+
+    with cpu_threads(threads):
+        return _build_target(target_cfg, out_dir, seed, corpus_size, progress)
+
+
+@contextlib.contextmanager
+def cpu_threads(n: int | None):
+    """Temporarily set torch's intra-op CPU threads (None or 0: leave as is)."""
+    import torch
+    old = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(int(n))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def _build_target(target_cfg, out_dir, seed, corpus_size, progress) -> dict:
+    import torch
+
+    t0 = time.time()
+    out_dir = Path(out_dir)
+    build = _get(target_cfg, "build")
+    arch = _get(target_cfg, "arch")
+    convs = corpus_mod.conversations(corpus_size, seed=0)
+    texts = [render(c["messages"]) for c in convs]
+    tokenizer = train_tokenizer(texts, int(_get(arch, "vocab_size")))
+    t_tok = time.time() - t0
+    dtype_name = _get(target_cfg, "dtype")
+    info = {"build": build, "corpus": {"conversations": len(convs), "hash": corpus_mod.corpus_hash(convs)},
+            "tokenizer": {"size": len(tokenizer), "seconds": round(t_tok, 3)}, "seed": seed}
+    if build == "random":
+        config = qwen3_config(arch, tokenizer, "bfloat16" if dtype_name == "auto" else dtype_name)
+        config.save_pretrained(out_dir)
+        _generation_config(tokenizer).save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+        info["seconds"] = round(time.time() - t0, 3)
+        (out_dir / "build.json").write_text(json.dumps(info, indent=2) + "\n")
+        return info
+    if build != "tiny":
+        raise ValueError(f"target.build {build!r}: the target stage only builds `tiny` or `random`")
+
+    from transformers import Qwen3ForCausalLM
+    config = qwen3_config(arch, tokenizer, "float32")
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config)
+    stream: list[int] = []
+    for text in texts:
+        stream.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+        stream.append(tokenizer.convert_tokens_to_ids(EOS))
+    pre = _get(target_cfg, "pretrain")
+    steps = int(_get(pre, "steps"))
+    t1 = time.time()
+    losses = pretrain(model, stream, steps, int(_get(pre, "batch_size")), int(_get(pre, "seq_len")),
+                      float(_get(pre, "lr")), seed=seed, progress=progress) if steps else []
+    t_train = time.time() - t1
+    model.generation_config = _generation_config(tokenizer)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    k = max(1, min(10, len(losses) // 10)) if losses else 1
+    info.update({
+        "params": sum(p.numel() for p in model.parameters()),
+        "corpus_tokens": len(stream),
+        "pretrain": {"steps": steps, "seconds": round(t_train, 3),
+                     "tokens_per_s": round(steps * int(_get(pre, "batch_size")) * int(_get(pre, "seq_len")) / max(t_train, 1e-9), 1),
+                     "loss_start": round(sum(losses[:k]) / k, 4) if losses else None,
+                     "loss_end": round(sum(losses[-k:]) / k, 4) if losses else None,
+                     "loss_curve": [round(x, 4) for x in losses[:: max(1, len(losses) // 50)]]},
+        "seconds": round(time.time() - t0, 3),
+        "threads": torch.get_num_threads(),
+    })
+    (out_dir / "build.json").write_text(json.dumps(info, indent=2) + "\n")
+    return info
