@@ -142,6 +142,10 @@ def worker_main(loaded, args) -> int:
         if fail and fail.get("step") == step:
             raise RuntimeError(f"{name}: injected failure at {'init' if step == 0 else f'step {step}'}")
 
+    from dflash.atomic import atomic_write_json
+    from dflash.config import results_path
+    atomic_write_json(results_path(loaded, "runs", cfg.run_name, "ranks", f"rank-{rank}.json"),
+                      {"rank": rank, "name": name, "device": str(device), "pid": os.getpid(), "backend": backend})
     stop = {"flag": False}
     signal.signal(signal.SIGINT, lambda *a: stop.__setitem__("flag", True))
     setup = prepare(loaded)

@@ -1,0 +1,87 @@
+"""The distributed runtime on CPU (gloo): 1 target rank + 2 drafter ranks under torchrun."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dflash import config as C
+from dflash.errors import UserError
+from dflash.train.distributed import role_of, torchrun_command
+from test_train import REPO, prepared, run_dir
+
+pytestmark = pytest.mark.slow
+
+
+def train(cfg, runtime, **kw):
+    return subprocess.run([sys.executable, "-m", "dflash", "train", "--config", str(cfg), "--no-progress",
+                           "--set", f"train.runtime={runtime}"], cwd=REPO, capture_output=True, text=True,
+                          timeout=600, **kw)
+
+
+def losses(cfg):
+    return [json.loads(l)["loss"] for l in (run_dir(cfg) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_gloo_matches_threads_and_replicas_stay_identical(tmp_path):
+    dist_cfg, thr_cfg = prepared(tmp_path / "d", steps=8), prepared(tmp_path / "t", steps=8)
+    r = train(dist_cfg, "distributed")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert train(thr_cfg, "threads").returncode == 0
+    s = json.loads((run_dir(dist_cfg) / "summary.json").read_text())
+    assert s["runtime"] == "distributed" and s["status"] == "completed" and s["steps"] == 8
+    assert s["replicas_identical"] is True and len(s["replica_checksums"]) == 2
+    assert {w["name"] for w in s["workers"]} == {"target-0", "drafter-0", "drafter-1"}
+    # same data order and anchors; only the order of the gradient sum differs: agree to 1e-4 relative
+    a, b = losses(dist_cfg), losses(thr_cfg)
+    assert len(a) == len(b) == 4
+    for x, y in zip(a, b):
+        assert abs(x - y) <= 1e-4 * abs(y), (a, b)
+
+
+def test_killed_rank_stops_the_job_named_and_resume_works(tmp_path):
+    cfg = prepared(tmp_path, steps=12, checkpoint_every=2)
+    proc = subprocess.Popen([sys.executable, "-m", "dflash", "train", "--config", str(cfg), "--no-progress",
+                             "--set", "train.runtime=distributed"], cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    ckpt = run_dir(cfg) / "checkpoints" / "step-000002"
+    pid_file = run_dir(cfg) / "ranks" / "rank-2.json"
+    deadline = time.time() + 300
+    while not (ckpt.exists() and pid_file.exists()) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    assert ckpt.exists(), proc.stderr.read()[-3000:] if proc.poll() is not None else "no checkpoint"
+    os.kill(json.loads(pid_file.read_text())["pid"], signal.SIGKILL)
+    t = time.time()
+    _, err = proc.communicate(timeout=60)
+    assert time.time() - t < 15
+    assert proc.returncode != 0
+    assert "rank 2 = drafter-1 (cpu) failed with exit code -9" in err
+    # resume with the same config: continues from the newest checkpoint to the end
+    r = train(cfg, "distributed")
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads((run_dir(cfg) / "summary.json").read_text())
+    assert s["status"] == "completed" and s["steps"] == 12 and s["resumed_from_step"] >= 2
+    assert s["replicas_identical"] is True
+
+
+def test_torchrun_command_construction(tmp_path):
+    one = C.from_dict({"train": {"targets": ["cuda:0", "cuda:1", "cuda:2", "cuda:3", "cuda:4"],
+                                 "drafters": ["cuda:5", "cuda:6", "cuda:7"]}}, "seed.yaml")
+    cmd = torchrun_command(one)
+    assert cmd[1:4] == ["-m", "torch.distributed.run", "--nnodes=1"]
+    assert "--nproc-per-node=8" in cmd and "--standalone" in cmd and "--max-restarts=0" in cmd
+    assert cmd[-5:] == ["dflash", "train", "--config", "seed.yaml", "--no-progress"]
+    two = C.from_dict({"train": {"targets": [str(i) for i in range(8)] + [str(i) for i in range(5)],
+                                 "drafters": ["5", "6", "7"],
+                                 "rendezvous": {"nnodes": 2, "endpoint": "node1:29500", "id": "job42"}}}, "x.yaml")
+    cmd = torchrun_command(two, ["train.steps=5"])
+    assert "--nnodes=2" in cmd and "--nproc-per-node=8" in cmd and "--rdzv-backend=c10d" in cmd
+    assert "--rdzv-endpoint=node1:29500" in cmd and "--rdzv-id=job42" in cmd and "--standalone" not in cmd
+    assert cmd[-2:] == ["--set", "train.steps=5"]
+    assert role_of(one, 6) == "drafter-1 (cuda:6)" and role_of(one, 0) == "target-0 (cuda:0)"
+    with pytest.raises(UserError, match="endpoint"):
+        torchrun_command(C.from_dict({"train": {"targets": ["0", "1"], "drafters": ["2", "3"],
+                                                "rendezvous": {"nnodes": 2}}}))
