@@ -1,0 +1,165 @@
+"""DFlashDrafter: a few Qwen3-style decoder layers conditioned on the target's hidden states (KV injection).
+
+Math (matches the reference `DFlashDraftModel` of z-lab dflash 0.1.0 for the same weights):
+  ctx = hidden_norm(fc(concat of k target layers))                   [B, S, H]   (fused once, shared by layers)
+  x   = embed([anchor, MASK x (Bk-1)] per block)                     [B, Q, H]
+  per layer:  h = input_layernorm(x)
+              q = rope(q_norm(q_proj(h)))                   at block positions a..a+Bk-1
+              k = rope(k_norm(k_proj([ctx ; h])))           at positions [0..S-1 ; block positions]
+              v = v_proj([ctx ; h])
+              x = x + o_proj(attention(q, k, v, mask));  x = x + mlp(post_attention_layernorm(x))
+  out = norm(x)                                                      [B, Q, H]
+The embedding and LM head are the target's: frozen, held by reference, not parameters of this module.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .anchors import Anchors, build_blocks
+from .attention import Mask, attention, make_mask
+from .config import DrafterConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):   # normalise in float32, scale in the input dtype (as Qwen3RMSNorm)
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(pos: torch.Tensor, head_dim: int, theta: float, dtype):
+    """cos, sin [..., head_dim] for integer positions `pos` (default RoPE, computed in float32)."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=pos.device).float() / head_dim))
+    with torch.autocast(device_type=pos.device.type, enabled=False):
+        f = pos.float()[..., None] * inv                                       # [..., D/2]
+        emb = torch.cat([f, f], dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x, cos, sin):   # x [B, H, T, D]; cos/sin [B, T, D]
+    cos, sin = cos[:, None], sin[:, None]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        H, D = cfg.hidden_size, cfg.head_dim
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, D
+        self.q_proj = nn.Linear(H, self.nh * D, bias=False)
+        self.k_proj = nn.Linear(H, self.nkv * D, bias=False)
+        self.v_proj = nn.Linear(H, self.nkv * D, bias=False)
+        self.o_proj = nn.Linear(self.nh * D, H, bias=False)
+        self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
+
+    def forward(self, h, ctx, cos, sin, mask: Mask):
+        B, Q, _ = h.shape
+        T = ctx.shape[1] + Q
+        kv_in = torch.cat([ctx.to(h.dtype), h], dim=1)                         # [B, S+Q, H]
+        q = self.q_norm(self.q_proj(h).view(B, Q, self.nh, self.hd)).transpose(1, 2)     # [B, nh, Q, D]
+        k = self.k_norm(self.k_proj(kv_in).view(B, T, self.nkv, self.hd)).transpose(1, 2)  # [B, nkv, S+Q, D]
+        v = self.v_proj(kv_in).view(B, T, self.nkv, self.hd).transpose(1, 2)               # [B, nkv, S+Q, D]
+        q = apply_rope(q, cos[:, -Q:], sin[:, -Q:])
+        k = apply_rope(k, cos, sin)
+        y = attention(q, k, v, mask)                                           # [B, nh, Q, D]
+        return self.o_proj(y.transpose(1, 2).reshape(B, Q, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: DrafterConfig, idx: int):
+        super().__init__()
+        self.window = cfg.window(idx)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, ctx, cos, sin, masks: dict):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, masks[self.window])
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _weight(m) -> torch.Tensor:
+    return m if isinstance(m, torch.Tensor) else m.weight
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig, embed_tokens, lm_head):
+        super().__init__()
+        self.cfg = cfg
+        H = cfg.hidden_size
+        self.fc = nn.Linear(cfg.num_context_layers * H, H, bias=False)
+        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.set_target_weights(embed_tokens, lm_head)
+        self.reset_parameters()
+
+    # The target's embedding and LM head: a plain tuple, so they are not submodules, not in state_dict, not
+    # in parameters(), never moved or copied by .to(); pass the copies on the drafter's device.
+    def set_target_weights(self, embed_tokens, lm_head):
+        e, w = _weight(embed_tokens), _weight(lm_head)
+        if e.shape[-1] != self.cfg.hidden_size or w.shape[-1] != self.cfg.hidden_size:
+            raise ValueError(f"embedding {tuple(e.shape)} / LM head {tuple(w.shape)} do not match drafter "
+                             f"hidden_size {self.cfg.hidden_size}")
+        self._target = (e, w)
+
+    @property
+    def embed_weight(self) -> torch.Tensor:   # [V, H]
+        return self._target[0]
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:  # [V, H]
+        return self._target[1]
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02):
+        """HF Qwen3 init: linear weights N(0, std), norm weights 1 (seed the global RNG before)."""
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                m.weight.normal_(0.0, std)
+            elif isinstance(m, RMSNorm):
+                m.weight.fill_(1.0)
+
+    def forward(self, target_hidden: torch.Tensor, input_ids: torch.Tensor, anchors: Anchors,
+                backend: str = "sdpa", masks: dict | None = None) -> torch.Tensor:
+        """target_hidden [B, S, k*H], input_ids [B, S] -> hidden [B, Q, H] (Q = A*Bk, after the final norm).
+        `masks` (from make_mask) may be passed when built elsewhere; otherwise built here once."""
+        B, S, _ = target_hidden.shape
+        cfg = self.cfg
+        if anchors.block_size != cfg.block_size:
+            raise ValueError(f"anchors have block_size {anchors.block_size}, the drafter {cfg.block_size}")
+        if masks is None:
+            masks = make_mask(anchors, S, backend, cfg.windows())
+        ids, qpos = build_blocks(input_ids, anchors, cfg.mask_token_id)      # [B, Q], [B, Q]
+        x = F.embedding(ids, self.embed_weight)                                 # [B, Q, H]
+        ctx = self.hidden_norm(self.fc(target_hidden))                          # [B, S, H]
+        kpos = torch.cat([torch.arange(S, device=qpos.device).expand(B, S), qpos], dim=1)  # [B, S+Q]
+        cos, sin = rope_cos_sin(kpos, cfg.head_dim, cfg.rope_theta, x.dtype)   # [B, S+Q, D]
+        for layer in self.layers:
+            x = layer(x, ctx, cos, sin, masks)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden @ self.lm_head_weight.t()

@@ -1,0 +1,83 @@
+"""Reference-format drafter directories: config.json + model.safetensors (keys exactly as DFlashDraftModel names
+them; no embedding, no LM head), written atomically; loaded with safetensors only."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..atomic import atomic_dir
+from .config import DrafterConfig
+from .drafter import DFlashDrafter
+
+CONFIG, WEIGHTS = "config.json", "model.safetensors"
+_LAYER_KEYS = (
+    "input_layernorm.weight",
+    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+    "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+)
+
+
+def reference_keys(num_layers: int) -> list[str]:
+    """The exact tensor names of a reference DFlash drafter with `num_layers` layers (sorted)."""
+    keys = ["fc.weight", "hidden_norm.weight", "norm.weight"]
+    keys += [f"layers.{i}.{k}" for i in range(num_layers) for k in _LAYER_KEYS]
+    return sorted(keys)
+
+
+def save_drafter(drafter: DFlashDrafter, out_dir, extra: dict | None = None, dtype: torch.dtype | None = None) -> Path:
+    """Write `out_dir` (replaced in one rename). `extra` adds keys to config.json; `dtype` casts the weights
+    (default: as they are)."""
+    from safetensors.torch import save_file
+    sd = drafter.state_dict()
+    expected = reference_keys(drafter.cfg.num_layers)
+    if sorted(sd) != expected:
+        raise RuntimeError(f"drafter state_dict keys differ from the reference: "
+                           f"extra {sorted(set(sd) - set(expected))}, missing {sorted(set(expected) - set(sd))}")
+    tensors = {k: (v.to(dtype) if dtype is not None else v).detach().cpu().contiguous() for k, v in sd.items()}
+    config = drafter.cfg.to_hf_dict(extra)
+    if dtype is not None:
+        config["dtype"] = str(dtype).removeprefix("torch.")
+    else:
+        config["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+    out_dir = Path(out_dir)
+    with atomic_dir(out_dir) as tmp:
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return out_dir
+
+
+def load_drafter(path, embed_tokens, lm_head, device=None, dtype: torch.dtype | None = None) -> DFlashDrafter:
+    """A DFlashDrafter from a reference-format directory (safetensors only)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    path = Path(path)
+    cfg_file, w_file = path / CONFIG, path / WEIGHTS
+    for f in (cfg_file, w_file):
+        if not f.is_file():
+            raise FileNotFoundError(f"{f}: missing (a drafter directory holds {CONFIG} and {WEIGHTS})")
+    try:
+        cfg = DrafterConfig.from_hf_dict(json.loads(cfg_file.read_text()))
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{cfg_file}: not a DFlash drafter config: {e}") from None
+    try:
+        sd = load_file(str(w_file), device="cpu")
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{w_file}: cannot read safetensors: {e}") from None
+    expected = set(reference_keys(cfg.num_layers))
+    missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - expected)
+    if missing or unexpected:
+        raise ValueError(f"{w_file}: weights do not match {cfg_file} ({cfg.num_layers} layers): "
+                         f"missing keys {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+                         f"unexpected keys {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
+    drafter = DFlashDrafter(cfg, embed_tokens, lm_head)
+    try:
+        drafter.load_state_dict(sd, strict=True)
+    except RuntimeError as e:
+        raise ValueError(f"{w_file}: {e}") from None
+    if device is not None or dtype is not None:
+        drafter.to(device=device, dtype=dtype)
+    return drafter

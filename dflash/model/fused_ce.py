@@ -1,0 +1,62 @@
+"""Fused linear + weighted cross-entropy over a frozen LM head, gradient computed in the forward pass.
+
+For N scored positions the logits [N, V] never exist at once: per chunk of rows the forward computes the logits,
+the weighted CE and its gradient w.r.t. the hidden states (softmax - onehot) @ W, and keeps only that [n, H]
+gradient. Backward just scales it. Two matmuls per chunk (no recompute, no checkpointing) instead of the three
+of a checkpointed chunked loss. The LM head is the target's, frozen: no gradient for it.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def ce_chunk(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor):
+    """logits [n, V] (any float dtype), labels [n] (< 0: ignored), weights [n] ->
+    (sum of weighted CE [], hits [n] bool, grad_logits [n, V] in the logits dtype)."""
+    lf = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    lse = torch.logsumexp(lf, dim=-1)                                            # [n]
+    safe = labels.clamp(min=0)
+    picked = lf.gather(1, safe[:, None]).squeeze(1)
+    w = torch.where(labels >= 0, weights.to(lf.dtype), torch.zeros_like(lse))
+    loss = ((lse - picked) * w).sum()
+    hits = (lf.argmax(-1) == labels)
+    grad = torch.exp(lf - lse[:, None])
+    grad = grad.scatter_add(1, safe[:, None], -torch.ones_like(picked)[:, None])
+    return loss, hits, (grad * w[:, None]).to(logits.dtype)
+
+
+class _FusedLinearCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, labels, weights, chunk, kernel):
+        # h [N, H], weight [V, H] (frozen), labels [N], weights [N]
+        dtype = weight.dtype if h.is_cuda else torch.promote_types(h.dtype, weight.dtype)
+        hc_all = h.to(dtype)
+        w = weight.to(dtype)
+        grad_h = torch.empty_like(hc_all) if ctx.needs_input_grad[0] else None
+        total = torch.zeros((), dtype=torch.promote_types(dtype, torch.float32), device=h.device)
+        hits = torch.empty(h.shape[0], dtype=torch.bool, device=h.device)
+        for s in range(0, h.shape[0], chunk):
+            e = min(s + chunk, h.shape[0])
+            logits = hc_all[s:e] @ w.t()                                            # [n, V]
+            loss, hit, g = kernel(logits, labels[s:e], weights[s:e])
+            total += loss
+            hits[s:e] = hit
+            if grad_h is not None:
+                grad_h[s:e] = g @ w                                                  # [n, H]
+        ctx.save_for_backward(grad_h)
+        ctx.in_dtype = h.dtype
+        ctx.mark_non_differentiable(hits)
+        return total, hits
+
+    @staticmethod
+    def backward(ctx, grad_total, grad_hits):
+        (grad_h,) = ctx.saved_tensors
+        return (grad_h * grad_total).to(ctx.in_dtype), None, None, None, None, None
+
+
+def fused_linear_ce(h, weight, labels, weights, chunk: int = 4096, kernel=ce_chunk):
+    """(sum over rows of weights * CE(h @ weight.T, labels), argmax hits [N]); d/dh computed in the forward.
+    `kernel` may be a compiled version of ce_chunk (fuses the [n, V] elementwise work)."""
+    if weight.requires_grad:
+        raise ValueError("fused_linear_ce assumes a frozen LM head (the target's); it computes no weight gradient")
+    return _FusedLinearCE.apply(h, weight, labels, weights, chunk, kernel)

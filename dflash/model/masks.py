@@ -1,0 +1,204 @@
+"""Attention masks of the drafter, all from one Anchors description.
+
+Keys are [context 0..S-1 ; blocks S..S+Q-1]; query q = j*Bk + i is offset i of block j (anchor a = pos[b, j]).
+Rules (True = may attend):
+  * context key p:  p < a                       (strictly before the anchor)
+                    and (a + i) - p < window     (sliding layers only: the query's position minus the key's
+                                                  position is below the window, the rule of the reference's
+                                                  sliding layers; so offset i sees the last window-1-i
+                                                  context positions)
+  * block key S + j'*Bk + i':  j' == j           (own block, bidirectional, whatever the window)
+  * padded blocks (valid False) see nothing; their attention output is defined as 0 (see attention.py).
+
+Three products that tests hold equal:
+  reference_allowed  plain Python loops over the rules (tests only)
+  dense_mask         Bool[B, 1, Q, S+Q] with tensor ops (sdpa, eager)
+  block_mask         flex BlockMask built directly from the anchors with tensor ops: per query tile the full and
+                     partial kv tiles (BlockMask.from_kv_blocks) plus a mask_mod closing over per-query bounds.
+                     No create_block_mask, no FX tracing, no compilation, no host sync.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .anchors import Anchors
+
+TILE = 128
+
+
+@dataclasses.dataclass
+class QueryBounds:
+    """Per query row: visible context is [lo, hi); visible block index blk (-1: none). Padded to `length`."""
+    lo: torch.Tensor    # Long[B, Qp]
+    hi: torch.Tensor    # Long[B, Qp]
+    blk: torch.Tensor   # Long[B, Qp]
+    S: int
+    Q: int
+    block_size: int
+
+
+def query_bounds(anchors: Anchors, S: int, window: int | None = None, pad_to: int = 1) -> QueryBounds:
+    B, A = anchors.pos.shape
+    Bk = anchors.block_size
+    Q = A * Bk
+    Qp = -(-Q // pad_to) * pad_to
+    pos, valid = anchors.pos, anchors.valid
+    if Qp > Q and Qp % Bk == 0:                     # pad with invalid blocks (they see nothing)
+        pad = Qp // Bk - A
+        pos = torch.cat([pos, pos.new_zeros(B, pad)], 1)
+        valid = torch.cat([valid, valid.new_zeros(B, pad)], 1)
+    Ab = pos.shape[1]
+    hi = (pos * valid)[:, :, None].expand(B, Ab, Bk).reshape(B, Ab * Bk)               # [B, Q']
+    ar = torch.arange(Ab, device=pos.device)
+    blk = torch.where(valid, ar, -1)[:, :, None].expand(B, Ab, Bk).reshape(B, Ab * Bk)
+    if window is None:
+        lo = torch.zeros_like(hi)
+    else:
+        i = torch.arange(Bk, device=pos.device)
+        lo = (pos[:, :, None] + (i - window + 1)).clamp(min=0).reshape(B, Ab * Bk)
+    if Qp > hi.shape[1]:                            # block size does not divide the padding: pad rows
+        pad = Qp - hi.shape[1]
+        hi = torch.cat([hi, hi.new_zeros(B, pad)], 1)
+        lo = torch.cat([lo, lo.new_zeros(B, pad)], 1)
+        blk = torch.cat([blk, blk.new_full((B, pad), -1)], 1)
+    return QueryBounds(lo, hi, blk, S, Q, Bk)
+
+
+def reference_allowed(anchors: Anchors, S: int, window: int | None = None) -> torch.Tensor:
+    """Bool[B, Q, S+Q] straight from the rules, with Python loops (for tests; slow)."""
+    B, A = anchors.pos.shape
+    Bk = anchors.block_size
+    Q = A * Bk
+    out = torch.zeros(B, Q, S + Q, dtype=torch.bool)
+    pos, valid = anchors.pos.tolist(), anchors.valid.tolist()
+    for b in range(B):
+        for j in range(A):
+            if not valid[b][j]:
+                continue
+            a = pos[b][j]
+            for i in range(Bk):
+                q = j * Bk + i
+                for p in range(S):
+                    if p < a and (window is None or (a + i) - p < window):
+                        out[b, q, p] = True
+                for i2 in range(Bk):
+                    out[b, q, S + j * Bk + i2] = True
+    return out
+
+
+def dense_mask(anchors: Anchors, S: int, window: int | None = None) -> torch.Tensor:
+    """Bool[B, 1, Q, S+Q] for sdpa / eager."""
+    qb = query_bounds(anchors, S, window)
+    kv = torch.arange(S + qb.Q, device=anchors.pos.device)
+    ctx = (kv < S) & (kv >= qb.lo[..., None]) & (kv < qb.hi[..., None])
+    own = (kv >= S) & (torch.div(kv - S, qb.block_size, rounding_mode="floor") == qb.blk[..., None])
+    return (ctx | own)[:, None]
+
+
+def _mask_mod(qb: QueryBounds):
+    lo, hi, blk, S, Bk = qb.lo, qb.hi, qb.blk, qb.S, qb.block_size
+
+    def dflash_mask(b, h, q_idx, kv_idx):   # no integer division: start/end of the own block instead
+        start = S + blk[b, q_idx] * Bk                 # blk -1 (padded) -> start S - Bk, end S: no block key
+        ctx = (kv_idx < S) & (kv_idx >= lo[b, q_idx]) & (kv_idx < hi[b, q_idx])
+        own = (kv_idx >= S) & (kv_idx >= start) & (kv_idx < start + Bk)
+        return ctx | own
+
+    return dflash_mask
+
+
+_CONST: dict = {}
+
+
+def _consts(device, S: int, Qp: int, Bk: int, tile: int):
+    """Index tensors that depend only on the shapes (cached: fewer launches per build)."""
+    key = (str(device), S, Qp, Bk, tile)
+    c = _CONST.get(key)
+    if c is None:
+        KV = S + Qp
+        KT = -(-KV // tile)
+        k0 = torch.arange(KT, device=device) * tile                          # first key of each kv tile
+        k1 = (k0 + tile).clamp(max=KV)
+        jb0 = torch.div(k0.clamp(min=S) - S, Bk, rounding_mode="floor")       # block ids the tile touches
+        jb1 = torch.div(k1 - 1 - S, Bk, rounding_mode="floor")
+        jb1 = torch.where(k1 > S, jb1, torch.full_like(jb1, -2))               # no block key in the tile
+        c = dict(k0=k0, k0t=k0 + tile, k1c=k1.clamp(max=S), jb0=jb0, jb1=jb1,
+                 ar_bk=torch.arange(Bk, device=device), ar_a=torch.arange(Qp // Bk + 1, device=device))
+        if len(_CONST) > 256:
+            _CONST.clear()
+        _CONST[key] = c
+    return c
+
+
+def tile_masks(qb: QueryBounds, tile: int = TILE, window: int | None = None, consts=None):
+    """(partial, full): Bool[B, QT, KT] per (query tile, kv tile): some key visible to some query but not
+    all / every key visible to every query (only context tiles can be full; tiles with block keys are
+    partial). Conservative where a tile mixes queries: extra partial tiles are filtered by mask_mod."""
+    B, Qp = qb.lo.shape
+    c = consts or _consts(qb.lo.device, qb.S, Qp, qb.block_size, tile)
+    hi, blk = qb.hi[..., None], qb.blk[..., None]                            # [B, Qp, 1]
+    ctx = hi > c["k0"]                                                         # hi <= anchor < S
+    full = hi >= c["k0t"]
+    if window is not None:
+        lo = qb.lo[..., None]
+        ctx = ctx & (lo < c["k1c"])
+        full = full & (lo <= c["k0"])
+    anyv = ctx | ((blk >= c["jb0"]) & (blk <= c["jb1"]))
+    QT, KT = Qp // tile, anyv.shape[-1]
+    anyv = anyv.view(B, QT, tile, KT).any(2)
+    full = full.view(B, QT, tile, KT).all(2)
+    return anyv & ~full, full
+
+
+def _ordered(m: torch.Tensor):
+    """Bool[B, R, C] -> (count Int32[B, 1, R], indices Int32[B, 1, R, C]) with the True columns first."""
+    m8 = m.to(torch.int8)
+    num = m8.sum(-1, dtype=torch.int32)[:, None]
+    idx = torch.argsort(m8, dim=-1, descending=True, stable=True).to(torch.int32)[:, None]
+    return num, idx
+
+
+def block_mask(anchors: Anchors, S: int, window: int | None = None, tile: int = TILE):
+    """A flex BlockMask for queries [B, Q] against keys [context S ; blocks Q], built with tensor ops only
+    (no create_block_mask, no vmap, no FX tracing, no compilation, no host sync)."""
+    from torch.nn.attention.flex_attention import BlockMask
+    qb = query_bounds(anchors, S, window, pad_to=tile)
+    partial, full = tile_masks(qb, tile, window)
+    kv_num, kv_idx = _ordered(partial)
+    fkv_num, fkv_idx = _ordered(full)
+    q_num, q_idx = _ordered(partial.transpose(1, 2))         # the transposed lists, for the backward pass
+    fq_num, fq_idx = _ordered(full.transpose(1, 2))
+    mm = _mask_mod(qb)
+    try:
+        return BlockMask(seq_lengths=(qb.Q, S + qb.Q), kv_num_blocks=kv_num, kv_indices=kv_idx,
+                         full_kv_num_blocks=fkv_num, full_kv_indices=fkv_idx, q_num_blocks=q_num,
+                         q_indices=q_idx, full_q_num_blocks=fq_num, full_q_indices=fq_idx,
+                         BLOCK_SIZE=(tile, tile), mask_mod=mm)
+    except TypeError:   # a torch whose BlockMask constructor differs: let it transpose the lists itself
+        return BlockMask.from_kv_blocks(kv_num, kv_idx, fkv_num, fkv_idx, BLOCK_SIZE=tile, mask_mod=mm,
+                                        seq_lengths=(qb.Q, S + qb.Q))
+
+
+def block_mask_to_dense(bm, Q: int, KV: int) -> torch.Tensor:
+    """Bool[B, Q, KV] of what a BlockMask lets through (full tiles, and partial tiles where mask_mod is True);
+    used by tests to compare a BlockMask with the other products."""
+    tq, tk = bm.BLOCK_SIZE
+    def expand(num, idx):
+        B, H, QT = num.shape
+        KT = -(-KV // tk)
+        sel = torch.arange(idx.shape[-1], device=num.device) < num[..., None]
+        tiles = torch.zeros(B, H, QT, KT + 1, dtype=torch.bool, device=num.device)
+        tiles.scatter_(-1, torch.where(sel, idx.long(), KT), sel)
+        t = tiles[..., :KT]
+        return t.repeat_interleave(tq, 2).repeat_interleave(tk, 3)[:, 0, :Q, :KV]
+    partial = expand(bm.kv_num_blocks, bm.kv_indices)
+    full = expand(bm.full_kv_num_blocks, bm.full_kv_indices) if bm.full_kv_num_blocks is not None else partial & False
+    B = partial.shape[0]
+    dev = partial.device
+    b = torch.arange(B, device=dev)[:, None, None]
+    q = torch.arange(Q, device=dev)[None, :, None]
+    k = torch.arange(KV, device=dev)[None, None, :]
+    mm = bm.mask_mod(b, torch.zeros_like(b), q, k)
+    return full | (partial & mm)

@@ -1,0 +1,84 @@
+"""Reference-format export: config.json + model.safetensors with exactly the reference keys; round trip."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash.model import DrafterConfig, load_drafter, reference_keys, save_drafter
+from helpers_model import make_batch, make_drafter, tiny_cfg
+
+
+def test_round_trip_identical_outputs_and_reference_keys(tmp_path):
+    cfg = tiny_cfg(layer_types=["sliding_attention", "full_attention"], sliding_window=6)
+    d = make_drafter(cfg)
+    out = save_drafter(d, tmp_path / "drafter", extra={"dflash_run": "test"})
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    sd = load_file(str(out / "model.safetensors"))
+    assert sorted(sd) == reference_keys(2)
+    assert not any("embed" in k or "lm_head" in k for k in sd)
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["architectures"] == ["DFlashDraftModel"] and conf["model_type"] == "qwen3"
+    assert conf["block_size"] == 4 and conf["num_target_layers"] == 6 and conf["num_hidden_layers"] == 2
+    assert conf["dflash_config"]["mask_token_id"] == 96 and conf["dflash_config"]["target_layer_ids"] == [0, 2, 3]
+    assert conf["layer_types"] == ["sliding_attention", "full_attention"] and conf["sliding_window"] == 6
+    assert conf["use_sliding_window"] is True and conf["dflash_run"] == "test"
+    loaded = load_drafter(out, d.embed_weight, d.lm_head_weight)
+    assert loaded.cfg == cfg
+    hidden, ids, lm, an = make_batch(cfg, 2, 20, 4)
+    with torch.no_grad():
+        assert torch.equal(loaded(hidden, ids, an), d(hidden, ids, an))
+    # a second save replaces the directory atomically, leaving no temporary folders behind
+    save_drafter(loaded, out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter"]
+
+
+def test_config_json_loads_as_a_transformers_qwen3_config(tmp_path):
+    from transformers import Qwen3Config
+    cfg = tiny_cfg(rope_theta=12345.0)
+    hf = Qwen3Config(**cfg.to_hf_dict())
+    assert hf.num_hidden_layers == 2 and hf.head_dim == 8 and hf.num_key_value_heads == 2
+    assert hf.rope_parameters["rope_theta"] == 12345.0
+    assert hf.dflash_config["target_layer_ids"] == [0, 2, 3] and hf.block_size == 4
+    assert DrafterConfig.from_hf_dict(hf.to_dict()) == cfg
+
+
+def test_load_errors_name_the_file(tmp_path):
+    d = make_drafter(tiny_cfg())
+    out = save_drafter(d, tmp_path / "x")
+    sd = load_file(str(out / "model.safetensors"))
+    sd["lm_head.weight"] = torch.zeros(3, 3)
+    del sd["layers.1.mlp.up_proj.weight"]
+    save_file(sd, str(out / "model.safetensors"))
+    with pytest.raises(ValueError) as e:
+        load_drafter(out, d.embed_weight, d.lm_head_weight)
+    msg = str(e.value)
+    assert "model.safetensors" in msg and "layers.1.mlp.up_proj.weight" in msg and "lm_head.weight" in msg
+    (out / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        load_drafter(out, d.embed_weight, d.lm_head_weight)
+
+
+def test_from_target_takes_null_sizes_from_the_target():
+    from transformers import Qwen3Config
+    target = Qwen3Config(vocab_size=300, hidden_size=64, num_hidden_layers=12, num_attention_heads=8,
+                         num_key_value_heads=4, head_dim=16, intermediate_size=200, rope_theta=500.0,
+                         max_position_embeddings=1024)
+    sec = dict(num_layers=3, hidden_size=None, num_attention_heads=None, num_key_value_heads=None, head_dim=None,
+               intermediate_size=96, block_size=8, num_target_layers=4, target_layer_ids=None, mask_token_id=None,
+               sliding_window=None, layer_types=None)
+    cfg = DrafterConfig.from_target(target, sec, mask_token_id=299)
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == \
+        (300, 64, 8, 4, 16)
+    assert cfg.intermediate_size == 96 and cfg.num_layers == 3 and cfg.block_size == 8
+    assert cfg.target_layer_ids == [1, 4, 6, 9] and cfg.num_target_layers == 12
+    assert cfg.mask_token_id == 299 and cfg.rope_theta == 500.0 and cfg.layer_types == ["full_attention"] * 3
+    with pytest.raises(ValueError, match="hidden_size"):
+        DrafterConfig.from_target(target, {**sec, "hidden_size": 32}, mask_token_id=299)
+    with pytest.raises(ValueError, match="mask"):
+        DrafterConfig.from_target(target, sec, mask_token_id=None)
+    # the typed config section of the pipeline works too
+    from dflash.config import from_dict
+    typed = from_dict({"drafter": {"num_layers": 2, "target_layer_ids": [0, 11]}}).cfg.drafter
+    cfg2 = DrafterConfig.from_target(target, typed, mask_token_id=5)
+    assert cfg2.target_layer_ids == [0, 11] and cfg2.num_layers == 2 and cfg2.block_size == 16
