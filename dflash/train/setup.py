@@ -103,10 +103,14 @@ def build_drafter(setup: Setup, embed, head, device: torch.device):
 
     init_from = setup.cfg.drafter.init_from
     if init_from:
-        return load_drafter(init_from, embed, head, device=device).train()
-    torch.manual_seed(setup.cfg.seed)
-    with torch.device(device):
-        drafter = DFlashDrafter(setup.drafter_config, embed, head)
+        drafter = load_drafter(init_from, embed, head, device=device)
+    else:
+        torch.manual_seed(setup.cfg.seed)
+        with torch.device(device):
+            drafter = DFlashDrafter(setup.drafter_config, embed, head)
+    if setup.compile:
+        for layer in drafter.layers:  # compiled in place (state_dict names unchanged); traced in the warm-up
+            layer.compile(fullgraph=True, dynamic=False)
     return drafter.to(device).train()
 
 
