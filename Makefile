@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 CORES  ?= all
 CONFIG ?= config/config.yaml
 
-.PHONY: demo test venv lint clean-results
+.PHONY: demo test venv lint clean-results interop
 
 venv: $(STAMP)
 
@@ -22,9 +22,28 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python -m pytest -q tests
+	$(MAKE) --no-print-directory interop
 
 lint: $(STAMP)
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/snakemake --lint
 
 clean-results:
 	rm -rf results/*/ .snakemake
+
+# Interop with the published reference package (dflash 0.1.0, DFlashDraftModel), in its own venv: both packages
+# are named `dflash`. torch is pinned to the project's 2.13.0 so pip takes the CPU wheel on disk. The check exports
+# a drafter with our code, decodes with our evaluator, then loads and decodes with the reference; any difference fails.
+INTEROP_VENV  := .venv-interop
+INTEROP_STAMP := $(INTEROP_VENV)/.installed
+INTEROP_OUT   ?= results/interop
+
+$(INTEROP_STAMP):
+	test -x $(INTEROP_VENV)/bin/python || $(PYTHON) -m venv $(INTEROP_VENV)
+	$(INTEROP_VENV)/bin/pip install --quiet "torch==2.13.0" "dflash[local]==0.1.0"
+	cd / && $(abspath $(INTEROP_VENV))/bin/python -c "from dflash import DFlashDraftModel"
+	touch $@
+
+interop: $(STAMP) $(INTEROP_STAMP)
+	rm -rf $(INTEROP_OUT)
+	$(BIN)/python tests/interop/make_case.py $(INTEROP_OUT)
+	cd $(INTEROP_OUT) && $(abspath $(INTEROP_VENV))/bin/python $(abspath tests/interop/check_reference.py) .

@@ -1,10 +1,117 @@
-"""Stage `evaluate` (not built yet)."""
-from dflash.errors import UserError
+"""Stage `evaluate`: speculative decoding of held-out prompts with the target and the trained drafter.
+
+Writes results/runs/<run>/acceptance.json: tau (tokens per target verification step, bonus included), its
+distribution over 1..block_size, per-position acceptance, speculative vs plain tokens/s, losslessness (greedy
+speculative output token-identical to plain greedy decoding), per prompt set. The logic is in dflash/evaluate/.
+"""
+import logging
+
+log = logging.getLogger("dflash.evaluate")
 
 
 def add_arguments(p):
-    pass
+    p.add_argument("--run-dir", default=None, help="run folder (default: <results_dir>/runs/<run_name>)")
+    p.add_argument("--drafter", default=None,
+                   help="a drafter directory in the reference format (default: the run's newest checkpoint)")
+    p.add_argument("--holdout", default=None,
+                   help="held-out prompts (default: <results_dir>/data/<dataset_name>/holdout.jsonl)")
+    p.add_argument("--out", default=None, help="output JSON (default: <run-dir>/acceptance.json)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run(loaded, args):
-    raise UserError("stage 'evaluate' is not built yet")
+    import datetime
+    from pathlib import Path
+
+    import torch
+
+    from dflash.atomic import atomic_write_json
+    from dflash.config import REPO, inside, results_path
+    from dflash.errors import UserError
+    from dflash.evaluate import DFlashDraft
+    from dflash.evaluate import acceptance as A
+    from dflash.evaluate import loading as L
+    from dflash.model import load_drafter
+    from dflash.target import load_target, load_tokenizer, resolve_device, stop_token_ids
+
+    cfg, ev = loaded.cfg, loaded.cfg.evaluate
+    run_dir = Path(args.run_dir) if args.run_dir else results_path(loaded, "runs", cfg.run_name)
+    out = Path(args.out) if args.out else run_dir / "acceptance.json"
+    device = resolve_device(ev.device)
+    tok = load_tokenizer(cfg.target)
+    target = load_target(cfg.target, device=device, seed=cfg.seed)
+    dtype = next(target.parameters()).dtype
+    embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    if args.drafter:
+        try:
+            drafter = load_drafter(args.drafter, embed, head, device=device, dtype=dtype).eval()
+        except (FileNotFoundError, ValueError) as e:
+            raise UserError(str(e)) from None
+        source, step = str(args.drafter), None
+    else:
+        ckpt = L.newest_checkpoint(run_dir)
+        dcfg = L.drafter_config(loaded, target.config, tok)
+        drafter = L.drafter_from_checkpoint(ckpt, dcfg, embed, head, device=device, dtype=dtype)
+        source, step = str(ckpt), L.checkpoint_step(ckpt)
+    draft = DFlashDraft(drafter)
+    bsz, mask_id = drafter.cfg.block_size, drafter.cfg.mask_token_id
+    stops = stop_token_ids(tok, target)
+
+    holdout = args.holdout or results_path(loaded, "data", cfg.dataset_name, "holdout.jsonl")
+    sets = {"holdout": L.read_holdout(holdout, ev.num_prompts)}
+    for f in ev.prompt_files:
+        path = inside(f, REPO, cfg.results_dir)
+        name = path.stem
+        while name in sets:
+            name += "_"
+        sets[name] = L.read_prompt_file(path, tok, int(target.config.vocab_size))
+    total = sum(len(v) for v in sets.values())
+    log.info("evaluating drafter %s (block %d) on %d prompt(s) in %d set(s), %d new tokens each, temperature %s, %s",
+             source, bsz, total, len(sets), ev.max_new_tokens, ev.temperature, device)
+
+    torch.manual_seed(cfg.seed)
+    A.warm_up(target, draft, sets["holdout"][0]["prompt_ids"], stops, mask_id)
+    bar = None
+    if not args.no_progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=total, desc="evaluate", unit="prompt")
+    results = {}
+    try:
+        for name, rows in sets.items():
+            if bar is not None:
+                bar.set_postfix_str(name)
+            results[name] = A.evaluate_set(target, draft, [r["prompt_ids"] for r in rows],
+                                           max_new_tokens=ev.max_new_tokens, stop_ids=stops,
+                                           temperature=ev.temperature, mask_token_id=mask_id, seed=cfg.seed,
+                                           progress=bar.update if bar is not None else None, name=name)
+            r = results[name]
+            log.info("%s: %d prompts, tau %.3f, %.1f tok/s speculative vs %.1f plain, lossless %s", name,
+                     r["prompts"], r["tau"] or 0, r["speculative"]["tokens_per_s"] or 0,
+                     r["plain"]["tokens_per_s"] or 0, r["lossless"])
+    finally:
+        if bar is not None:
+            bar.close()
+    overall = A.combine(results, bsz)
+    doc = {
+        "run_name": cfg.run_name,
+        "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "drafter": source, "checkpoint_step": step, "target": str(cfg.target.path), "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "temperature": ev.temperature, "block_size": bsz, "max_new_tokens": ev.max_new_tokens,
+        "num_prompts": total, "stop_token_ids": stops,
+        **overall,
+        "sets": results,
+    }
+    if not doc["lossless"] and dtype == torch.float32:
+        failed = atomic_write_json(out.with_name(out.stem + ".failed.json"), doc)
+        raise UserError(f"greedy speculative decoding differs from plain greedy decoding on "
+                        f"{sum(len(r['mismatches']) for r in results.values())} prompt(s) in float32: a bug "
+                        f"(details in {failed})")
+    atomic_write_json(out, doc)
+    log.info("tau %.3f (block %d), speculative %.1f tok/s vs plain %.1f tok/s, lossless %s -> %s",
+             doc["tau"] or 0, bsz, doc["speculative_tokens_per_s"] or 0, doc["plain_tokens_per_s"] or 0,
+             doc["lossless"], out)
+    if not doc["lossless"]:
+        log.warning("greedy speculative decoding differs from plain greedy decoding (in %s, batch-dependent "
+                    "rounding can flip near-tied argmaxes); details in %s", dtype, out)
+    return 0

@@ -1,10 +1,68 @@
-"""Stage `export` (not built yet)."""
-from dflash.errors import UserError
+"""Stage `export`: the trained drafter in the reference inference format (config.json + model.safetensors, as
+z-lab `dflash` 0.1.0 `DFlashDraftModel`, SGLang and vLLM load it) plus a README.md model card, under
+results/runs/<run>/drafter/ (written in one rename)."""
+import logging
+
+log = logging.getLogger("dflash.export")
 
 
 def add_arguments(p):
-    pass
+    p.add_argument("--run-dir", default=None, help="run folder (default: <results_dir>/runs/<run_name>)")
+    p.add_argument("--checkpoint", default=None, help="checkpoint folder (default: the run's newest)")
+    p.add_argument("--out", default=None, help="output folder (default: <run-dir>/drafter)")
+    p.add_argument("--dtype", choices=["keep", "float32", "bfloat16"], default="keep",
+                   help="cast the weights (default: as trained)")
 
 
 def run(loaded, args):
-    raise UserError("stage 'export' is not built yet")
+    import shutil
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoConfig
+
+    from dflash.atomic import atomic_dir, read_json
+    from dflash.config import results_path
+    from dflash.errors import UserError
+    from dflash.evaluate import loading as L
+    from dflash.evaluate.modelcard import model_card
+    from dflash.model import save_drafter
+    from dflash.target import load_tokenizer
+
+    cfg = loaded.cfg
+    run_dir = Path(args.run_dir) if args.run_dir else results_path(loaded, "runs", cfg.run_name)
+    out = Path(args.out) if args.out else run_dir / "drafter"
+    ckpt = Path(args.checkpoint) if args.checkpoint else L.newest_checkpoint(run_dir)
+    tpath = Path(cfg.target.path)
+    if not (tpath / "config.json").is_file():
+        raise UserError(f"{tpath}: target folder has no config.json (run the target stage, or set target.path)")
+    tconf = AutoConfig.from_pretrained(str(tpath), trust_remote_code=cfg.target.trust_remote_code)
+    dcfg = L.drafter_config(loaded, tconf, load_tokenizer(cfg.target) if cfg.drafter.mask_token_id is None else None)
+    # the embedding and LM head are the target's and are not exported: shape-only stand-ins (no memory)
+    shape = (dcfg.vocab_size, dcfg.hidden_size)
+    meta = torch.empty(shape, device="meta")
+    drafter = L.drafter_from_checkpoint(ckpt, dcfg, meta, meta)
+    dtype = None if args.dtype == "keep" else getattr(torch, args.dtype)
+
+    summary = _read(run_dir / "summary.json")
+    acceptance = _read(run_dir / "acceptance.json")
+    manifest = _read(results_path(loaded, "data", cfg.dataset_name, "manifest.json"))
+    with atomic_dir(out) as tmp:
+        save_drafter(drafter, tmp / "weights", dtype=dtype)
+        for f in (tmp / "weights").iterdir():
+            shutil.move(str(f), tmp / f.name)
+        (tmp / "weights").rmdir()
+        card = model_card(cfg, tconf, dcfg, ckpt, summary, acceptance, manifest, read_json(tmp / "config.json"))
+        (tmp / "README.md").write_text(card)
+    log.info("drafter from %s (%d layers, block %d, target layers %s) -> %s", ckpt, dcfg.num_layers,
+             dcfg.block_size, dcfg.target_layer_ids, out)
+    return 0
+
+
+def _read(path):
+    import json
+    from pathlib import Path
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None

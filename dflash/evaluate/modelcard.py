@@ -1,0 +1,59 @@
+"""README.md model card of an exported drafter."""
+from __future__ import annotations
+
+
+def _fmt(x, spec=".3f"):
+    return "n/a" if x is None else format(x, spec)
+
+
+def model_card(cfg, target_config, dcfg, checkpoint, summary, acceptance, manifest, config_json) -> str:
+    tput = (summary or {}).get("throughput") or {}
+    tau = (acceptance or {}).get("tau")
+    arch = (getattr(target_config, "architectures", None) or [getattr(target_config, "model_type", "?")])[0]
+    lines = [
+        f"# DFlash drafter `{cfg.run_name}`",
+        "",
+        "A DFlash block-diffusion drafter for speculative decoding, trained by the dflash pipeline.",
+        "",
+        "| | |",
+        "| --- | --- |",
+        f"| target | `{cfg.target.path}` ({arch}, {target_config.num_hidden_layers} layers, hidden "
+        f"{target_config.hidden_size}, vocab {target_config.vocab_size}) |",
+        f"| drafter | {dcfg.num_layers} layers, block size {dcfg.block_size}, target layers {dcfg.target_layer_ids}, "
+        f"mask token {dcfg.mask_token_id} |",
+        f"| weights dtype | {config_json.get('dtype')} |",
+        f"| checkpoint | `{checkpoint}` |",
+        f"| run id | {(summary or {}).get('run_id', 'n/a')} (status {(summary or {}).get('status', 'n/a')}, "
+        f"{(summary or {}).get('steps', 'n/a')} steps) |",
+        f"| git commit | {((summary or {}).get('git') or {}).get('commit', 'n/a')} |",
+        f"| config hash | {(summary or {}).get('config_hash', 'n/a')} |",
+        f"| data manifest hash | {(manifest or {}).get('content_hash') or (summary or {}).get('data_hash', 'n/a')} |",
+        f"| training throughput | {_fmt(tput.get('ktok_per_s'))} Ktok/s |",
+        f"| acceptance length tau | {_fmt(tau)}"
+        + (f" (greedy={acceptance.get('temperature') == 0}, {acceptance.get('num_prompts')} held-out prompts, "
+           f"{acceptance.get('max_new_tokens')} new tokens, lossless {acceptance.get('lossless')})"
+           if acceptance else " (not evaluated when exported: see acceptance.json)") + " |",
+        "",
+        "## Files",
+        "",
+        "`config.json` (a Qwen3 config plus `block_size`, `num_target_layers` and "
+        "`dflash_config: {mask_token_id, target_layer_ids}`) and `model.safetensors` (`fc.weight`, "
+        "`hidden_norm.weight`, `norm.weight`, `layers.N.*`). The embedding and LM head are the target's and are not "
+        "included.",
+        "",
+        "## Use with the reference package (`pip install \"dflash[local]==0.1.0\"`)",
+        "",
+        "```python",
+        "import torch",
+        "from transformers import AutoModelForCausalLM",
+        "from dflash import DFlashDraftModel",
+        "",
+        f"target = AutoModelForCausalLM.from_pretrained(\"{cfg.target.path}\", dtype=torch.bfloat16).eval()",
+        "draft = DFlashDraftModel.from_pretrained(\"path/to/this/folder\", dtype=torch.bfloat16).eval()",
+        "out = draft.spec_generate(target, input_ids, max_new_tokens=256, stop_token_ids=[tokenizer.eos_token_id])",
+        "```",
+        "",
+        "SGLang and vLLM load the same folder as a DFlash draft model.",
+        "",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,371 @@
+"""Speculative decoding with a frozen HF target and a block drafter (batch size 1), and plain target decoding.
+
+Semantics (those of the reference package `dflash` 0.1.0, `dflash_generate`, so outputs compare token by token):
+  * prefill: one target forward over the prompt (positions 0..n-1) gives the first token (greedy or sampled) and
+    the target hidden states of the selected layers for every prompt position.
+  * step (`start` = position of the last accepted token, not yet in the target's KV cache):
+      verify_size  vs = min(block_size, max_length - start)
+      block        [token at start, MASK x (vs-1)] at positions start..start+vs-1
+      draft        the drafter sees the context features of positions 0..start-1 (strictly before its anchor)
+                   and proposes vs-1 tokens (argmax, or sampled from its softmax at the same temperature)
+      verify       one target forward over the block (positions start..start+vs-1, using the KV cache)
+      accept       greedy: the longest prefix where draft token i equals the target's argmax at block position i-1,
+                   plus the target's own next token (bonus); sampling: draft token x is accepted with probability
+                   min(1, p(x)/q(x)) in order; at the first rejection the token is resampled from
+                   norm(max(0, p - q)); if all are accepted the bonus is sampled from p at the last position.
+      produced     accepted + 1, capped so that no more than max_new_tokens are generated and cut after a stop
+                   token; `start += produced`; the target cache is cropped to `start`; the features of the produced
+                   positions (start..start+produced-1, from the verify forward) become the drafter's new context.
+  * the generation ends at max_new_tokens or right after a stop token (which is kept).
+
+tau (acceptance length) = tokens produced per verification step, counting the bonus token.
+
+The drafter interface (`Draft`) is a small protocol so that an oracle or a random drafter can be plugged in:
+    block_size: int
+    target_layer_ids: list[int]              (target layers whose hidden states the drafter needs; [] for none)
+    reset()                                  (a new sequence starts)
+    propose(ctx_ids, ctx_feats, block_ids, start) -> logits [1, vs-1, V]
+        ctx_ids [1, m] / ctx_feats [1, m, k*H] (or None): the positions start-m..start-1 accepted since the last
+        call (the whole prompt on the first call); block_ids [1, vs] the block (anchor then MASK); returns the
+        drafter's logits for block positions 1..vs-1.
+The KV-cached DFlash drafter (`DFlashDraft`) keeps per-layer context K/V of every accepted position; since it is
+only ever extended with accepted positions (the block's own K/V are never cached), a rejection needs no crop.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Protocol, Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+# ---- the drafter interface --------------------------------------------------------------------------------------
+class Draft(Protocol):
+    block_size: int
+    target_layer_ids: list[int]
+
+    def reset(self) -> None: ...
+
+    def propose(self, ctx_ids: torch.Tensor, ctx_feats: torch.Tensor | None, block_ids: torch.Tensor,
+                start: int) -> torch.Tensor: ...
+
+
+@dataclasses.dataclass
+class Generation:
+    """One decoded prompt. `tokens` excludes the prompt; per verification step: `produced` (tokens added, what tau
+    averages), `accepted` (draft tokens accepted, before any cap), `drafted` (draft tokens proposed)."""
+    tokens: list[int]
+    produced: list[int] = dataclasses.field(default_factory=list)
+    accepted: list[int] = dataclasses.field(default_factory=list)
+    drafted: list[int] = dataclasses.field(default_factory=list)
+    target_forwards: int = 0
+    seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    stopped: bool = False
+
+    @property
+    def steps(self) -> int:
+        return len(self.produced)
+
+    @property
+    def tau(self) -> float | None:
+        return sum(self.produced) / len(self.produced) if self.produced else None
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["tau"] = self.tau
+        return d
+
+
+# ---- target side ---------------------------------------------------------------------------------------------
+def make_cache(target):
+    from transformers import DynamicCache
+    cache = DynamicCache(config=target.config)
+    if hasattr(cache, "activate_past_recording"):   # sliding-window layers must be able to roll back
+        cache.activate_past_recording()
+    return cache
+
+
+def crop_cache(cache, length: int) -> None:
+    """Keep the first `length` positions of an HF cache (transformers 5: crop(-n) removes n positions)."""
+    remove = cache.get_seq_length() - length
+    if remove > 0:
+        cache.crop(-remove)
+
+
+def target_forward(target, ids: torch.Tensor, start: int, cache, layer_ids: Sequence[int], last_only=False):
+    """Logits [1, T, V] (or [1, 1, V]) and the concatenated hidden states [1, T, k*H] of `layer_ids`
+    (hidden_states[id + 1], the output of decoder layer id) or None, for `ids` at positions start..start+T-1."""
+    T = ids.shape[1]
+    pos = torch.arange(start, start + T, device=ids.device)[None]
+    kw = {"logits_to_keep": 1} if last_only else {}
+    out = target(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True,
+                 output_hidden_states=bool(layer_ids), **kw)
+    feats = None
+    if layer_ids:
+        feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+    return out.logits, feats
+
+
+def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return torch.softmax(logits.float() / temperature, dim=-1)
+
+
+def _sample(probs: torch.Tensor, generator) -> torch.Tensor:
+    """One token per row of probs [..., V] -> [...]."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+def _choose(logits: torch.Tensor, temperature: float, generator) -> torch.Tensor:
+    if temperature <= 0:
+        return logits.argmax(-1)
+    return _sample(_probs(logits, temperature), generator)
+
+
+def _device(target) -> torch.device:
+    return next(target.parameters()).device
+
+
+def _prompt_tensor(prompt_ids, device) -> torch.Tensor:
+    ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)
+    if ids.dim() == 1:
+        ids = ids[None]
+    if ids.shape[0] != 1 or ids.shape[1] < 1:
+        raise ValueError(f"expected one non-empty prompt, got shape {tuple(ids.shape)}")
+    return ids
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def accept_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
+    """draft_tokens [g], target_logits [g+1, V] -> (accepted, bonus token)."""
+    post = target_logits.argmax(-1)
+    match = (draft_tokens == post[:-1]).to(torch.int64)
+    acc = int(match.cumprod(0).sum().item())
+    return acc, int(post[acc].item())
+
+
+def accept_sampling(draft_tokens: torch.Tensor, q: torch.Tensor, p: torch.Tensor, generator) -> tuple[int, int]:
+    """Speculative sampling. draft_tokens [g] drawn from q [g, V]; p [g+1, V] the target's probabilities at the
+    same temperature. Token i is accepted with probability min(1, p_i(x)/q_i(x)) (as u * q < p, u ~ U[0,1));
+    at the first rejection the replacement is drawn from norm(max(0, p_i - q_i)) (p_i if that is all zero);
+    if all g are accepted the bonus is drawn from p_g. The output is distributed exactly as p."""
+    g = draft_tokens.shape[0]
+    px = p[:g].gather(-1, draft_tokens[:, None])[:, 0]
+    qx = q.gather(-1, draft_tokens[:, None])[:, 0]
+    u = torch.rand(g, generator=generator, device=p.device, dtype=p.dtype)
+    acc = int((u * qx < px).to(torch.int64).cumprod(0).sum().item())
+    if acc == g:
+        return acc, int(_sample(p[g], generator).item())
+    residual = (p[acc] - q[acc]).clamp_min(0)
+    total = residual.sum()
+    dist = residual / total if float(total) > 0 else p[acc]
+    return acc, int(_sample(dist, generator).item())
+
+
+# ---- decoding loops ------------------------------------------------------------------------------------------
+@torch.inference_mode()
+def speculative_generate(target, draft: Draft, prompt_ids, max_new_tokens: int, stop_ids: Sequence[int] = (),
+                         temperature: float = 0.0, mask_token_id: int = 0, generator: torch.Generator | None = None,
+                         block_size: int | None = None) -> Generation:
+    """Speculative decoding of one prompt with `draft` proposing and `target` verifying (see the module doc)."""
+    device = _device(target)
+    prompt = _prompt_tensor(prompt_ids, device)
+    n = prompt.shape[1]
+    max_length = n + int(max_new_tokens)
+    bsz = int(block_size or draft.block_size)
+    if bsz < 2:
+        raise ValueError(f"block size must be at least 2, got {bsz}")
+    layer_ids = list(draft.target_layer_ids or [])
+    stops = set(int(s) for s in stop_ids)
+    draft.reset()
+    cache = make_cache(target)
+
+    _sync(device)
+    t0 = time.perf_counter()
+    logits, feats = target_forward(target, prompt, 0, cache, layer_ids, last_only=True)
+    first = int(_choose(logits[0, -1], temperature, generator).item())
+    _sync(device)
+    out = Generation(tokens=[first], target_forwards=1, prefill_seconds=time.perf_counter() - t0)
+    seq = prompt[0].tolist() + [first]
+    ctx_ids, ctx_feats = prompt, feats
+    start = n
+    stopped = first in stops
+    while start + 1 < max_length and not stopped:
+        vs = min(bsz, max_length - start)
+        block = torch.full((1, vs), int(mask_token_id), dtype=torch.long, device=device)
+        block[0, 0] = seq[start]
+        dlogits = draft.propose(ctx_ids, ctx_feats, block, start)[0, : vs - 1]     # [vs-1, V]
+        if temperature > 0:
+            q = _probs(dlogits, temperature)
+            dtoks = _sample(q, generator)
+        else:
+            dtoks = dlogits.argmax(-1)
+        block[0, 1:] = dtoks
+        tlogits, tfeats = target_forward(target, block, start, cache, layer_ids)
+        out.target_forwards += 1
+        if temperature > 0:
+            acc, bonus = accept_sampling(dtoks, q, _probs(tlogits[0], temperature), generator)
+        else:
+            acc, bonus = accept_greedy(dtoks, tlogits[0])
+        new = dtoks[:acc].tolist() + [bonus]
+        produced = min(acc + 1, max_length - start - 1)
+        for i, t in enumerate(new[:produced]):
+            if t in stops:
+                produced, stopped = i + 1, True
+                break
+        seq.extend(new[:produced])
+        out.produced.append(produced)
+        out.accepted.append(acc)
+        out.drafted.append(vs - 1)
+        ctx_ids = block[:, :produced]
+        ctx_feats = tfeats[:, :produced] if tfeats is not None else None
+        start += produced
+        crop_cache(cache, start)
+    _sync(device)
+    out.seconds = time.perf_counter() - t0
+    out.tokens = seq[n:max_length]
+    out.stopped = stopped
+    return out
+
+
+@torch.inference_mode()
+def target_generate(target, prompt_ids, max_new_tokens: int, stop_ids: Sequence[int] = (), temperature: float = 0.0,
+                    generator: torch.Generator | None = None) -> Generation:
+    """Plain autoregressive decoding with the target's KV cache: one forward per token."""
+    device = _device(target)
+    prompt = _prompt_tensor(prompt_ids, device)
+    n = prompt.shape[1]
+    stops = set(int(s) for s in stop_ids)
+    cache = make_cache(target)
+    _sync(device)
+    t0 = time.perf_counter()
+    logits, _ = target_forward(target, prompt, 0, cache, [], last_only=True)
+    tok = int(_choose(logits[0, -1], temperature, generator).item())
+    _sync(device)
+    out = Generation(tokens=[tok], target_forwards=1, prefill_seconds=time.perf_counter() - t0)
+    pos = n
+    while len(out.tokens) < max_new_tokens and tok not in stops:
+        logits, _ = target_forward(target, torch.tensor([[tok]], device=device), pos, cache, [])
+        out.target_forwards += 1
+        pos += 1
+        tok = int(_choose(logits[0, -1], temperature, generator).item())
+        out.tokens.append(tok)
+    _sync(device)
+    out.stopped = tok in stops
+    out.seconds = time.perf_counter() - t0
+    return out
+
+
+# ---- drafters --------------------------------------------------------------------------------------------------
+class DFlashDraft:
+    """A trained `dflash.model.DFlashDrafter` run incrementally: context K/V per layer cached for every accepted
+    position, the block computed against [cached context ; block]. Same math as DFlashDrafter.forward with one
+    anchor at `start` over the full context (tests hold them equal) and as the reference's DFlashDraftModel."""
+
+    def __init__(self, drafter):
+        self.drafter = drafter.eval()
+        self.cfg = drafter.cfg
+        self.block_size = self.cfg.block_size
+        self.target_layer_ids = list(self.cfg.target_layer_ids)
+        self.mask_token_id = self.cfg.mask_token_id
+        self.reset()
+
+    def reset(self) -> None:
+        self.k: list[torch.Tensor | None] = [None] * self.cfg.num_layers
+        self.v: list[torch.Tensor | None] = [None] * self.cfg.num_layers
+        self.length = 0
+
+    @torch.inference_mode()
+    def propose(self, ctx_ids, ctx_feats, block_ids, start: int) -> torch.Tensor:
+        from dflash.model.drafter import apply_rope, rope_cos_sin
+        d, cfg = self.drafter, self.cfg
+        m, vs = (0 if ctx_feats is None else ctx_feats.shape[1]), block_ids.shape[1]
+        if self.length + m != start:
+            raise RuntimeError(f"drafter context holds {self.length} positions + {m} new, but the block starts at {start}")
+        dtype = d.fc.weight.dtype
+        device = d.fc.weight.device
+        pos = torch.arange(start - m, start + vs, device=device)[None]
+        x = F.embedding(block_ids.to(device), d.embed_weight).to(dtype)                  # [1, vs, H]
+        cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, dtype)              # [1, m+vs, D]
+        ctx = d.hidden_norm(d.fc(ctx_feats.to(device=device, dtype=dtype))) if m else None
+        nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        for li, layer in enumerate(d.layers):
+            attn = layer.self_attn
+            if m:
+                kc = attn.k_norm(attn.k_proj(ctx).view(1, m, nkv, hd)).transpose(1, 2)
+                kc = apply_rope(kc, cos[:, :m], sin[:, :m])
+                vc = attn.v_proj(ctx).view(1, m, nkv, hd).transpose(1, 2)
+                self.k[li] = kc if self.k[li] is None else torch.cat([self.k[li], kc], dim=2)
+                self.v[li] = vc if self.v[li] is None else torch.cat([self.v[li], vc], dim=2)
+            h = layer.input_layernorm(x)
+            q = attn.q_norm(attn.q_proj(h).view(1, vs, nh, hd)).transpose(1, 2)
+            kb = attn.k_norm(attn.k_proj(h).view(1, vs, nkv, hd)).transpose(1, 2)
+            vb = attn.v_proj(h).view(1, vs, nkv, hd).transpose(1, 2)
+            q = apply_rope(q, cos[:, m:], sin[:, m:])
+            kb = apply_rope(kb, cos[:, m:], sin[:, m:])
+            k = kb if self.k[li] is None else torch.cat([self.k[li], kb], dim=2)
+            v = vb if self.v[li] is None else torch.cat([self.v[li], vb], dim=2)
+            mask = self._window_mask(layer.window, start, vs, device)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=hd ** -0.5, enable_gqa=nh != nkv)
+            x = x + attn.o_proj(y.transpose(1, 2).reshape(1, vs, nh * hd))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        self.length = start
+        hidden = d.norm(x)[:, 1:]
+        return d.logits(hidden).float()
+
+    @staticmethod
+    def _window_mask(window, start, vs, device):
+        """None (full attention) or Bool[vs, start+vs]: the training rule of sliding layers (dflash.model.masks):
+        block offset i sees context p when (start + i) - p < window, and its whole block."""
+        if window is None:
+            return None
+        i = torch.arange(vs, device=device)[:, None]
+        p = torch.arange(start, device=device)[None, :]
+        ctx = (start + i) - p < window
+        return torch.cat([ctx, torch.ones(vs, vs, dtype=torch.bool, device=device)], dim=1)
+
+
+class OracleDraft:
+    """Proposes the target's own greedy continuation (one-hot logits): every draft is accepted, tau = block size."""
+
+    def __init__(self, target, block_size: int, vocab_size: int | None = None):
+        self.target = target
+        self.block_size = block_size
+        self.target_layer_ids: list[int] = []
+        self.vocab_size = vocab_size or target.config.vocab_size
+        self.reset()
+
+    def reset(self) -> None:
+        self.seq: list[int] = []
+
+    @torch.inference_mode()
+    def propose(self, ctx_ids, ctx_feats, block_ids, start):
+        self.seq.extend(ctx_ids[0].tolist())
+        assert len(self.seq) == start
+        cont = target_generate(self.target, self.seq + [int(block_ids[0, 0])], block_ids.shape[1] - 1).tokens
+        logits = torch.full((1, len(cont), self.vocab_size), -1e4)
+        logits[0, torch.arange(len(cont)), torch.tensor(cont)] = 1e4
+        return logits
+
+
+class RandomDraft:
+    """Random logits (seeded): a drafter that knows nothing; tau close to 1."""
+
+    def __init__(self, vocab_size: int, block_size: int, seed: int = 0, scale: float = 1.0):
+        self.vocab_size, self.block_size, self.scale = vocab_size, block_size, scale
+        self.target_layer_ids: list[int] = []
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def reset(self) -> None:
+        pass
+
+    def propose(self, ctx_ids, ctx_feats, block_ids, start):
+        g = block_ids.shape[1] - 1
+        return torch.randn(1, g, self.vocab_size, generator=self.generator) * self.scale

@@ -1,0 +1,120 @@
+"""Stages `evaluate` and `export` end to end on the tiny target (the data tests' session fixture), a random
+drafter checkpoint and a hand-made holdout.jsonl."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest_data import target_section, tiny_target  # noqa: F401
+from dflash.cli import main
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def run(tmp_path, tiny_target):  # noqa: F811
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    from dflash import config as C
+    from dflash.evaluate import loading as L
+    from dflash.target import load_tokenizer
+
+    raw = {"results_dir": str(tmp_path / "results"), "run_name": "t", "target": target_section(tiny_target),
+           "drafter": {"num_layers": 1, "block_size": 4, "target_layer_ids": [0, 1]},
+           "evaluate": {"num_prompts": 3, "max_new_tokens": 10, "device": "cpu"}}
+    cfg_file = tmp_path / "config.yaml"
+    cfg_file.write_text(yaml.safe_dump(raw))
+    loaded = C.from_dict(raw)
+    tok = load_tokenizer(loaded.cfg.target)
+    hold = tmp_path / "results" / "data" / "default" / "holdout.jsonl"
+    hold.parent.mkdir(parents=True)
+    with open(hold, "w") as f:
+        for i, q in enumerate(["What does os.path.join do?", "Explain list.sort.", "How to open a file?", "x"]):
+            ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+            f.write(json.dumps({"id": f"h{i}", "source": "test", "prompt_ids": list(ids), "reference_ids": []}) + "\n")
+    (hold.parent / "manifest.json").write_text(json.dumps({"content_hash": "abcdef0123456789"}))
+    tconf = AutoConfig.from_pretrained(tiny_target)
+    dcfg = L.drafter_config(loaded, tconf, tok)
+    from dflash.model import DFlashDrafter
+    torch.manual_seed(0)
+    d = DFlashDrafter(dcfg, torch.zeros(dcfg.vocab_size, dcfg.hidden_size), torch.zeros(dcfg.vocab_size, dcfg.hidden_size))
+    run_dir = tmp_path / "results" / "runs" / "t"
+    for step in (5, 10):
+        ck = run_dir / "checkpoints" / f"step-{step:06d}"
+        ck.mkdir(parents=True)
+        save_file({k: v.contiguous() for k, v in d.state_dict().items()}, str(ck / "model.safetensors"))
+    (run_dir / "summary.json").write_text(json.dumps({"run_id": "t-1", "status": "completed", "steps": 10,
+                                                       "throughput": {"ktok_per_s": 1.25}, "config_hash": "c0ffee"}))
+    return cfg_file, run_dir, d
+
+
+def test_evaluate_writes_acceptance(run, tmp_path):
+    cfg_file, run_dir, _ = run
+    prompts = tmp_path / "results" / "extra.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Tell me about json.dumps."}) + "\n" + json.dumps({"prompt_ids": [5, 6, 7]}) + "\n")
+    raw = yaml.safe_load(cfg_file.read_text())
+    raw["evaluate"]["prompt_files"] = [str(prompts)]
+    cfg_file.write_text(yaml.safe_dump(raw))
+    assert main(["evaluate", "--config", str(cfg_file), "--no-progress"]) == 0
+    acc = json.loads((run_dir / "acceptance.json").read_text())
+    assert acc["lossless"] is True and acc["block_size"] == 4 and acc["checkpoint_step"] == 10
+    assert acc["num_prompts"] == 5 and set(acc["sets"]) == {"holdout", "extra"}
+    assert acc["sets"]["holdout"]["prompts"] == 3 and acc["sets"]["extra"]["prompts"] == 2
+    assert 1.0 <= acc["tau"] <= 4.0
+    assert sum(acc["acceptance_histogram"].values()) == acc["verify_steps"]
+    assert len(acc["acceptance_per_position"]) == 3
+    assert acc["speculative_tokens_per_s"] > 0 and acc["plain_tokens_per_s"] > 0
+
+
+def test_export_then_evaluate_the_exported_folder(run):
+    from dflash.model import load_drafter, reference_keys
+    from safetensors.torch import load_file
+    cfg_file, run_dir, d = run
+    assert main(["export", "--config", str(cfg_file)]) == 0
+    out = run_dir / "drafter"
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["block_size"] == 4 and conf["dflash_config"]["mask_token_id"] == d.cfg.mask_token_id
+    sd = load_file(str(out / "model.safetensors"))
+    assert sorted(sd) == reference_keys(1)
+    for k, v in d.state_dict().items():
+        assert torch.equal(sd[k], v)
+    card = (out / "README.md").read_text()
+    assert "1.250 Ktok/s" in card and "abcdef0123456789" in card and "DFlashDraftModel.from_pretrained" in card
+    back = load_drafter(out, d.embed_weight, d.lm_head_weight)
+    assert back.cfg == d.cfg
+    # the exported folder evaluates exactly like the checkpoint it came from (greedy is deterministic)
+    assert main(["evaluate", "--config", str(cfg_file), "--no-progress", "--out", str(run_dir / "a.json")]) == 0
+    assert main(["evaluate", "--config", str(cfg_file), "--no-progress", "--drafter", str(out),
+                 "--out", str(run_dir / "b.json")]) == 0
+    a, b = (json.loads((run_dir / f).read_text()) for f in ("a.json", "b.json"))
+    assert a["tau"] == b["tau"] and a["acceptance_histogram"] == b["acceptance_histogram"]
+
+
+def test_bad_inputs_are_named(run, capsys):
+    cfg_file, run_dir, _ = run
+    hold = Path(yaml.safe_load(cfg_file.read_text())["results_dir"]) / "data" / "default" / "holdout.jsonl"
+    hold.write_text(hold.read_text().splitlines()[0] + "\n{\"id\": 1}\n")
+    raw = yaml.safe_load(cfg_file.read_text())
+    raw["evaluate"]["num_prompts"] = 5
+    cfg_file.write_text(yaml.safe_dump(raw))
+    assert main(["evaluate", "--config", str(cfg_file), "--no-progress"]) == 1
+    assert "holdout.jsonl line 2" in capsys.readouterr().err
+    assert not (run_dir / "acceptance.json").exists()
+    import shutil
+    shutil.rmtree(run_dir / "checkpoints")
+    assert main(["export", "--config", str(cfg_file)]) == 1
+    assert "no checkpoint" in capsys.readouterr().err
+    assert not (run_dir / "drafter").exists()
