@@ -78,6 +78,7 @@ def test_from_target_takes_null_sizes_from_the_target():
     with pytest.raises(ValueError, match="mask"):
         DrafterConfig.from_target(target, sec, mask_token_id=None)
     # the typed config section of the pipeline works too
+    pytest.importorskip("jsonschema")
     from dflash.config import from_dict
     typed = from_dict({"drafter": {"num_layers": 2, "target_layer_ids": [0, 11]}}).cfg.drafter
     cfg2 = DrafterConfig.from_target(target, typed, mask_token_id=5)

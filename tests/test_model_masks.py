@@ -118,6 +118,10 @@ def test_three_mask_products_agree(B, S, A, Bk, window, tile, seed):
                                       BLOCK_SIZE=tile, seq_lengths=(Q, S + Q))
     for name in ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
         assert torch.equal(getattr(bm, name), getattr(ref_bm, name)), name
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                 "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+        t = getattr(bm, name)
+        assert t.dtype == torch.int32 and t.is_contiguous(), name   # the kernels assume contiguous int32
     # padded blocks see nothing; a valid block sees its whole own block
     rows = an.valid.repeat_interleave(Bk, 1)
     assert not ref[~rows].any()

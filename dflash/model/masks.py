@@ -153,10 +153,11 @@ def tile_masks(qb: QueryBounds, tile: int = TILE, window: int | None = None, con
 
 
 def _ordered(m: torch.Tensor):
-    """Bool[B, R, C] -> (count Int32[B, 1, R], indices Int32[B, 1, R, C]) with the True columns first."""
-    m8 = m.to(torch.int8)
-    num = m8.sum(-1, dtype=torch.int32)[:, None]
-    idx = torch.argsort(m8, dim=-1, descending=True, stable=True).to(torch.int32)[:, None]
+    """Bool[..., R, C] -> (count Int32[..., R], indices Int32[..., R, C]) with the True columns first
+    (contiguous int32, as the flex kernels index them)."""
+    m8 = m.to(torch.int8, memory_format=torch.contiguous_format)
+    num = m8.sum(-1, dtype=torch.int32)
+    idx = torch.argsort(m8, dim=-1, descending=True, stable=True).to(torch.int32)
     return num, idx
 
 
@@ -166,10 +167,10 @@ def block_mask(anchors: Anchors, S: int, window: int | None = None, tile: int = 
     from torch.nn.attention.flex_attention import BlockMask
     qb = query_bounds(anchors, S, window, pad_to=tile)
     partial, full = tile_masks(qb, tile, window)
-    kv_num, kv_idx = _ordered(partial)
-    fkv_num, fkv_idx = _ordered(full)
-    q_num, q_idx = _ordered(partial.transpose(1, 2))         # the transposed lists, for the backward pass
-    fq_num, fq_idx = _ordered(full.transpose(1, 2))
+    pf = torch.stack([partial, full])[:, :, None]                              # [2, B, 1, QT, KT]
+    kv_num, kv_idx = _ordered(pf)
+    q_num, q_idx = _ordered(pf.transpose(-1, -2))             # the transposed lists, for the backward pass
+    (kv_num, fkv_num), (kv_idx, fkv_idx), (q_num, fq_num), (q_idx, fq_idx) = kv_num, kv_idx, q_num, q_idx
     mm = _mask_mod(qb)
     try:
         return BlockMask(seq_lengths=(qb.Q, S + qb.Q), kv_num_blocks=kv_num, kv_indices=kv_idx,
