@@ -112,3 +112,23 @@ def test_chunked_loss_memory_does_not_grow_with_positions():
     assert small == large == chunk * V                      # one chunk of logits, whatever the positions
     n_small, n_large = _largest(naive, A=8), _largest(naive, A=64)
     assert n_large == 8 * n_small and n_large >= 64 * 4 * V  # the naive logits grow with the positions
+
+
+def test_fused_loss_equals_checkpointed_loss_and_gradients():
+    from dflash.model import dflash_loss
+    torch.manual_seed(3)
+    B, A, Bk, H, V = 2, 5, 4, 8, 40
+    hidden = torch.randn(B, A * Bk, H, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(V, H, dtype=torch.float64)
+    labels = torch.randint(0, V, (B, A * Bk))
+    labels[:, ::Bk] = -100
+    labels[1, -Bk:] = -100          # a padded block
+    weights = torch.rand(B, A * Bk, dtype=torch.float64)
+    ref = dflash_loss(hidden, w, labels, weights, Bk, chunk=7)
+    out = dflash_loss(hidden, w, labels, weights, Bk, chunk=7, fused=True)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-12, atol=1e-12)
+    for name in ("correct", "count", "accept_sum", "blocks"):
+        assert torch.equal(getattr(out, name), getattr(ref, name)), name
+    g_ref, = torch.autograd.grad(ref.loss * 2.5, hidden)
+    g_out, = torch.autograd.grad(out.loss * 2.5, hidden)
+    torch.testing.assert_close(g_out, g_ref, rtol=1e-10, atol=1e-12)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .anchors import IGNORE
+from .fused_ce import ce_chunk, fused_linear_ce
 
 
 @dataclasses.dataclass
@@ -49,8 +50,12 @@ def _chunk_ce(h: torch.Tensor, w_head: torch.Tensor, labels: torch.Tensor, weigh
 
 
 def dflash_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-                block_size: int, chunk: int = 2048, checkpointed: bool = True) -> LossOutput:
-    """hidden [B, Q, H], lm_head_weight [V, H], labels/weights [B, Q] (Q = A * block_size)."""
+                block_size: int, chunk: int = 2048, checkpointed: bool = True, fused: bool = False,
+                kernel=None) -> LossOutput:
+    """hidden [B, Q, H], lm_head_weight [V, H], labels/weights [B, Q] (Q = A * block_size).
+
+    fused: the gradient w.r.t. hidden is computed inside the forward (fused_ce), two matmuls per chunk instead
+    of three; `kernel` may be a compiled fused_ce.ce_chunk."""
     B, Q, H = hidden.shape
     Bk = block_size
     A = Q // Bk
@@ -62,7 +67,10 @@ def dflash_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torc
     wk = w.view(B, A, Bk)[:, :, 1:].reshape(-1)
     total = hidden.new_zeros((), dtype=acc)
     hits = []
-    for s in range(0, h.shape[0], chunk):
+    if fused:
+        total, hit = fused_linear_ce(h, lm_head_weight, lab, wk, chunk, kernel or ce_chunk)
+        hits.append(hit)
+    for s in range(0, h.shape[0] if not fused else 0, chunk):
         args = (h[s:s + chunk], lm_head_weight, lab[s:s + chunk], wk[s:s + chunk])
         if checkpointed and torch.is_grad_enabled():
             part, hit = checkpoint(_chunk_ce, *args, use_reentrant=False)

@@ -122,7 +122,7 @@ def configure_thread(num_shapes: int) -> None:
 
     The recompile limit covers every warmed shape; reaching it is an error, never a silent eager fallback.
     """
-    torch._dynamo.config.recompile_limit = max(8, 2 * num_shapes + 2)
+    torch._dynamo.config.recompile_limit = max(64, 4 * num_shapes)
     torch._dynamo.config.fail_on_recompile_limit_hit = True
 
 

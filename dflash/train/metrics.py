@@ -104,6 +104,7 @@ class RunMetrics:
         self.t_measure = None
         self.step = 0
         self.graphs_after_warmup = None
+        self.first_step_s = None
 
     # -- called by the runtime ------------------------------------------------------------------------
     def set_warmup(self, records, seconds_: float):
@@ -129,6 +130,9 @@ class RunMetrics:
         """Called by replica 0 after every optimizer step."""
         self.pending.append((step, stats, gnorm, lr, times, qdepth))
         self.step = step
+        if self.first_step_s is None:
+            import dflash
+            self.first_step_s = round(time.time() - dflash.PROCESS_START, 2)
         final = step == self.cfg.train.steps
         if step == self.exclude_until or step % self.cfg.train.log_every == 0 or final:
             self._flush(step, sync_device=True)
@@ -244,6 +248,7 @@ class RunMetrics:
             "data_hash": manifest.get("content_hash"), "data": data_summary(manifest),
             "runtime": setup.placement.runtime, "attention": setup.backend,
             "steps": self.step, "measured_steps": self.totals["steps"],
+            "seconds_to_first_step": self.first_step_s,
             "throughput": self.throughput(),
             "time_split_s": split,
             "loss": last.get("loss"), "acc_per_position": last.get("acc_per_position"),

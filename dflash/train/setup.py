@@ -114,6 +114,19 @@ def build_drafter(setup: Setup, embed, head, device: torch.device):
     return drafter.to(device).train()
 
 
+_CE_KERNEL = {}
+
+
+def ce_kernel(compiled: bool):
+    """The fused loss's per-chunk kernel; compiled (once per process, traced in the warm-up) on the compile path."""
+    from dflash.model.fused_ce import ce_chunk
+    if not compiled:
+        return ce_chunk
+    if "k" not in _CE_KERNEL:
+        _CE_KERNEL["k"] = torch.compile(ce_chunk, fullgraph=True, dynamic=False)
+    return _CE_KERNEL["k"]
+
+
 def micro_step(drafter, feats, input_ids, loss_mask, index: int, setup: Setup, autocast_dtype):
     """Anchors -> drafter forward -> chunked loss for one micro-batch. Anchors are seeded by the batch index,
     so the same batch gets the same anchors in any runtime, replica or resumed run."""
@@ -127,7 +140,8 @@ def micro_step(drafter, feats, input_ids, loss_mask, index: int, setup: Setup, a
     labels, weights = block_labels(input_ids, loss_mask, anchors, setup.gamma)
     with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
         hidden = drafter(feats, input_ids, anchors, backend=setup.backend)
-        out = dflash_loss(hidden, drafter.lm_head_weight, labels, weights, bk, setup.cfg.train.loss_chunk)
+        out = dflash_loss(hidden, drafter.lm_head_weight, labels, weights, bk, setup.cfg.train.loss_chunk,
+                          fused=setup.cfg.train.loss_kernel == "fused", kernel=ce_kernel(setup.compile))
     return out
 
 

@@ -208,6 +208,7 @@ def run(setup: Setup, reader, metrics: RunMetrics) -> int:
     """Build, warm up, start and supervise the workers. Returns the process exit code."""
     cfg = setup.cfg
     pl = setup.placement
+    compile_guard.install_fx_guard()
     shared = Shared()
     D = len(pl.drafters)
     per_step = D * cfg.train.grad_accum
@@ -251,11 +252,10 @@ def run(setup: Setup, reader, metrics: RunMetrics) -> int:
     shapes = reader.shapes()
     setup.extra["shapes"] = shapes
     warm = {}
-    for d, dr in zip(pl.drafters, drafters):
-        if d not in warm:
-            warm[d] = warm_up(dr, setup, d, shapes)
-            log.info("warm-up on %s: %d graph(s), %d cache hit(s), %.1f s", d, warm[d]["graphs"],
-                     warm[d]["cache_hits"], warm[d]["seconds"])
+    for r, (d, dr) in enumerate(zip(pl.drafters, drafters)):  # every replica: a graph may be per module
+        warm[r] = warm_up(dr, setup, d, shapes)
+        log.info("warm-up of drafter-%d on %s: %d graph(s), %d cache hit(s), %.1f s", r, d, warm[r]["graphs"],
+                 warm[r]["cache_hits"], warm[r]["seconds"])
     if setup.compile:
         compile_guard.forbid_recompiles()
     metrics.set_warmup(list(warm.values()), time.perf_counter() - t0)

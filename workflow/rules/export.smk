@@ -4,6 +4,7 @@ rule export:
     input:
         config=ancient(CONFIG_FILE),
         summary=f"{RESULTS}/runs/{RUN}/summary.json",
+        acceptance=f"{RESULTS}/runs/{RUN}/acceptance.json",  # the model card states tau
         target=TARGET_DIR,
     output:
         directory(f"{RESULTS}/runs/{RUN}/drafter"),
