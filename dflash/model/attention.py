@@ -90,7 +90,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, bac
         if q.device.type == "cpu" and q.shape[-1] < 32:
             raise ValueError(f"flex attention on CPU needs head_dim >= 32 (got {q.shape[-1]}): compiled CPU "
                              "flex_attention returns wrong values for smaller heads (torch 2.13); use sdpa")
-        out = compiled_flex()(q, k, v, block_mask=mask.block, scale=scale, enable_gqa=groups > 1)
+        if torch.compiler.is_compiling():   # inside a compiled layer: the enclosing graph compiles flex itself
+            from torch.nn.attention.flex_attention import flex_attention as flex
+        else:
+            flex = compiled_flex()
+        out = flex(q, k, v, block_mask=mask.block, scale=scale, enable_gqa=groups > 1)
     else:
         raise ValueError(f"unknown attention backend {backend!r}")
     return torch.where(mask.keep, out, torch.zeros((), dtype=out.dtype, device=out.device))
