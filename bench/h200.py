@@ -257,7 +257,10 @@ def e2e(out_dir: Path, steps: int, extra=()):
     runs = {"1t1d": ["--set", 'train.drafters=["cuda:0"]'],
             "restart": None,
             "1t3d": ["--set", 'train.drafters=["cuda:0","cuda:0","cuda:0"]']}
+    wanted = os.environ.get("BENCH_E2E_RUNS", ",".join(runs)).split(",")
     for name, sets in runs.items():
+        if name not in wanted:
+            continue
         (out_dir / "e2e_partial.json").write_text(json.dumps(res, indent=1))
         if sets is None:
             res["warm_restart"] = warm_restart(extra)

@@ -35,7 +35,7 @@ def run(loaded, args):
              setup.placement.runtime, [str(d) for d in setup.placement.targets],
              [str(d) for d in setup.placement.drafters], setup.backend, reader.edges)
     metrics = RunMetrics(setup, progress=not args.no_progress)
-    metrics.sampler = GpuSampler(setup.placement.devices).start()
+    metrics.sampler = GpuSampler(setup.placement.devices)
     try:
         return threads.run(setup, reader, metrics)
     finally:

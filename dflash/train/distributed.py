@@ -229,10 +229,13 @@ def worker_main(loaded, args) -> int:
         compile_guard.configure_thread(len(shapes))
         k, H = len(setup.drafter_config.target_layer_ids), setup.drafter_config.hidden_size
         metrics = RunMetrics(setup, progress=False) if r == 0 else None
-        sampler = GpuSampler([device]).start()
+        sampler = GpuSampler([device])
         if metrics:
+            metrics.sampler = sampler
             metrics.set_warmup([record], time.perf_counter() - t_start)
             metrics.start(start_step, [])
+        else:
+            sampler.start()
 
         def take(index: int) -> Micro:
             src = index % T

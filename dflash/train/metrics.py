@@ -22,7 +22,7 @@ log = logging.getLogger("dflash.train")
 def loss_stats(out, tokens: int) -> torch.Tensor:
     """[loss, tokens, scored positions, blocks, accepted, correct_1..K, count_1..K] as one float64 vector."""
     dev = out.loss.device
-    head = torch.stack([out.loss.detach().double(), torch.tensor(float(tokens), dtype=torch.float64, device=dev),
+    head = torch.stack([out.loss.detach().double(), torch.full((), float(tokens), dtype=torch.float64, device=dev),
                         out.count.sum().double(), out.blocks.double(), out.accept_sum.double()])
     return torch.cat([head, out.correct.double(), out.count.double()])
 
@@ -119,6 +119,8 @@ class RunMetrics:
         self.exclude_until = start_step + self.cfg.train.warmup_steps_excluded
         self.t_start = time.perf_counter()
         self.graphs_after_warmup = compile_guard.counters()
+        if getattr(self, "sampler", None) is not None:
+            self.sampler.start()  # utilisation from the first training step on, not during warm-up
         if self.exclude_until == start_step:
             self.t_measure = time.perf_counter()
         if self.progress:

@@ -123,7 +123,8 @@ class TargetWorker(Worker):
         if self.model is None:
             self.load()
         cuda = self.device.type == "cuda"
-        stream = torch.cuda.Stream(self.device) if cuda else None
+        # high priority: the drafters wait on the features, so the target's kernels go first on a shared GPU
+        stream = torch.cuda.Stream(self.device, priority=-1) if cuda else None
         self.mark_ready()
         timer = device_timer(self.device)
         with torch.cuda.stream(stream) if cuda else _Null():
