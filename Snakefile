@@ -20,6 +20,7 @@ include: "workflow/rules/train.smk"
 include: "workflow/rules/export.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/report.smk"
+include: "workflow/rules/bench.smk"
 
 
 rule all:
