@@ -22,7 +22,7 @@ _DATA: dict = {}
 
 
 def config(results: Path, target: Path, **train) -> dict:
-    t = {"targets": ["cpu"], "drafters": ["cpu", "cpu"], "attention": "sdpa", "steps": 12, "batch_size": 2,
+    t = {"targets": ["cpu"], "drafters": ["cpu", "cpu"], "attention": "sdpa", "compile": False, "steps": 12, "batch_size": 2,
          "num_anchors": 8, "log_every": 2, "checkpoint_every": 4, "warmup_steps_excluded": 2}
     t.update(train)
     return {"results_dir": str(results), "run_name": "t", "seed": 0, "target": target_section(target),

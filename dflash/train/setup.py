@@ -60,7 +60,7 @@ def prepare(loaded, need_data: bool = True) -> Setup:
     data_dir = results_path(loaded, "data", cfg.dataset_name)
     if need_data and not (data_dir / "manifest.json").is_file():
         raise UserError(f"{data_dir}/manifest.json: dataset not found (run the data stage first)")
-    use_compile = cfg.train.compile and backend == "flex"
+    use_compile = cfg.train.compile and backend != "eager"
     setup = Setup(loaded, placement, backend, results_path(loaded, "runs", cfg.run_name), data_dir, tconf, dconf,
                  cfg.train.gamma if cfg.train.gamma is not None else default_gamma(dconf.block_size), env, use_compile)
     setup.extra["pad_id"] = tok.pad_token_id if tok.pad_token_id is not None else 0

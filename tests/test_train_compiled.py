@@ -1,0 +1,67 @@
+"""The compile path on CPU (sdpa): every bucket compiled in the warm-up, worker threads then run many steps over
+several buckets with zero recompiles; a shape the warm-up did not see fails fast, naming the shape."""
+import json
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dflash import config as C
+from dflash.cli import main
+from test_train import prepared, run_dir
+
+pytestmark = pytest.mark.slow
+
+
+def test_threads_over_buckets_with_zero_recompiles(tmp_path):
+    cfg = prepared(tmp_path, compile=True, steps=10, checkpoint_every=0)
+    assert main(["train", "--config", str(cfg), "--no-progress"]) == 0
+    s = json.loads((run_dir(cfg) / "summary.json").read_text())
+    buckets = [b for b, n in s["data"]["buckets"].items() if n >= 2]
+    assert len(buckets) >= 2                      # several length buckets in the stream
+    assert s["compile"]["graphs"] >= len(buckets)  # each compiled in the warm-up
+    assert s["compile"]["recompiles_after_warmup"] == 0 and s["compile"]["eager_fallbacks"] == 0
+    assert s["status"] == "completed" and s["replicas_identical"] is True
+
+
+def test_unwarmed_shape_fails_fast_naming_it():
+    from dflash.model import DrafterConfig
+    from dflash.train import compile_guard
+    from dflash.train.setup import Setup, build_drafter, micro_step, random_head, warm_up
+
+    loaded = C.from_dict({"train": {"num_anchors": 4, "loss_chunk": 16}, "drafter": {"num_layers": 1, "block_size": 4}})
+    tconf = SimpleNamespace(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                            intermediate_size=64, num_hidden_layers=6, vocab_size=64, rms_norm_eps=1e-6,
+                            rope_theta=1e6, max_position_embeddings=512)
+    dcfg = DrafterConfig.from_target(tconf, loaded.cfg.drafter, 5)
+    setup = Setup(loaded, None, "sdpa", None, None, tconf, dcfg, 3.0, {}, True)
+    cpu = torch.device("cpu")
+    drafter = build_drafter(setup, *random_head(setup, cpu, torch.float32), cpu)
+    record = warm_up(drafter, setup, cpu, [(1, 24)])
+    assert record["graphs"] >= 1
+    compile_guard.forbid_recompiles()
+    errors = []
+
+    def worker():
+        compile_guard.configure_thread(1)
+        try:
+            feats = torch.randn(1, 24, 5 * 32)
+            ids = torch.randint(0, 64, (1, 24))
+            mask = torch.ones(1, 24, dtype=torch.bool)
+            with compile_guard.no_new_graphs("batch (1, 24) on cpu"):
+                micro_step(drafter, feats, ids, mask, 1, setup, None).loss.backward()  # warmed: fine
+            feats, ids, mask = torch.randn(1, 40, 5 * 32), torch.randint(0, 64, (1, 40)), torch.ones(1, 40, dtype=torch.bool)
+            with compile_guard.no_new_graphs("batch (1, 40) on cpu"):
+                micro_step(drafter, feats, ids, mask, 2, setup, None).loss.backward()
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    try:
+        t = threading.Thread(target=worker)
+        t.start()
+        t.join(120)
+    finally:
+        compile_guard.allow_compiles()
+    assert len(errors) == 1 and isinstance(errors[0], compile_guard.RecompileError), errors
+    assert "(1, 40)" in str(errors[0])
