@@ -5,7 +5,11 @@ from snakemake.utils import min_version, validate
 min_version("9.0")
 
 
-configfile: "config/config.yaml"
+# The embedded default, unless --configfile names another: one YAML, never a merge of two (the stages read the
+# same single file, so a key of the default can never leak into another config).
+if not workflow.overwrite_configfiles:
+
+    configfile: "config/config.yaml"
 
 
 validate(config, "workflow/schemas/config.schema.yaml")

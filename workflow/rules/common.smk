@@ -1,7 +1,11 @@
 # Shared helpers for the rules: paths derived from the validated config, nothing else.
 import json
 
-CONFIG_FILE = workflow.configfiles[-1] if workflow.configfiles else "config/config.yaml"
+from snakemake.exceptions import WorkflowError
+
+if len(workflow.overwrite_configfiles) > 1:
+    raise WorkflowError("give one --configfile: the stages read that single YAML")
+CONFIG_FILE = str(workflow.overwrite_configfiles[0]) if workflow.overwrite_configfiles else "config/config.yaml"
 RESULTS = config["results_dir"]
 RUN = config["run_name"]
 DATASET = config["dataset_name"]
