@@ -74,6 +74,18 @@ def test_two_replicas_train_in_lockstep(tmp_path):
         ["step-000004", "step-000008", "step-000012"]
 
 
+def test_rerun_of_a_finished_run_restores_its_outputs(tmp_path):
+    """Snakemake deletes a job's outputs before rerunning it: a finished run with the same config and data is
+    not trained again, its summary and metrics come back from the final checkpoint."""
+    cfg = prepared(tmp_path, steps=4, checkpoint_every=0)
+    assert main(["train", "--config", str(cfg), "--no-progress"]) == 0
+    before = {n: (run_dir(cfg) / n).read_text() for n in ("summary.json", "metrics.jsonl")}
+    for n in before:
+        (run_dir(cfg) / n).unlink()
+    assert main(["train", "--config", str(cfg), "--no-progress"]) == 0
+    assert {n: (run_dir(cfg) / n).read_text() for n in before} == before
+
+
 def test_kill9_then_resume_trains_exactly_the_same(tmp_path):
     straight = prepared(tmp_path / "a")
     assert main(["train", "--config", str(straight), "--no-progress"]) == 0

@@ -85,3 +85,37 @@ def resumable(setup) -> Path | None:
         "checkpoints in %s were made with another config or data (%s); moved to %s, starting fresh",
         setup.run_dir, {k: saved.get(k) for k in want}, stale)
     return None
+
+
+OUTPUTS = ("summary.json", "metrics.jsonl")
+
+
+def archive_outputs(run_dir, step: int) -> None:
+    """Keep the finished run's summary and metrics beside its final checkpoint (restored if a rerun finds it)."""
+    import shutil
+    ckpt = step_dir(run_dir, step)
+    if ckpt.is_dir():
+        for name in OUTPUTS:
+            if Path(run_dir, name).is_file():
+                shutil.copy2(Path(run_dir, name), ckpt / name)
+
+
+def finished(setup) -> bool:
+    """A rerun of a run that already finished with this config and data: restore its outputs instead of
+    training again. A final checkpoint without archived outputs is set aside (the run is trained afresh)."""
+    import logging
+    import shutil
+    path = resumable(setup) if setup.cfg.train.resume else None
+    if path is None or read_json(path / "trainer.json")["step"] < setup.cfg.train.steps:
+        return False
+    log = logging.getLogger("dflash.train")
+    if all((path / name).is_file() for name in OUTPUTS):
+        for name in OUTPUTS:
+            shutil.copy2(path / name, Path(setup.run_dir, name))
+        log.info("run already finished with this config and data (%s): outputs restored, nothing to train", path)
+        return True
+    stale = Path(setup.run_dir, f"checkpoints.stale-{path.name}")
+    shutil.rmtree(stale, ignore_errors=True)
+    Path(setup.run_dir, "checkpoints").rename(stale)
+    log.warning("%s is final but holds no run outputs; moved to %s and training afresh", path, stale)
+    return False

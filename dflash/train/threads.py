@@ -244,9 +244,6 @@ def run(setup: Setup, reader, metrics: RunMetrics) -> int:
         log.info("resuming from %s: step %d, data index %d", latest, start_step, data_index)
     if start_step >= cfg.train.steps:
         log.info("run already complete at step %d (checkpoint %s); nothing to train", start_step, latest)
-        if not (setup.run_dir / "summary.json").is_file():
-            metrics.start(start_step, [])
-            metrics.finish(setup, [], status="completed", resumed_from=start_step)
         return 0
 
     # 3. warm-up: every compile, single-threaded, before any worker thread starts

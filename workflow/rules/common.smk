@@ -1,11 +1,15 @@
 # Shared helpers for the rules: paths derived from the validated config, nothing else.
 import json
+import os
 
 from snakemake.exceptions import WorkflowError
 
 if len(workflow.overwrite_configfiles) > 1:
     raise WorkflowError("give one --configfile: the stages read that single YAML")
-CONFIG_FILE = str(workflow.overwrite_configfiles[0]) if workflow.overwrite_configfiles else "config/config.yaml"
+# relative to the working directory, so `snakemake --configfile config/x.yaml` and a profile that names the same
+# file give the same input path (an absolute/relative difference would rerun every stage)
+CONFIG_FILE = (os.path.relpath(workflow.overwrite_configfiles[0]) if workflow.overwrite_configfiles
+               else "config/config.yaml")
 RESULTS = config["results_dir"]
 RUN = config["run_name"]
 DATASET = config["dataset_name"]
