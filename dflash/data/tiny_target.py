@@ -134,8 +134,6 @@ def build_target(target_cfg, out_dir, seed: int = 0, corpus_size: int = 1500, pr
 
     `threads` sets torch's CPU threads for the pre-training (restored after): on a shared 2-core machine one thread
     is several times faster than two contending ones."""
-    import torch
-
     with cpu_threads(threads):
         return _build_target(target_cfg, out_dir, seed, corpus_size, progress)
 

@@ -15,7 +15,6 @@ import contextlib
 import functools
 import os
 import threading
-import time
 from pathlib import Path
 
 import torch
@@ -165,10 +164,3 @@ def no_new_graphs(what: str):
     if after != before:
         raise RecompileError(f"{after - before} new graph(s) compiled after warm-up for {what}")
 
-
-class Stopwatch:
-    def __init__(self):
-        self.t0 = time.perf_counter()
-
-    def __call__(self) -> float:
-        return time.perf_counter() - self.t0

@@ -14,7 +14,7 @@ import torch
 
 from dflash.train import checkpoint, compile_guard
 from dflash.train import placement as P
-from dflash.train.metrics import device_timer, loss_stats
+from dflash.train.metrics import DeviceTimer, loss_stats
 from dflash.train.setup import micro_step
 
 
@@ -54,7 +54,7 @@ class DrafterLoop:
         stream = torch.cuda.Stream(self.device) if cuda else None
         dtype = P.autocast_dtype(cfg.train, self.device)
         params = [p for p in self.drafter.parameters() if p.requires_grad]
-        t_fwd, t_opt = device_timer(self.device), device_timer(self.device)
+        t_fwd, t_opt = DeviceTimer(self.device), DeviceTimer(self.device)
         with torch.cuda.stream(stream) if cuda else _Null():
             for step in range(self.start_step, cfg.train.steps):
                 self.fail(step + 1)

@@ -68,10 +68,6 @@ class DeviceTimer:
         return items
 
 
-def device_timer(device) -> DeviceTimer:
-    return DeviceTimer(device)
-
-
 def seconds(items) -> float:
     total = 0.0
     for it in items if isinstance(items, list) else [items]:

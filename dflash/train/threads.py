@@ -10,6 +10,7 @@ when any worker fails, naming it. Compiles happen before any worker thread start
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -21,7 +22,7 @@ import torch
 from dflash.train import checkpoint, compile_guard, optim
 from dflash.train.loop import DrafterLoop, Micro, StopRun, _Null
 from dflash.train.features import LayerCapture
-from dflash.train.metrics import RunMetrics, device_timer, weight_checksum
+from dflash.train.metrics import DeviceTimer, RunMetrics, weight_checksum
 from dflash.train.setup import Setup, build_drafter, frozen_head, warm_up
 
 log = logging.getLogger("dflash.train")
@@ -107,11 +108,10 @@ class Feeder(Worker):
 
 
 class TargetWorker(Worker):
-    def __init__(self, name, device, setup: Setup, work, inboxes, replica_devices, shared, stream_pool):
+    def __init__(self, name, device, setup: Setup, work, inboxes, replica_devices, shared):
         super().__init__(name, "target", device, shared, setup.cfg.train.fail_at_step)
         self.setup, self.work, self.inboxes, self.replica_devices = setup, work, inboxes, replica_devices
         self.model = None
-        self.stream_pool = stream_pool
 
     def load(self):
         from dflash.target import load_target
@@ -126,7 +126,7 @@ class TargetWorker(Worker):
         # high priority: the drafters wait on the features, so the target's kernels go first on a shared GPU
         stream = torch.cuda.Stream(self.device, priority=-1) if cuda else None
         self.mark_ready()
-        timer = device_timer(self.device)
+        timer = DeviceTimer(self.device)
         with torch.cuda.stream(stream) if cuda else _Null():
             while True:
                 batch = self.shared.wait_get(self.work)
@@ -217,7 +217,7 @@ def run(setup: Setup, reader, metrics: RunMetrics) -> int:
     # 1. targets first (the drafters borrow their embedding and LM head), on the main thread
     work: queue.Queue = queue.Queue(maxsize=max(2, len(pl.targets)) * 2)
     inboxes = [queue.Queue(maxsize=cfg.train.queue_size) for _ in range(D)]
-    targets = [TargetWorker(f"target-{i}", d, setup, work, inboxes, pl.drafters, shared, None)
+    targets = [TargetWorker(f"target-{i}", d, setup, work, inboxes, pl.drafters, shared)
                for i, d in enumerate(pl.targets)]
     t0 = time.perf_counter()
     for tw in targets:
@@ -271,10 +271,19 @@ def run(setup: Setup, reader, metrics: RunMetrics) -> int:
     for w in workers:
         w.start()
     status = _supervise(workers, replicas, shared, sync, cfg.train, metrics)
+    deadline = time.perf_counter() + 10
+    for w in workers:  # every worker polls the stop flag: they end within a poll interval
+        w.join(max(0.0, deadline - time.perf_counter()))
     compile_guard.allow_compiles()
     metrics.finish(setup, [w.describe() for w in workers], status=status, resumed_from=start_step or None,
                    checksums=[weight_checksum(dr) for dr in drafters])
-    return {"completed": 0, "interrupted": 130}.get(status, 1)
+    code = {"completed": 0, "interrupted": 130}.get(status, 1)
+    stuck = [w.name for w in workers if w.is_alive()]
+    if stuck:  # a thread inside a long native call: do not let interpreter shutdown abort or hang on it
+        log.error("worker(s) still running after the stop: %s; exiting", ", ".join(stuck))
+        logging.shutdown()
+        os._exit(code)
+    return code
 
 
 def _supervise(workers, replicas, shared: Shared, sync: GradSync, tcfg, metrics) -> str:
