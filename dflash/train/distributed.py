@@ -176,10 +176,7 @@ def worker_main(loaded, args) -> int:
         e, h = torch.empty(V, H, dtype=dtype, device=device), torch.empty(V, H, dtype=dtype, device=device)
         dist.recv(e, src=0)
         dist.recv(h, src=0)
-        embed_m = torch.nn.Embedding.from_pretrained(e, freeze=True)
-        head_m = torch.nn.Linear(H, V, bias=False, device=device, dtype=dtype).requires_grad_(False)
-        head_m.weight = torch.nn.Parameter(h, requires_grad=False)
-        drafter = build_drafter(setup, embed_m, head_m, device)
+        drafter = build_drafter(setup, e, h, device)
         opt, sched = optim.build([p for p in drafter.parameters() if p.requires_grad], cfg.train, device)
 
     # resume point, decided by drafter rank 0 and broadcast to every rank

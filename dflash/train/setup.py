@@ -77,24 +77,16 @@ def git_state() -> dict:
 
 
 def frozen_head(target_model, device: torch.device):
-    """The target's embedding and LM head on `device`: the target's own modules there, one frozen copy elsewhere."""
-    embed, head = target_model.get_input_embeddings(), target_model.get_output_embeddings()
-    if next(embed.parameters()).device != device:
-        embed = torch.nn.Embedding.from_pretrained(embed.weight.detach().to(device), freeze=True)
-        w = head.weight.detach().to(device)
-        head = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=device, dtype=w.dtype)
-        head.weight = torch.nn.Parameter(w, requires_grad=False)
-    for p in list(embed.parameters()) + list(head.parameters()):
-        p.requires_grad_(False)
-    return embed, head
+    """The target's embedding and LM head weights on `device`: the target's own tensors there (shared, never
+    copied), one frozen copy on any other device. The drafter takes them as plain tensors."""
+    return tuple(m.weight.detach().to(device) for m in
+                 (target_model.get_input_embeddings(), target_model.get_output_embeddings()))
 
 
 def random_head(setup: Setup, device: torch.device, dtype):
     """Stand-ins of the right shape for the warm-up stage (compiled graphs depend on shapes, not values)."""
     v, h = setup.drafter_config.vocab_size, setup.drafter_config.hidden_size
-    embed = torch.nn.Embedding(v, h, device=device, dtype=dtype).requires_grad_(False)
-    head = torch.nn.Linear(h, v, bias=False, device=device, dtype=dtype).requires_grad_(False)
-    return embed, head
+    return tuple(torch.randn(v, h, device=device, dtype=dtype) * 0.02 for _ in range(2))
 
 
 def build_drafter(setup: Setup, embed, head, device: torch.device):
