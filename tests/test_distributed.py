@@ -10,7 +10,7 @@ import pytest
 
 from dflash import config as C
 from dflash.errors import UserError
-from dflash.train.distributed import role_of, torchrun_command
+from dflash.train.runtime.distributed import launch_config, role_of, torchrun_command
 from test_train import REPO, prepared, run_dir
 
 pytestmark = pytest.mark.slow
@@ -81,6 +81,10 @@ def test_torchrun_command_construction(tmp_path):
     assert "--nnodes=2" in cmd and "--nproc-per-node=8" in cmd and "--rdzv-backend=c10d" in cmd
     assert "--rdzv-endpoint=node1:29500" in cmd and "--rdzv-id=job42" in cmd and "--standalone" not in cmd
     assert cmd[-2:] == ["--set", "train.steps=5"]
+    lc = launch_config(two)
+    assert (lc.min_nodes, lc.max_nodes, lc.nproc_per_node, lc.max_restarts) == (2, 2, 8, 0)
+    assert lc.rdzv_endpoint == "node1:29500" and lc.run_id == "job42" and lc.rdzv_backend == "c10d"
+    assert launch_config(one).nproc_per_node == 8 and launch_config(one).rdzv_endpoint == "localhost:0"
     assert role_of(one, 6) == "drafter-1 (cuda:6)" and role_of(one, 0) == "target-0 (cuda:0)"
     with pytest.raises(UserError, match="endpoint"):
         torchrun_command(C.from_dict({"train": {"targets": ["0", "1"], "drafters": ["2", "3"],

@@ -74,16 +74,18 @@ def test_two_replicas_train_in_lockstep(tmp_path):
         ["step-000004", "step-000008", "step-000012"]
 
 
-def test_rerun_of_a_finished_run_restores_its_outputs(tmp_path):
-    """Snakemake deletes a job's outputs before rerunning it: a finished run with the same config and data is
-    not trained again, its summary and metrics come back from the final checkpoint."""
+def test_rerun_of_a_finished_run_trains_a_new_run(tmp_path):
+    """A rerun (Snakemake -R train, or a changed input) trains again: a finished run is never "restored"; its
+    checkpoints are set aside. Only an interrupted run is resumed."""
     cfg = prepared(tmp_path, steps=4, checkpoint_every=0)
     assert main(["train", "--config", str(cfg), "--no-progress"]) == 0
-    before = {n: (run_dir(cfg) / n).read_text() for n in ("summary.json", "metrics.jsonl")}
-    for n in before:
-        (run_dir(cfg) / n).unlink()
+    first = json.loads((run_dir(cfg) / "summary.json").read_text())
+    time.sleep(1.1)   # run ids have one-second resolution
     assert main(["train", "--config", str(cfg), "--no-progress"]) == 0
-    assert {n: (run_dir(cfg) / n).read_text() for n in before} == before
+    second = json.loads((run_dir(cfg) / "summary.json").read_text())
+    assert second["status"] == "completed" and second["resumed_from_step"] is None
+    assert second["run_id"] != first["run_id"] and second["measured_steps"] == first["measured_steps"]
+    assert (run_dir(cfg) / "checkpoints.previous").is_dir()
 
 
 def test_kill9_then_resume_trains_exactly_the_same(tmp_path):
@@ -101,7 +103,10 @@ def test_kill9_then_resume_trains_exactly_the_same(tmp_path):
     assert ckpt.exists()
     done = sorted(p.name for p in (run_dir(killed) / "checkpoints").iterdir() if not p.name.startswith("."))
     assert "step-000012" not in done  # killed mid-run
+    (run_dir(killed) / "metrics.jsonl").unlink()    # Snakemake deletes a job's outputs before rerunning it
     assert main(["train", "--config", str(killed), "--no-progress"]) == 0
+    rows = [json.loads(x) for x in (run_dir(killed) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 4, 6, 8, 10, 12]   # the steps before the kill are kept
     s = json.loads((run_dir(killed) / "summary.json").read_text())
     assert s["resumed_from_step"] == int(done[-1].split("-")[1]) and s["status"] == "completed"
     a = load_file(str(run_dir(straight) / "checkpoints" / "step-000012" / "model.safetensors"))
@@ -116,7 +121,7 @@ def test_kill9_then_resume_trains_exactly_the_same(tmp_path):
 
 @pytest.mark.parametrize("step", [0, 3])
 def test_failing_replica_stops_the_run_fast_and_is_named(tmp_path, step, monkeypatch):
-    from dflash.train import threads
+    from dflash.train.runtime import threads
     cfg = prepared(tmp_path, fail_at_step={"worker": "drafter-1", "step": step}, steps=40)
     failed_at = {}
     original = threads.Worker.maybe_fail
@@ -158,3 +163,36 @@ def test_ctrl_c_writes_a_checkpoint_and_exits(tmp_path):
     assert s["status"] == "interrupted"
     ckpts = sorted((run_dir(cfg) / "checkpoints").glob("step-*"))
     assert ckpts and int(ckpts[-1].name.split("-")[1]) == s["steps"] < 400
+
+
+def test_sigterm_checkpoints_and_exits_nonzero(tmp_path):
+    """What SLURM and scancel send: the replicas finish their step, write a checkpoint and the run exits 143."""
+    cfg = prepared(tmp_path, steps=400, checkpoint_every=0)
+    proc = subprocess.Popen([sys.executable, "-m", "dflash", "train", "--config", str(cfg), "--no-progress"],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics = run_dir(cfg) / "metrics.jsonl"
+    deadline = time.time() + 300
+    while (not metrics.exists() or len(metrics.read_text().splitlines()) < 3) and time.time() < deadline:
+        time.sleep(0.05)
+    t = time.time()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err[-2000:]
+    assert time.time() - t < 30 and "SIGTERM" in err
+    s = json.loads((run_dir(cfg) / "summary.json").read_text())
+    assert s["status"] == "interrupted"
+    ckpts = sorted((run_dir(cfg) / "checkpoints").glob("step-*"))
+    assert ckpts and int(ckpts[-1].name.split("-")[1]) == s["steps"] < 400
+
+
+def test_diverged_replicas_stop_the_run_named(tmp_path):
+    """The divergence guard: replica 1's weights are nudged after step 3; the exact checksums compared every
+    2 steps differ at step 4, and the run stops there, naming the step and the replicas."""
+    cfg = prepared(tmp_path, steps=40, check_every=2, diverge_at_step={"replica": 1, "step": 3})
+    r = dflash("train", "--config", str(cfg), "--no-progress", timeout=300)
+    assert r.returncode == 1
+    assert "replicas diverged at step 4" in r.stderr and "[0]" in r.stderr and "[1]" in r.stderr
+    s = json.loads((run_dir(cfg) / "summary.json").read_text())
+    assert s["status"] == "failed" and s["failure"]["kind"] == "diverged" and s["steps"] <= 4
+    assert s["replicas_identical"] is False and s["throughput"]["ktok_per_s"] is None
+    assert not (run_dir(cfg) / "checkpoints" / "step-000004").exists()   # a diverged state is never saved

@@ -28,14 +28,15 @@ def test_threads_over_buckets_with_zero_recompiles(tmp_path):
 def test_unwarmed_shape_fails_fast_naming_it():
     from dflash.model import DrafterConfig
     from dflash.train import compile_guard
-    from dflash.train.setup import Setup, build_drafter, micro_step, random_head, warm_up
+    from dflash.train.context import RunContext
+    from dflash.train.step import build_drafter, micro_step, random_head, warm_up
 
     loaded = C.from_dict({"train": {"num_anchors": 4, "loss_chunk": 16}, "drafter": {"num_layers": 1, "block_size": 4}})
     tconf = SimpleNamespace(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                             intermediate_size=64, num_hidden_layers=6, vocab_size=64, rms_norm_eps=1e-6,
                             rope_theta=1e6, max_position_embeddings=512)
     dcfg = DrafterConfig.from_target(tconf, loaded.cfg.drafter, 5)
-    setup = Setup(loaded, None, "sdpa", None, None, tconf, dcfg, 3.0, {}, True)
+    setup = RunContext(loaded, None, "sdpa", None, None, tconf, dcfg, 3.0, {}, True)
     cpu = torch.device("cpu")
     drafter = build_drafter(setup, *random_head(setup, cpu, torch.float32), cpu)
     record = warm_up(drafter, setup, cpu, [(1, 24)])

@@ -1,4 +1,4 @@
-"""Stage `train`: the target/drafter pipeline (threads runtime in one process, or distributed under torchrun)."""
+"""Stage `train`: the target/drafter pipeline (threads runtime in one process, or distributed: a process per device)."""
 import logging
 import os
 
@@ -17,28 +17,28 @@ def run(loaded, args):
 
     from dflash.atomic import atomic_write_text
     from dflash.fingerprint import compile_cache_dir
-    from dflash.train import checkpoint, compile_guard, threads
+    from dflash.train import compile_guard
+    from dflash.train.context import prepare, set_shapes
     from dflash.train.metrics import RunMetrics
     from dflash.train.reader import ShardReader
-    from dflash.train.setup import prepare
+    from dflash.train.runtime import threads
     from dflash.train.telemetry import GpuSampler
 
-    setup = prepare(loaded)
-    if "LOCAL_RANK" not in os.environ and checkpoint.finished(setup):  # the launcher decides, not every rank
-        return 0
-    if setup.placement.runtime == "distributed":
-        from dflash.train import distributed
-        return distributed.launch(loaded, args)
-    compile_guard.use_compile_cache(compile_cache_dir(cfg.results_dir, setup.env["hash"]))
-    setup.run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(setup.run_dir / "config.yaml", yaml.safe_dump(loaded.raw, sort_keys=False))
-    reader = ShardReader(setup.data_dir, cfg.train.batch_size, cfg.seed, setup.extra["pad_id"])
+    ctx = prepare(loaded, run_dir=getattr(args, "run_dir", None), data_dir=getattr(args, "data_dir", None))
+    if ctx.placement.runtime == "distributed":
+        from dflash.train.runtime import distributed
+        return distributed.launch(loaded, args, ctx.run_dir)
+    compile_guard.use_compile_cache(compile_cache_dir(cfg.results_dir, ctx.env["hash"]))
+    ctx.run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(ctx.run_dir / "config.yaml", yaml.safe_dump(loaded.raw, sort_keys=False))
+    reader = ShardReader(ctx.data_dir, cfg.train.batch_size, cfg.seed, ctx.pad_id)
+    set_shapes(ctx, reader.shapes())
     log.info("run %s: %s runtime, targets %s, drafters %s, attention %s, buckets %s", cfg.run_name,
-             setup.placement.runtime, [str(d) for d in setup.placement.targets],
-             [str(d) for d in setup.placement.drafters], setup.backend, reader.edges)
-    metrics = RunMetrics(setup, progress=not args.no_progress)
-    metrics.sampler = GpuSampler(setup.placement.devices)
+             ctx.placement.runtime, [str(d) for d in ctx.placement.targets],
+             [str(d) for d in ctx.placement.drafters], ctx.backend, reader.edges)
+    metrics = RunMetrics(ctx, progress=not args.no_progress)
+    metrics.sampler = GpuSampler(ctx.placement.devices)
     try:
-        return threads.run(setup, reader, metrics)
+        return threads.run(ctx, reader, metrics)
     finally:
         metrics.sampler.stop()

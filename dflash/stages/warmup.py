@@ -22,21 +22,23 @@ def run(loaded, args):
     from dflash.fingerprint import compile_cache_dir
     from dflash.train import compile_guard, placement as P
     from dflash.train.reader import ShardReader
-    from dflash.train.setup import build_drafter, prepare, random_head, warm_up
+    from dflash.train.context import prepare, set_shapes
+    from dflash.train.step import build_drafter, random_head, warm_up
 
     spec = args.device
     if spec.startswith("cuda") and spec[4:].isdigit():
         spec = f"cuda:{spec[4:]}"
     device = P.parse_device(spec)
-    setup = prepare(loaded)
-    if device not in setup.placement.drafters:
+    ctx = prepare(loaded)
+    if device not in ctx.placement.drafters:
         log.warning("%s runs no drafter in this placement; warming it up anyway", device)
-    cache = compile_guard.use_compile_cache(compile_cache_dir(loaded.cfg.results_dir, setup.env["hash"]))
-    reader = ShardReader(setup.data_dir, loaded.cfg.train.batch_size, loaded.cfg.seed, setup.extra["pad_id"])
+    cache = compile_guard.use_compile_cache(compile_cache_dir(loaded.cfg.results_dir, ctx.env["hash"]))
+    reader = ShardReader(ctx.data_dir, loaded.cfg.train.batch_size, loaded.cfg.seed, ctx.pad_id)
+    set_shapes(ctx, reader.shapes())
     dtype = P.autocast_dtype(loaded.cfg.train, device) or torch.float32
-    drafter = build_drafter(setup, *random_head(setup, device, dtype), device)
-    record = warm_up(drafter, setup, device, reader.shapes())
-    record.update({"env_hash": setup.env["hash"], "cache_dir": str(cache)})
+    drafter = build_drafter(ctx, *random_head(ctx, device, dtype), device)
+    record = warm_up(drafter, ctx, device, ctx.shapes)
+    record.update({"env_hash": ctx.env["hash"], "cache_dir": str(cache)})
     out = args.out or results_path(loaded, "compile", f"{device_slug(args.device)}.json")
     atomic_write_json(out, record)
     log.info("warm-up %s: %d shape(s), %d graph(s), %d cache hit(s), %.1f s -> %s", device, len(record["shapes"]),

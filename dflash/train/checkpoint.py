@@ -63,7 +63,7 @@ def load(path: Path, drafter, optimizer, scheduler) -> dict:
 
 def identity(setup) -> dict:
     """What a checkpoint must match to be resumed: the config (names aside) and the data content."""
-    from dflash.train.setup import read_manifest
+    from dflash.train.context import read_manifest
     return {"config_hash": setup.loaded.hash, "data_hash": read_manifest(setup).get("content_hash")}
 
 

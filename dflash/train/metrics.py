@@ -1,42 +1,41 @@
-"""Run metrics: metrics.jsonl every logging interval, summary.json at the end, a live progress bar.
+"""Run metrics: the one owner of metrics.jsonl (a row every logging interval) and of the live progress bar.
 
 Step statistics stay on the device as one small tensor per step and are read (one host sync) only at logging
-intervals, so the hot loop never calls .item().
+intervals, so the hot loop never calls .item(). The summary (summary.json) is summary.py's.
 """
 from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from datetime import datetime, timezone
 
 import torch
 
-from dflash.atomic import atomic_write_json
-from dflash.train import compile_guard, flops
+from dflash.atomic import atomic_write_text
+from dflash.train import compile_guard
 
 log = logging.getLogger("dflash.train")
+SPLIT = ("queue_wait", "target", "drafter", "optimizer")
 
 
 def loss_stats(out, tokens: int) -> torch.Tensor:
-    """[loss, tokens, scored positions, blocks, accepted, correct_1..K, count_1..K] as one float64 vector."""
+    """[weighted CE sum, weight sum, tokens, scored positions, blocks, accepted, correct_1..K, count_1..K] as one
+    float64 vector: every entry is a sum, so replicas and micro-batches add them up."""
     dev = out.loss.device
-    head = torch.stack([out.loss.detach().double(), torch.full((), float(tokens), dtype=torch.float64, device=dev),
+    wsum = out.weight_sum.detach().double()
+    head = torch.stack([out.loss.detach().double() * wsum, wsum,
+                        torch.full((), float(tokens), dtype=torch.float64, device=dev),
                         out.count.sum().double(), out.blocks.double(), out.accept_sum.double()])
     return torch.cat([head, out.correct.double(), out.count.double()])
 
 
-def weight_checksum(module) -> float:
-    """Sum of all trainable weights in float64: equal across replicas iff they stayed in lockstep (practically)."""
-    with torch.no_grad():
-        return float(sum(p.detach().double().sum() for p in module.parameters() if p.requires_grad))
-
-
 def split_stats(v: list[float]) -> dict:
-    k = (len(v) - 5) // 2
-    return {"loss_sum": v[0], "tokens": v[1], "positions": v[2], "blocks": v[3], "accepted": v[4],
-            "correct": v[5:5 + k], "count": v[5 + k:]}
+    k = (len(v) - 6) // 2
+    return {"loss_sum": v[0], "weight_sum": v[1], "tokens": v[2], "positions": v[3], "blocks": v[4],
+            "accepted": v[5], "correct": v[6:6 + k], "count": v[6 + k:]}
 
 
 class DeviceTimer:
@@ -81,11 +80,15 @@ def seconds(items) -> float:
     return total
 
 
+def _finite(x):
+    return x if x is None or math.isfinite(x) else None
+
+
 class RunMetrics:
-    def __init__(self, setup, progress: bool = True):
-        self.setup = setup
-        self.cfg = setup.cfg
-        self.path = setup.run_dir / "metrics.jsonl"
+    def __init__(self, ctx, progress: bool = True):
+        self.ctx = ctx
+        self.cfg = ctx.cfg
+        self.path = ctx.run_dir / "metrics.jsonl"
         self.lock = threading.Lock()
         self.pending: list[tuple] = []
         self.rows: list[dict] = []
@@ -93,29 +96,33 @@ class RunMetrics:
         self.warmup_s = 0.0
         self.progress = progress
         self.bar = None
+        self.sampler = None
         self.totals = {"tokens": 0.0, "positions": 0.0, "samples": 0, "seconds": 0.0, "steps": 0}
-        self.split_total = {"queue_wait": 0.0, "target": 0.0, "drafter": 0.0, "optimizer": 0.0}
+        self.split_total = dict.fromkeys(SPLIT, 0.0)
         self.split_steps = 0
         self.last: dict = {}
         self.t_measure = None
-        self.step = 0
+        self.step = self.start_step = 0
         self.graphs_after_warmup = None
         self.first_step_s = None
+        self.started_at = datetime.now(timezone.utc)
 
     # -- called by the runtime ------------------------------------------------------------------------
     def set_warmup(self, records, seconds_: float):
         self.warmup, self.warmup_s = records, seconds_
 
-    def start(self, start_step: int, workers):
-        self.setup.run_dir.mkdir(parents=True, exist_ok=True)
-        if not start_step and self.path.exists():
-            self.path.unlink()
+    def start(self, start_step: int, history: list[dict] | None = None):
+        """Begin at `start_step`; a resumed run's earlier rows (kept in its checkpoint) are written back first,
+        so metrics.jsonl holds the whole run even when the file was deleted (Snakemake deletes a job's outputs)."""
+        self.ctx.run_dir.mkdir(parents=True, exist_ok=True)
+        self.rows = [r for r in (history or []) if r.get("step", 0) <= start_step] if start_step else []
+        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.rows))
         self.start_step = self.step = start_step
         self.started_at = datetime.now(timezone.utc)
         self.exclude_until = start_step + self.cfg.train.warmup_steps_excluded
         self.t_start = time.perf_counter()
         self.graphs_after_warmup = compile_guard.counters()
-        if getattr(self, "sampler", None) is not None:
+        if self.sampler is not None:
             self.sampler.start()  # utilisation from the first training step on, not during warm-up
         if self.exclude_until == start_step:
             self.t_measure = time.perf_counter()
@@ -133,20 +140,23 @@ class RunMetrics:
             self.first_step_s = round(time.time() - dflash.PROCESS_START, 2)
         final = step == self.cfg.train.steps
         if step == self.exclude_until or step % self.cfg.train.log_every == 0 or final:
-            self._flush(step, sync_device=True)
+            self.flush()
 
-    def _flush(self, step: int, sync_device: bool):
+    def flush(self):
+        """Write the pending steps as one row (one host sync). A non-finite loss or gradient norm stops the run."""
+        from dflash.train.trainer import check_finite
         pending, self.pending = self.pending, []
         if not pending:
             return
+        step = pending[-1][0]
         dev = pending[-1][1].device
-        if sync_device and dev.type == "cuda":
+        if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         now = time.perf_counter()
         total = torch.stack([p[1] for p in pending]).sum(0).tolist()   # the one host sync per interval
         st = split_stats(total)
-        n_micro = len(self.setup.placement.drafters) * self.cfg.train.grad_accum
-        split = {k: sum(seconds(p[4][k]) for p in pending) / len(pending) for k in self.split_total}
+        n_micro = len(self.ctx.placement.drafters) * self.cfg.train.grad_accum
+        split = {k: sum(seconds(p[4][k]) for p in pending) / len(pending) for k in SPLIT}
         measured = self.t_measure is not None and pending[0][0] > self.exclude_until
         if measured:
             self.totals["tokens"] += st["tokens"]
@@ -161,10 +171,11 @@ class RunMetrics:
             self.t_measure = now
         window = now - getattr(self, "_t_last", self.t_start)
         self._t_last = now
+        loss = st["loss_sum"] / st["weight_sum"] if st["weight_sum"] else None
+        gnorm = float(pending[-1][2])
         row = {
             "step": step, "elapsed_s": round(now - self.t_start, 3),
-            "loss": st["loss_sum"] / (len(pending) * n_micro),
-            "lr": pending[-1][3], "grad_norm": float(pending[-1][2]),
+            "loss": _finite(loss), "lr": pending[-1][3], "grad_norm": _finite(gnorm),
             "ktok_per_s": st["tokens"] / window / 1e3 if window > 0 else None,
             "acc_per_position": [c / n if n else None for c, n in zip(st["correct"], st["count"])],
             "acceptance_estimate": st["accepted"] / st["blocks"] if st["blocks"] else None,
@@ -172,14 +183,20 @@ class RunMetrics:
             "queue_depth": pending[-1][5], "measured": measured,
         }
         if self.bar is None:
-            log.info("step %d/%d loss %.4f  %.3f Ktok/s  acc1 %s  accept %.2f", step, self.cfg.train.steps, row["loss"],
-                     row["ktok_per_s"] or 0.0, f"{row['acc_per_position'][0]:.3f}" if row["acc_per_position"] and
-                     row["acc_per_position"][0] is not None else "n/a", row["acceptance_estimate"] or 0.0)
+            acc1 = (row["acc_per_position"] or [None])[0]
+            log.info("step %d/%d loss %s  %.3f Ktok/s  acc1 %s  accept %.2f", step, self.cfg.train.steps,
+                     f"{loss:.4f}" if loss is not None else "n/a", row["ktok_per_s"] or 0.0,
+                     f"{acc1:.3f}" if acc1 is not None else "n/a", row["acceptance_estimate"] or 0.0)
         with self.lock:
             self.rows.append(row)
             self.last = row
             with open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")
+        check_finite(step, loss if loss is not None else 0.0, gnorm)
+
+    def rows_upto(self, step: int) -> list[dict]:
+        with self.lock:
+            return [r for r in self.rows if r["step"] <= step]
 
     def refresh(self):
         if self.bar is None:
@@ -188,85 +205,41 @@ class RunMetrics:
             last = dict(self.last)
         self.bar.n = self.step
         if last:
-            self.bar.set_postfix(loss=f"{last['loss']:.3f}", ktok_s=f"{last['ktok_per_s'] or 0:.2f}",
+            self.bar.set_postfix(loss=f"{last['loss'] or 0:.3f}", ktok_s=f"{last['ktok_per_s'] or 0:.2f}",
                                  acc1=f"{(last['acc_per_position'] or [0])[0] or 0:.2f}", refresh=False)
         self.bar.refresh()
 
-    # -- the summary ----------------------------------------------------------------------------------
+    def close(self):
+        if self.bar is not None:
+            self.refresh()
+            self.bar.close()
+            self.bar = None
+        try:
+            self.flush()
+        except Exception as e:  # noqa: BLE001 — the run is ending; its status already says why
+            log.warning("last metrics row: %s", e)
+
+    # -- measured figures -------------------------------------------------------------------------------
     def throughput(self) -> dict:
+        from dflash.train import flops
         s = self.totals["seconds"]
         if not s:
             return {"ktok_per_s": None, "samples_per_s": None, "draft_positions_per_s": None, "mfu": None,
                     "mfu_target": None, "mfu_drafter": None, "measured_seconds": 0.0}
         out = {"ktok_per_s": self.totals["tokens"] / s / 1e3, "samples_per_s": self.totals["samples"] / s,
                "draft_positions_per_s": self.totals["positions"] / s, "measured_seconds": round(s, 3)}
-        out.update(self.mfu(s))
-        return out
-
-    def mfu(self, s: float) -> dict:
-        """Achieved matmul FLOP/s over the measured bf16 ceiling times the number of GPUs used."""
-        gpus = self.setup.placement.gpus
-        ceiling = self.cfg.train.matmul_tflops
+        gpus, ceiling = self.ctx.placement.gpus, self.cfg.train.matmul_tflops
         if not gpus or not ceiling:
-            return {"mfu": None, "mfu_target": None, "mfu_drafter": None}
-        d = self.setup.drafter_config
+            return {**out, "mfu": None, "mfu_target": None, "mfu_drafter": None}
+        # achieved matmul FLOP/s over the measured bf16 ceiling times the number of GPUs used
+        d = self.ctx.drafter_config
         tokens, samples = self.totals["tokens"], self.totals["samples"]
         mean_len = tokens / samples if samples else 0
-        layers_run = max(d.target_layer_ids) + 1
-        f_t = flops.target_forward(self.setup.target_config, int(mean_len), layers_run) * samples
+        f_t = flops.target_forward(self.ctx.target_config, int(mean_len), max(d.target_layer_ids) + 1) * samples
         f_d = flops.drafter_train(d, int(mean_len), self.cfg.train.num_anchors, 0) * samples + \
             3 * 2 * d.hidden_size * d.vocab_size * self.totals["positions"]
         peak = ceiling * 1e12 * len(gpus) * s
-        return {"mfu": (f_t + f_d) / peak, "mfu_target": f_t / peak, "mfu_drafter": f_d / peak}
+        return {**out, "mfu": (f_t + f_d) / peak, "mfu_target": f_t / peak, "mfu_drafter": f_d / peak}
 
-    def finish(self, setup, workers: list[dict], status: str, resumed_from=None, devices=None, checksums=None):
-        from dflash.train.setup import data_summary, git_state, read_manifest
-        from dflash.train.telemetry import device_report
-
-        if self.bar is not None:
-            self.refresh()
-            self.bar.close()
-        if self.pending:
-            self._flush(self.step, sync_device=True)
-        last = self.rows[-1] if self.rows else {}
-        after = compile_guard.counters()
-        before = self.graphs_after_warmup or after
-        manifest = read_manifest(setup)
-        now = datetime.now(timezone.utc)
-        started = getattr(self, "started_at", now)
-        split = {k: (v / self.split_steps if self.split_steps else None) for k, v in self.split_total.items()}
-        summary = {
-            "run_id": f"{self.cfg.run_name}-{started.strftime('%Y%m%dT%H%M%SZ')}",
-            "run_name": self.cfg.run_name,
-            "started_at": started.isoformat(), "finished_at": now.isoformat(), "status": status,
-            "resumed_from_step": resumed_from,
-            "git": git_state(),
-            "config_hash": setup.loaded.hash, "config": setup.loaded.raw,
-            "env_hash": setup.env["hash"], "env": setup.env,
-            "data_hash": manifest.get("content_hash"), "data": data_summary(manifest),
-            "runtime": setup.placement.runtime, "attention": setup.backend,
-            "steps": self.step, "measured_steps": self.totals["steps"],
-            "seconds_to_first_step": self.first_step_s,
-            "throughput": self.throughput(),
-            "time_split_s": split,
-            "loss": last.get("loss"), "acc_per_position": last.get("acc_per_position"),
-            "acceptance_estimate": last.get("acceptance_estimate"),
-            "workers": workers,
-            "devices": devices or device_report(setup.placement, getattr(self, "sampler", None)),
-            "compile": {"graphs": sum(w["graphs"] for w in self.warmup), "warmup_s": round(self.warmup_s, 3),
-                        "cache_hits": sum(w["cache_hits"] for w in self.warmup),
-                        "recompiles_after_warmup": after["graphs"] - before["graphs"],
-                        "eager_fallbacks": after["eager_fallbacks"], "per_device": self.warmup},
-            "replica_checksums": checksums,
-            "replicas_identical": (len(set(checksums)) == 1) if checksums else None,
-            "queue_depth_mean": (sum(r["queue_depth"] for r in self.rows) / len(self.rows)) if self.rows else None,
-        }
-        atomic_write_json(setup.run_dir / "summary.json", summary)
-        if status == "completed":
-            from dflash.train.checkpoint import archive_outputs
-            archive_outputs(setup.run_dir, self.step)
-        tp = summary["throughput"]
-        log.info("run %s %s: %d steps, %s Ktok/s, loss %s", summary["run_id"], status, self.step,
-                 f"{tp['ktok_per_s']:.3f}" if tp["ktok_per_s"] else "n/a",
-                 f"{summary['loss']:.4f}" if summary["loss"] is not None else "n/a")
-        return summary
+    def time_split(self) -> dict:
+        return {k: (v / self.split_steps if self.split_steps else None) for k, v in self.split_total.items()}

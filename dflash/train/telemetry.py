@@ -30,12 +30,8 @@ class GpuSampler:
         return self
 
     def _run(self):
-        import os
-
         import pynvml
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        ids = [int(x) for x in visible.split(",")] if visible and all(x.strip().isdigit() for x in visible.split(",")) else None
-        handles = {str(d): pynvml.nvmlDeviceGetHandleByIndex(ids[d.index] if ids else d.index) for d in self.devices}
+        handles = {str(d): nvml_handle(d.index) for d in self.devices}
         while not self._stop.wait(self.period):
             for name, h in handles.items():
                 try:
@@ -51,6 +47,21 @@ class GpuSampler:
     def mean(self, device) -> float | None:
         s = self.samples.get(str(device))
         return sum(s) / len(s) if s else None
+
+
+def nvml_handle(index: int):
+    """The NVML handle of CUDA device `index` as this process numbers it: CUDA_VISIBLE_DEVICES may renumber
+    devices by index ("2,3") or name them by UUID ("GPU-8f1c...", "MIG-...")."""
+    import os
+
+    import pynvml
+    visible = [x.strip() for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
+    if not visible:
+        return pynvml.nvmlDeviceGetHandleByIndex(index)
+    entry = visible[index]
+    if entry.isdigit():
+        return pynvml.nvmlDeviceGetHandleByIndex(int(entry))
+    return pynvml.nvmlDeviceGetHandleByUUID(entry)
 
 
 def device_report(placement, sampler: GpuSampler | None) -> list[dict]:

@@ -1,0 +1,106 @@
+"""The run context: everything a training run derives from its config, built once (placement, attention backend,
+paths, the target's and the drafter's configs, loss decay, environment) and handed to every part of the trainer."""
+from __future__ import annotations
+
+import logging
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dflash import fingerprint
+from dflash.atomic import read_json
+from dflash.config import REPO, results_path
+from dflash.errors import UserError
+from dflash.train import placement as P
+
+log = logging.getLogger("dflash.train")
+
+
+@dataclass
+class RunContext:
+    loaded: object                 # dflash.config.Loaded: the validated config, its hash and source
+    placement: P.Placement
+    backend: str                   # flex | sdpa | eager
+    run_dir: Path
+    data_dir: Path
+    target_config: object          # transformers config of the target
+    drafter_config: object         # dflash.model.DrafterConfig
+    gamma: float                   # loss decay
+    env: dict                      # environment fingerprint
+    compile: bool                  # compiled drafter layers and loss kernel
+    pad_id: int = 0
+    shapes: list[tuple[int, int]] = field(default_factory=list)   # (batch, length) of every bucket: the warm-up set
+
+    @property
+    def cfg(self):
+        return self.loaded.cfg
+
+    def anchors_for(self, length: int) -> int:
+        """Anchors per sequence in a bucket of this length: capped by the positions that can hold one."""
+        return max(1, min(self.cfg.train.num_anchors, length - 1))
+
+
+def prepare(loaded, need_data: bool = True, run_dir=None, data_dir=None) -> RunContext:
+    from transformers import AutoConfig
+
+    from dflash.model import DrafterConfig, default_gamma
+    from dflash.target import load_tokenizer, mask_token_id
+
+    cfg = loaded.cfg
+    placement = P.resolve(cfg.train)
+    backend = P.attention_backend(cfg.train, placement.drafters)
+    if backend == "flex" and any(d.type != "cuda" for d in placement.drafters):
+        raise UserError("train.attention is flex but a drafter is on the CPU: flex_attention has no CPU backward; "
+                        "use sdpa there")
+    tpath = Path(cfg.target.path)
+    if not (tpath / "config.json").is_file():
+        raise UserError(f"{tpath}: target folder has no config.json (run the target stage, or set target.path)")
+    tconf = AutoConfig.from_pretrained(tpath, trust_remote_code=cfg.target.trust_remote_code)
+    tok = load_tokenizer(cfg.target)
+    mask_id = cfg.drafter.mask_token_id if cfg.drafter.mask_token_id is not None else mask_token_id(tok)
+    dconf = DrafterConfig.from_target(tconf, cfg.drafter, mask_id)
+    data_dir = Path(data_dir) if data_dir else results_path(loaded, "data", cfg.dataset_name)
+    if need_data and not (data_dir / "manifest.json").is_file():
+        raise UserError(f"{data_dir}/manifest.json: dataset not found (run the data stage first)")
+    return RunContext(
+        loaded, placement, backend, Path(run_dir) if run_dir else results_path(loaded, "runs", cfg.run_name),
+        data_dir, tconf, dconf,
+        cfg.train.gamma if cfg.train.gamma is not None else default_gamma(dconf.block_size),
+        fingerprint.collect(), cfg.train.compile and backend != "eager",
+        tok.pad_token_id if tok.pad_token_id is not None else 0)
+
+
+def set_shapes(ctx: RunContext, shapes) -> None:
+    """Record the bucket shapes (what the warm-up compiles); warn once where anchors are capped."""
+    ctx.shapes = list(shapes)
+    n = ctx.cfg.train.num_anchors
+    capped = [s for _, s in ctx.shapes if ctx.anchors_for(s) < n]
+    if capped:
+        log.warning("train.num_anchors=%d exceeds the positions of bucket(s) %s: capped to length-1 there "
+                    "(anchors beyond the positions would be padding, computed for nothing)", n, capped)
+
+
+def git_state() -> dict:
+    """The commit of this project's own repository; None where the package is not inside its git checkout
+    (a copy without .git must not report the commit of an enclosing repository)."""
+    def git(*args):
+        try:
+            r = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10)
+            return r.stdout.strip() if r.returncode == 0 else ""
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+    top = git("rev-parse", "--show-toplevel")
+    if not top or Path(top).resolve() != REPO.resolve():
+        return {"commit": None, "dirty": None}
+    return {"commit": git("rev-parse", "HEAD") or None,
+            "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+
+
+def data_summary(manifest: dict) -> dict:
+    keys = ("content_hash", "num_samples", "total_tokens", "supervised_tokens", "buckets", "length_histogram",
+            "bucket_edges", "max_length", "truncation")
+    return {k: manifest.get(k) for k in keys}
+
+
+def read_manifest(ctx: RunContext) -> dict:
+    return read_json(ctx.data_dir / "manifest.json")

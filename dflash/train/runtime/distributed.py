@@ -1,0 +1,399 @@
+"""The `distributed` runtime: one process per device, started by torch's elastic launcher, the same trainer.
+
+Ranks 0..T-1 are target workers, ranks T..T+D-1 drafter replicas (the placement lists, in order). Micro-batch i
+is computed by target rank i % T and sent point-to-point (NCCL on GPU, gloo on CPU) to drafter rank T + i % D, with
+at most `queue_size` sends in flight per target (back-pressure). Drafter replicas are one DistributedDataParallel
+group: bucketed gradient all-reduces overlap the backward. Drafter rank 0 writes metrics, checkpoints and the
+summary exactly as in the threads runtime.
+
+Supervision: the elastic agent (in a thread of this launcher) stops every rank when one fails; we name it (rank,
+role, device, exit code). Stop signals (SIGINT, SIGTERM, SIGUSR1) reach the launcher, which forwards SIGUSR1 to
+its local ranks: they agree to stop after the current step, drafter rank 0 writes a checkpoint, and all exit 0.
+SIGTERM from the agent itself (a peer failed) ends a rank at once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+from collections import deque
+
+import torch
+import torch.distributed as dist
+
+from dflash.errors import UserError
+
+log = logging.getLogger("dflash.train")
+HEADER = 4  # index, tokens, batch, length
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+STOP_KEY = "dflash/stop_index"
+
+
+# ---- launcher ------------------------------------------------------------------------------------------------
+def world_size(loaded) -> int:
+    return len(loaded.cfg.train.targets) + len(loaded.cfg.train.drafters)
+
+
+def launch_config(loaded):
+    """The elastic launch configuration: one process per entry of train.targets + train.drafters, no restarts."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    rdzv = loaded.cfg.train.rendezvous
+    world = world_size(loaded)
+    if world % rdzv.nnodes:
+        raise UserError(f"{loaded.source}: {world} ranks (targets + drafters) do not split evenly over "
+                        f"train.rendezvous.nnodes={rdzv.nnodes}")
+    if rdzv.nnodes > 1 and not rdzv.endpoint:
+        raise UserError(f"{loaded.source}: train.rendezvous.endpoint (host:port) is required for "
+                        f"{rdzv.nnodes} nodes")
+    kw = dict(min_nodes=rdzv.nnodes, max_nodes=rdzv.nnodes, nproc_per_node=world // rdzv.nnodes,
+              run_id=rdzv.id if rdzv.endpoint else f"dflash-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
+              rdzv_endpoint=rdzv.endpoint or "localhost:0", max_restarts=0, monitor_interval=0.5, role="dflash")
+    if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)}:
+        kw["shutdown_timeout"] = 5   # survivors of a failed rank get SIGTERM, then SIGKILL after this long
+    return LaunchConfig(**kw)
+
+
+def worker_args(loaded, args) -> list[str]:
+    """The command line every rank runs (the same stage, inside the launcher's environment)."""
+    out = ["-m", "dflash", "train", "--config", str(loaded.source), "--no-progress"]
+    for item in getattr(args, "set", None) or []:
+        out += ["--set", item]
+    for flag in ("run_dir", "data_dir"):
+        if getattr(args, flag, None):
+            out += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    return out
+
+
+def torchrun_command(loaded, overrides=()) -> list[str]:
+    """The equivalent torchrun command line (for clusters that start ranks themselves)."""
+    cfg = launch_config(loaded)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={cfg.min_nodes}",
+           f"--nproc-per-node={cfg.nproc_per_node}", "--max-restarts=0"]
+    rdzv = loaded.cfg.train.rendezvous
+    cmd += ([f"--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.id}"] if rdzv.endpoint
+            else ["--standalone"])
+    cmd += ["-m", "dflash", "train", "--config", str(loaded.source), "--no-progress"]
+    for item in overrides:
+        cmd += ["--set", item]
+    return cmd
+
+
+def role_of(loaded, rank: int) -> str:
+    T = len(loaded.cfg.train.targets)
+    return (f"target-{rank} ({loaded.cfg.train.targets[rank]})" if rank < T
+            else f"drafter-{rank - T} ({loaded.cfg.train.drafters[rank - T]})")
+
+
+def launch(loaded, args, run_dir) -> int:
+    if "LOCAL_RANK" in os.environ:          # we are one of the launched ranks
+        return worker_main(loaded, args)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    config = launch_config(loaded)
+    argv = worker_args(loaded, args)
+    log.info("distributed runtime: %d rank(s) on this node: %s %s", config.nproc_per_node, sys.executable,
+             " ".join(argv))
+    os.environ["PYTHONUNBUFFERED"] = "1"
+    result: dict = {}
+
+    def agent():  # in a thread: the agent then leaves the process's signal handlers to us
+        try:
+            elastic_launch(config, sys.executable)(*argv)
+        except ChildFailedError as e:
+            result["failures"] = e.failures
+        except BaseException as e:  # noqa: BLE001
+            result["error"] = e
+
+    got: dict = {}
+
+    def on_signal(signum, frame):
+        if "signum" not in got:
+            got["signum"] = signum
+            log.warning("%s: asking every rank to stop after its current step and checkpoint",
+                        signal.Signals(signum).name)
+        for pid in local_rank_pids(run_dir):
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+
+    previous = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
+    try:
+        t = threading.Thread(target=agent, name="elastic-agent", daemon=True)
+        t.start()
+        while t.is_alive():
+            t.join(0.2)
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    if "error" in result:
+        raise result["error"]
+    failures = result.get("failures") or {}
+    for rank, f in sorted(failures.items(), key=lambda kv: kv[1].timestamp):
+        print(f"dflash train: rank {rank} = {role_of(loaded, rank)} failed with exit code {f.exitcode}",
+              file=sys.stderr)
+    if failures:
+        return 1
+    return 128 + got["signum"] if "signum" in got else 0
+
+
+def local_rank_pids(run_dir) -> list[int]:
+    import json
+    from pathlib import Path
+    pids = []
+    for f in Path(run_dir, "ranks").glob("rank-*.json"):
+        try:
+            info = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if info.get("host") == os.uname().nodename:
+            pids.append(info["pid"])
+    return pids
+
+
+# ---- inside a rank ---------------------------------------------------------------------------------------------
+class DistSync:
+    """The drafter group's reductions: gradients by DDP during backward; step statistics, the stop vote and the
+    divergence guard's checksums here."""
+
+    reduces_in_backward = True
+
+    def __init__(self, group, n: int):
+        self.group, self.n = group, n
+
+    def reduce(self, rank: int, tensors, want_stop: bool = False):
+        flag = torch.tensor([1.0 if want_stop else 0.0], dtype=tensors[0].dtype, device=tensors[0].device)
+        packed = torch.cat([t.reshape(-1) for t in tensors] + [flag])
+        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=self.group)
+        out, k = [], 0
+        for t in tensors:
+            out.append(packed[k:k + t.numel()].view_as(t))
+            k += t.numel()
+        return out, bool(packed[-1].item() > 0)
+
+    def gather(self, rank: int, value: torch.Tensor) -> list[torch.Tensor]:
+        out = [torch.empty_like(value) for _ in range(self.n)]
+        dist.all_gather(out, value, group=self.group)
+        return out
+
+
+def _device(spec: str) -> torch.device:
+    from dflash.train.placement import parse_device
+    dev = parse_device(spec)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    return dev
+
+
+def worker_main(loaded, args) -> int:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from dflash.atomic import atomic_write_json
+    from dflash.fingerprint import compile_cache_dir
+    from dflash.train import checkpoint, compile_guard, summary
+    from dflash.train.context import prepare, set_shapes
+    from dflash.train.features import LayerCapture
+    from dflash.train.metrics import RunMetrics
+    from dflash.train.reader import ShardReader
+    from dflash.train.step import build_drafter
+    from dflash.train.telemetry import GpuSampler
+    from dflash.train.trainer import Diverged, Micro, NonFinite, Replica, StopRun, weight_checksum
+
+    cfg = loaded.cfg
+    T, D = len(cfg.train.targets), len(cfg.train.drafters)
+    specs = list(cfg.train.targets) + list(cfg.train.drafters)
+    rank = int(os.environ["RANK"])
+    if int(os.environ["WORLD_SIZE"]) != T + D:
+        raise UserError(f"the launcher started {os.environ['WORLD_SIZE']} processes; the placement needs {T + D}")
+    device = _device(specs[rank])
+    backend = cfg.train.rendezvous.backend
+    on_cpu = {str(s) == "cpu" for s in specs}
+    if len(on_cpu) > 1:
+        raise UserError(f"{loaded.source}: the distributed runtime needs every rank on a GPU (nccl) or every rank "
+                        "on the CPU (gloo); use the threads runtime to mix them")
+    if backend == "auto":
+        backend = "gloo" if True in on_cpu else "nccl"
+    dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None)
+    drafter_group = dist.new_group(list(range(T, T + D)))
+    is_target, r = rank < T, rank - T
+    name = f"target-{rank}" if is_target else f"drafter-{r}"
+    logging.getLogger().name = name
+    fail = cfg.train.fail_at_step if cfg.train.fail_at_step and cfg.train.fail_at_step.get("worker") == name else None
+
+    def maybe_fail(step):
+        if fail and fail.get("step") == step:
+            raise RuntimeError(f"{name}: injected failure at {'init' if step == 0 else f'step {step}'}")
+
+    ctx = prepare(loaded, run_dir=getattr(args, "run_dir", None), data_dir=getattr(args, "data_dir", None))
+    ctx.placement = ctx.placement.__class__(ctx.placement.targets, ctx.placement.drafters, "distributed")
+    atomic_write_json(ctx.run_dir / "ranks" / f"rank-{rank}.json",
+                      {"rank": rank, "name": name, "device": str(device), "pid": os.getpid(), "backend": backend,
+                       "host": os.uname().nodename})
+    stop = {"flag": False}
+    for s in (signal.SIGINT, signal.SIGUSR1):   # SIGTERM stays fatal: the agent sends it when a peer failed
+        signal.signal(s, lambda *a: stop.__setitem__("flag", True))
+    compile_guard.use_compile_cache(compile_cache_dir(cfg.results_dir, ctx.env["hash"]))
+    reader = ShardReader(ctx.data_dir, cfg.train.batch_size, cfg.seed, ctx.pad_id)
+    set_shapes(ctx, reader.shapes())
+    maybe_fail(0)
+    t_start = time.perf_counter()
+
+    # embedding + LM head: target rank 0 has them; it sends them to every drafter rank
+    if is_target:
+        from dflash.target import load_target
+        model = load_target(cfg.target, device=device, seed=cfg.seed)
+        capture = LayerCapture(model, ctx.drafter_config.target_layer_ids)
+        embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+        if rank == 0:
+            for j in range(T, T + D):
+                dist.send(torch.tensor([DTYPES.index(embed.dtype)], device=device), dst=j)
+                dist.send(embed.detach().contiguous(), dst=j)
+                dist.send(head.detach().contiguous(), dst=j)
+    else:
+        V, H = ctx.drafter_config.vocab_size, ctx.drafter_config.hidden_size
+        code_t = torch.zeros(1, dtype=torch.long, device=device)
+        dist.recv(code_t, src=0)
+        dtype = DTYPES[int(code_t.item())]
+        e, h = torch.empty(V, H, dtype=dtype, device=device), torch.empty(V, H, dtype=dtype, device=device)
+        dist.recv(e, src=0)
+        dist.recv(h, src=0)
+        metrics = RunMetrics(ctx, progress=False) if r == 0 else None
+        sync = DistSync(drafter_group, D)
+        rep = Replica(ctx, r, D, device, build_drafter(ctx, e, h, device), sync, metrics, fail=maybe_fail)
+
+    # resume point: decided by drafter rank 0 (same verified checkpoint for every replica), broadcast to all
+    holder = [None]
+    if rank == T:
+        holder[0] = str(checkpoint.resumable(ctx) or "") if cfg.train.resume else ""
+    dist.broadcast_object_list(holder, src=T)
+    latest = holder[0] or None
+    if not is_target and latest:
+        rep.resume(latest)
+        if r == 0:
+            log.info("resuming from %s: step %d, data index %d", latest, rep.start_step, rep.data_index)
+    pos = [rep.start_step, rep.data_index] if rank == T else [0, 0]
+    holder = [pos]
+    dist.broadcast_object_list(holder, src=T)
+    start_step, data_index = holder[0]
+    per_step = D * cfg.train.grad_accum
+    end_index = data_index + max(0, cfg.train.steps - start_step) * per_step
+
+    code, status, failure = 0, "completed", None
+    store = dist.distributed_c10d._get_default_store()
+    if is_target:
+        pending: deque = deque()
+        produced = 0
+        for i in range(data_index, end_index):
+            if i % T != rank:
+                continue
+            if store.check([STOP_KEY]) and i >= int(store.get(STOP_KEY)):
+                break                                   # the replicas stopped (a signal): nothing more to make
+            produced += 1
+            maybe_fail(produced)
+            b = reader.batch(i)
+            dst = T + i % D
+            with torch.inference_mode():
+                feats = capture(b.input_ids.to(device, non_blocking=True))
+            msgs = [torch.tensor([i, b.tokens, *b.input_ids.shape], dtype=torch.long, device=device),
+                    feats.contiguous(), b.input_ids.to(device), b.loss_mask.to(device=device, dtype=torch.uint8)]
+            pending.append([dist.isend(m, dst=dst) for m in msgs] + msgs)
+            while len(pending) > cfg.train.queue_size:
+                for w in pending.popleft()[:4]:
+                    w.wait()
+        # the end mark: every replica drains what it was sent beyond its last step, then this
+        end = torch.tensor([-1, 0, 0, 0], dtype=torch.long, device=device)
+        pending.append([dist.isend(end, dst=j) for j in range(T, T + D)] + [end])
+        while pending:
+            for w in pending.popleft():
+                if isinstance(w, dist.Work):
+                    w.wait()
+        desc = {"name": name, "role": "target", "device": str(device), "steps": produced,
+                "peak_memory_gb": _peak(device), "util_mean": None}
+    else:
+        record = rep.warm_up()                      # compiles on the bare module, before DDP wraps it
+        if ctx.compile:
+            compile_guard.forbid_recompiles()
+        compile_guard.configure_thread(len(ctx.shapes))
+        rep.model = DDP(rep.drafter, device_ids=[device] if device.type == "cuda" else None,
+                        process_group=drafter_group, broadcast_buffers=False)
+        k, H = len(ctx.drafter_config.target_layer_ids), ctx.drafter_config.hidden_size
+        sampler = GpuSampler([device])
+        if metrics:
+            metrics.sampler = sampler
+            metrics.set_warmup([record], time.perf_counter() - t_start)
+            metrics.start(start_step, getattr(rep, "resumed", {}).get("metrics"))
+        else:
+            sampler.start()
+
+        def take(index: int) -> Micro:
+            src = index % T
+            hdr = torch.empty(HEADER, dtype=torch.long, device=device)
+            dist.recv(hdr, src=src)
+            got, tokens, b, s = hdr.tolist()
+            if got != index:
+                raise RuntimeError(f"{name}: expected micro-batch {index} from rank {src}, got {got}")
+            feats = torch.empty(b, s, k * H, dtype=dtype, device=device)
+            ids = torch.empty(b, s, dtype=torch.long, device=device)
+            mask = torch.empty(b, s, dtype=torch.uint8, device=device)
+            for t in (feats, ids, mask):
+                dist.recv(t, src=src)
+            return Micro(index, tokens, feats, ids, mask.bool())
+
+        try:
+            rep.run(take, lambda: stop["flag"], lambda: 0)
+        except StopRun:
+            status = "interrupted"
+            if r == 0:
+                store.set(STOP_KEY, str(rep.index(rep.steps, 0)))
+        except (Diverged, NonFinite) as e:
+            status, code = "failed", 1
+            failure = {"kind": "diverged" if isinstance(e, Diverged) else "non_finite", "worker": name,
+                       "message": str(e)}
+            log.error("%s", e)
+        if status != "failed":
+            _drain(rep, T, k * H, dtype, device)     # what the targets sent beyond the stop, then their end mark
+        sampler.stop()
+        desc = {"name": name, "role": "drafter", "device": str(device), "steps": rep.steps,
+                "checksum": weight_checksum(rep.drafter).tolist(), "peak_memory_gb": _peak(device),
+                "util_mean": sampler.mean(device)}
+    everyone = [None] * (T + D)
+    dist.all_gather_object(everyone, desc)
+    if rank == T:
+        devices = [{"device": d["device"], "roles": [d["role"]], "peak_memory_gb": d["peak_memory_gb"],
+                    "util_mean": d["util_mean"], "rank": i} for i, d in enumerate(everyone)]
+        checksums = [d.pop("checksum") for d in everyone if "checksum" in d]
+        summary.write(ctx, metrics, everyone, status, devices, checksums=checksums, failure=failure)
+    dist.barrier()
+    dist.destroy_process_group()
+    return code
+
+
+def _drain(rep, T: int, width: int, dtype, device):
+    """Receive and drop what the target ranks sent this replica beyond its last step, until each target sent its
+    end mark [-1, ...]. Receives in the replica's own index order (as training does), so it waits on no target
+    that waits on another replica: no ordering deadlock."""
+    i, done = rep.index(rep.steps, 0), set()
+    while len(done) < T:
+        src = i % T
+        if src not in done:
+            hdr = torch.empty(HEADER, dtype=torch.long, device=device)
+            dist.recv(hdr, src=src)
+            index, _, b, s = hdr.tolist()
+            if index < 0:
+                done.add(src)
+            else:
+                for shape, dt in (((b, s, width), dtype), ((b, s), torch.long), ((b, s), torch.uint8)):
+                    dist.recv(torch.empty(shape, dtype=dt, device=device), src=src)
+        i += rep.n
+
+
+def _peak(device):
+    return round(torch.cuda.max_memory_allocated(device) / 2**30, 3) if device.type == "cuda" else None

@@ -1,0 +1,106 @@
+"""The drafter's training step for one micro-batch (anchors -> forward -> chunked loss), the drafter built for it,
+and its warm-up (every compile, for every bucket shape, single-threaded). Shared by both runtimes and the warm-up stage."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from dflash.train import compile_guard, placement as P
+
+
+def frozen_head(target_model, device: torch.device):
+    """The target's embedding and LM head weights on `device`: the target's own tensors there (shared, never
+    copied), one frozen copy on any other device. The drafter takes them as plain tensors."""
+    return tuple(m.weight.detach().to(device) for m in
+                 (target_model.get_input_embeddings(), target_model.get_output_embeddings()))
+
+
+def random_head(ctx, device: torch.device, dtype):
+    """Stand-ins of the right shape for the warm-up stage (compiled graphs depend on shapes, not values)."""
+    v, h = ctx.drafter_config.vocab_size, ctx.drafter_config.hidden_size
+    return tuple(torch.randn(v, h, device=device, dtype=dtype) * 0.02 for _ in range(2))
+
+
+def build_drafter(ctx, embed, head, device: torch.device):
+    from dflash.model import DFlashDrafter
+    from dflash.model.export import load_drafter
+
+    init_from = ctx.cfg.drafter.init_from
+    if init_from:
+        drafter = load_drafter(init_from, embed, head, device=device)
+    else:
+        torch.manual_seed(ctx.cfg.seed)
+        with torch.device(device):
+            drafter = DFlashDrafter(ctx.drafter_config, embed, head)
+    if ctx.compile:
+        for layer in drafter.layers:  # compiled in place (state_dict names unchanged); traced in the warm-up
+            layer.compile(fullgraph=True, dynamic=False)
+    return drafter.to(device).train()
+
+
+_CE_KERNEL = {}
+
+
+def ce_kernel(compiled: bool):
+    """The fused loss's per-chunk kernel; compiled (once per process, traced in the warm-up) on the compile path."""
+    from dflash.model.fused_ce import ce_chunk
+    if not compiled:
+        return ce_chunk
+    if "k" not in _CE_KERNEL:
+        _CE_KERNEL["k"] = torch.compile(ce_chunk, fullgraph=True, dynamic=False)
+    return _CE_KERNEL["k"]
+
+
+def micro_step(drafter, feats, input_ids, loss_mask, index: int, ctx, autocast_dtype):
+    """Anchors -> drafter forward -> chunked loss for one micro-batch. Anchors are seeded by the batch index,
+    so the same batch gets the same anchors in any runtime, replica or resumed run. `drafter` may be wrapped
+    (DistributedDataParallel): it is called, its `.module` holds the LM head."""
+    from dflash.model import block_labels, dflash_loss, sample_anchors
+
+    core = getattr(drafter, "module", drafter)
+    device = input_ids.device
+    gen = torch.Generator(device=device)
+    gen.manual_seed(ctx.cfg.seed * 1_000_003 + index)
+    bk = ctx.drafter_config.block_size
+    anchors = sample_anchors(loss_mask, ctx.anchors_for(input_ids.shape[1]), bk, gen)
+    labels, weights = block_labels(input_ids, loss_mask, anchors, ctx.gamma)
+    with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+        hidden = drafter(feats, input_ids, anchors, backend=ctx.backend)
+        return dflash_loss(hidden, core.lm_head_weight, labels, weights, bk, ctx.cfg.train.loss_chunk,
+                           fused=ctx.cfg.train.loss_kernel == "fused", kernel=ce_kernel(ctx.compile))
+
+
+def dummy_batch(ctx, batch: int, length: int, device, dtype):
+    """Random features and tokens of one bucket's shape, every position supervised (for warm-up)."""
+    k, h = len(ctx.drafter_config.target_layer_ids), ctx.drafter_config.hidden_size
+    g = torch.Generator(device="cpu").manual_seed(length)
+    ids = torch.randint(0, ctx.drafter_config.vocab_size, (batch, length), generator=g).to(device)
+    feats = torch.randn(batch, length, k * h, generator=g).to(device=device, dtype=dtype or torch.float32)
+    return feats, ids, torch.ones(batch, length, dtype=torch.bool, device=device)
+
+
+def warm_up(drafter, ctx, device, shapes) -> dict:
+    """Compile (or just run) the drafter's forward and backward for every shape, single-threaded, holding the
+    FX guard exclusively. Leaves no gradients behind."""
+    dtype = P.autocast_dtype(ctx.cfg.train, device)
+    before = compile_guard.counters()
+    t0 = time.perf_counter()
+    per_shape = []
+    with compile_guard.FX_GUARD.exclusive():
+        compile_guard.allow_compiles()
+        compile_guard.configure_thread(len(shapes))
+        for b, s in shapes:
+            t = time.perf_counter()
+            feats, ids, mask = dummy_batch(ctx, b, s, device, dtype)
+            out = micro_step(drafter, feats, ids, mask, 0, ctx, dtype)
+            out.loss.backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            per_shape.append({"batch": b, "length": s, "seconds": round(time.perf_counter() - t, 3)})
+        drafter.zero_grad(set_to_none=True)
+    after = compile_guard.counters()
+    return {"device": str(device), "backend": ctx.backend, "compiled": ctx.compile, "shapes": per_shape,
+            "graphs": after["graphs"] - before["graphs"], "cache_hits": after["cache_hits"] - before["cache_hits"],
+            "cache_misses": after["cache_misses"] - before["cache_misses"],
+            "seconds": round(time.perf_counter() - t0, 3)}

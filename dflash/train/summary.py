@@ -1,0 +1,61 @@
+"""summary.json: the one record of a finished (or failed, or interrupted) run that the report reads."""
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timezone
+
+from dflash.atomic import atomic_write_json
+from dflash.train import compile_guard
+from dflash.train.context import data_summary, git_state, read_manifest
+
+log = logging.getLogger("dflash.train")
+
+
+def write(ctx, metrics, workers: list[dict], status: str, devices: list[dict], checksums=None,
+          failure: dict | None = None) -> dict:
+    """`checksums`: each replica's exact weight checksum (a list of ints) at the end; `failure`: what stopped a
+    failed run ({"kind": "diverged" | "non_finite" | "worker", "message", ...})."""
+    metrics.close()
+    rows = metrics.rows
+    last = rows[-1] if rows else {}
+    after = compile_guard.counters()
+    before = metrics.graphs_after_warmup or after
+    manifest = read_manifest(ctx)
+    started, now = metrics.started_at, datetime.now(timezone.utc)
+    identical = (len({tuple(c) for c in checksums}) == 1) if checksums else None
+    finite = status == "completed" or not failure or failure.get("kind") not in ("diverged", "non_finite")
+    summary = {
+        "run_id": f"{ctx.cfg.run_name}-{started.strftime('%Y%m%dT%H%M%SZ')}",
+        "run_name": ctx.cfg.run_name,
+        "started_at": started.isoformat(), "finished_at": now.isoformat(), "status": status,
+        "failure": failure,
+        "resumed_from_step": metrics.start_step or None,
+        "git": git_state(),
+        "config_hash": ctx.loaded.hash, "config": ctx.loaded.raw,
+        "env_hash": ctx.env["hash"], "env": ctx.env,
+        "data_hash": manifest.get("content_hash"), "data": data_summary(manifest),
+        "runtime": ctx.placement.runtime, "attention": ctx.backend,
+        "steps": metrics.step, "measured_steps": metrics.totals["steps"],
+        "seconds_to_first_step": metrics.first_step_s,
+        # figures of a run whose replicas diverged or whose loss blew up are not throughput to compare against
+        "throughput": metrics.throughput() if finite else dict.fromkeys(metrics.throughput()),
+        "time_split_s": metrics.time_split(),
+        "loss": last.get("loss"), "acc_per_position": last.get("acc_per_position"),
+        "acceptance_estimate": last.get("acceptance_estimate"),
+        "workers": workers,
+        "devices": devices,
+        "compile": {"graphs": sum(w["graphs"] for w in metrics.warmup), "warmup_s": round(metrics.warmup_s, 3),
+                    "cache_hits": sum(w["cache_hits"] for w in metrics.warmup),
+                    "recompiles_after_warmup": after["graphs"] - before["graphs"],
+                    "eager_fallbacks": after["eager_fallbacks"], "per_device": metrics.warmup},
+        "replica_checksums": [sum(c) for c in checksums] if checksums else None,
+        "replicas_identical": identical,
+        "check_every": ctx.cfg.train.check_every,
+        "queue_depth_mean": (sum(r["queue_depth"] for r in rows) / len(rows)) if rows else None,
+    }
+    atomic_write_json(ctx.run_dir / "summary.json", summary)
+    tp = summary["throughput"]
+    log.info("run %s %s: %d steps, %s Ktok/s, loss %s", summary["run_id"], status, metrics.step,
+             f"{tp['ktok_per_s']:.3f}" if tp.get("ktok_per_s") else "n/a",
+             f"{summary['loss']:.4f}" if summary["loss"] is not None else "n/a")
+    return summary

@@ -1,0 +1,216 @@
+"""One data-parallel replica of the drafter, its whole life: build, resume, warm-up, the step loop, checkpoints,
+the divergence guard and the fault-injection hooks. Both runtimes run this; they differ only in their transport:
+how a micro-batch arrives (`take`) and how replicas reduce (`sync`, see runtime/threads.py and runtime/distributed.py).
+
+Step s of replica `rank` (of n) consumes stream indices data_index + (s - start)*n*accum + a*n + rank, a < accum.
+The step's loss is the weighted mean over every scored position of every micro-batch of every replica (normalised
+by the global weight sum), so splitting a batch over replicas or accumulation never changes the gradient:
+each micro-batch back-propagates its weighted *sum*, replicas sum gradients and weight sums, and every replica
+divides by the same global weight sum before clipping and the optimizer step.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+from dflash.errors import UserError
+from dflash.train import checkpoint, compile_guard, optim
+from dflash.train import placement as P
+from dflash.train.metrics import DeviceTimer, loss_stats
+from dflash.train.step import micro_step, warm_up
+
+log = logging.getLogger("dflash.train")
+
+
+@dataclass
+class Micro:
+    """One micro-batch as a replica receives it."""
+    index: int
+    tokens: int
+    feats: torch.Tensor        # [b, S, k*H] target features on the replica's device
+    input_ids: torch.Tensor    # [b, S]
+    loss_mask: torch.Tensor    # [b, S]
+    ready: object = None       # CUDA event the features are complete at (threads runtime), or None
+    target_time: object = 0.0  # seconds or CUDA event pairs (resolved at logging time)
+
+
+class StopRun(Exception):
+    """All replicas agreed to stop after this step (a signal); the checkpoint is written."""
+
+
+class Diverged(RuntimeError):
+    """Replicas' weights differ: their gradients or updates were not identical."""
+
+
+class NonFinite(RuntimeError):
+    """The step's loss or gradient norm is NaN or infinite."""
+
+
+class Sync(Protocol):
+    n: int
+    reduces_in_backward: bool   # True: gradients are reduced during backward (DDP); reduce() then sums stats only
+
+    def reduce(self, rank: int, tensors: list[torch.Tensor], want_stop: bool = False):
+        """Sum each tensor over replicas (same order everywhere) -> (sums, any replica wants to stop)."""
+
+    def gather(self, rank: int, value: torch.Tensor) -> list[torch.Tensor]:
+        """Every replica's `value` (a small tensor), in rank order."""
+
+
+def weight_checksum(module) -> torch.Tensor:
+    """An exact fingerprint of the trainable weights' bits: int64 sums of their bit patterns, one per parameter.
+    Equal across replicas iff (practically) every weight is bit-identical; no float rounding involved."""
+    with torch.no_grad():
+        bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+        return torch.stack([p.detach().contiguous().view(bits[p.element_size()]).long().sum()
+                            for p in module.parameters() if p.requires_grad])
+
+
+class Replica:
+    def __init__(self, ctx, rank: int, n: int, device: torch.device, drafter, sync: Sync, metrics=None,
+                 fail: Callable[[int], None] = lambda step: None):
+        self.ctx, self.rank, self.n, self.device = ctx, rank, n, device
+        self.drafter = self.model = drafter         # `model` is what is called: the drafter or its DDP wrapper
+        self.sync, self.metrics, self.fail = sync, metrics, fail
+        self.params = [p for p in drafter.parameters() if p.requires_grad]
+        self.optimizer, self.scheduler = optim.build(self.params, ctx.cfg.train, device)
+        self.start_step = self.data_index = self.steps = 0
+
+    # -- lifecycle ------------------------------------------------------------------------------------------
+    def resume(self, path) -> None:
+        state = checkpoint.load(path, self.drafter, self.optimizer, self.scheduler)
+        self.start_step = self.steps = state["step"]
+        self.data_index = state["data_index"]
+        self.resumed = state
+
+    def warm_up(self) -> dict:
+        return warm_up(self.drafter, self.ctx, self.device, self.ctx.shapes)
+
+    def index(self, step: int, a: int) -> int:
+        per_step = self.n * self.ctx.cfg.train.grad_accum
+        return self.data_index + (step - self.start_step) * per_step + a * self.n + self.rank
+
+    # -- one optimizer step ---------------------------------------------------------------------------------
+    def accumulate(self, micros, want_stop: bool = False):
+        """Forward+backward every micro-batch, reduce over replicas and normalise by the global weight sum:
+        afterwards every parameter's .grad is the gradient of the step's loss. Returns (summed stats, stop)."""
+        dtype = P.autocast_dtype(self.ctx.cfg.train, self.device)
+        stats = None
+        for i, m in enumerate(micros):
+            last = i == len(micros) - 1
+            no_sync = getattr(self.model, "no_sync", None)
+            with (no_sync() if no_sync and not last else _Null()), compile_guard.FX_GUARD.shared(), \
+                    compile_guard.no_new_graphs(f"batch {tuple(m.input_ids.shape)} on {self.device}"):
+                out = micro_step(self.model, m.feats, m.input_ids, m.loss_mask, m.index, self.ctx, dtype)
+                (out.loss * out.weight_sum.detach()).backward()     # the weighted sum: normalised globally below
+            s = loss_stats(out, m.tokens)
+            stats = s if stats is None else stats + s
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        if self.sync.reduces_in_backward:
+            (stats,), stop = self.sync.reduce(self.rank, [stats], want_stop)
+            scale = self.n / stats[1].clamp(min=1e-12)  # DDP averaged the gradient sums over n replicas
+            for p, g in zip(self.params, grads):
+                p.grad = g.mul_(scale.to(g.dtype))
+        else:
+            flat = torch._utils._flatten_dense_tensors(grads)
+            (flat, stats), stop = self.sync.reduce(self.rank, [flat, stats], want_stop)
+            flat = flat / stats[1].clamp(min=1e-12).to(flat.dtype)
+            for p, g in zip(self.params, torch._utils._unflatten_dense_tensors(flat, grads)):
+                p.grad = g
+        return stats, stop
+
+    def optimizer_step(self):
+        cfg = self.ctx.cfg.train
+        gnorm = (torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip) if cfg.grad_clip
+                 else torch.zeros((), device=self.device))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return gnorm
+
+    # -- the loop ---------------------------------------------------------------------------------------------
+    def run(self, take: Callable[[int], Micro], want_stop: Callable[[], bool], queue_depth: Callable[[], int]):
+        cfg = self.ctx.cfg
+        accum, every = cfg.train.grad_accum, cfg.train.checkpoint_every
+        check = cfg.train.check_every
+        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        t_fwd, t_opt = DeviceTimer(self.device), DeviceTimer(self.device)
+        with torch.cuda.stream(stream) if stream is not None else _Null():
+            for step in range(self.start_step, cfg.train.steps):
+                self.fail(step + 1)
+                wait, target_t, micros = 0.0, [], []
+                for a in range(accum):
+                    t = time.perf_counter()
+                    m = take(self.index(step, a))
+                    wait += time.perf_counter() - t
+                    target_t.append(m.target_time)
+                    if m.ready is not None:   # features made on another stream: wait for them, keep them alive
+                        stream.wait_event(m.ready)
+                        for x in (m.feats, m.input_ids, m.loss_mask):
+                            x.record_stream(stream)
+                    micros.append(m)
+                with t_fwd:
+                    stats, stop = self.accumulate(micros, want_stop())
+                del micros
+                with t_opt:
+                    gnorm = self.optimizer_step()
+                self.steps = step + 1
+                self._inject_divergence(step + 1)
+                final = step + 1 == cfg.train.steps
+                if check and ((step + 1) % check == 0 or final or stop):
+                    self.check_replicas(step + 1)
+                if self.rank == 0:
+                    self.metrics.step_done(step + 1, stats, gnorm, self.scheduler.get_last_lr()[0],
+                                           {"queue_wait": wait, "target": target_t, "drafter": t_fwd.pop(),
+                                            "optimizer": t_opt.pop()}, queue_depth())
+                    if stop or final or (every and (step + 1) % every == 0):
+                        self.save(step + 1)
+                if stop:
+                    raise StopRun
+
+    def save(self, step: int):
+        self.metrics.flush()
+        checkpoint.save(self.ctx.run_dir, step, self.index(step, 0) - self.rank, self.drafter, self.optimizer,
+                        self.scheduler, {**checkpoint.identity(self.ctx), "metrics": self.metrics.rows_upto(step)})
+
+    def check_replicas(self, step: int):
+        """The divergence guard: every replica compares exact weight checksums; any difference stops the run."""
+        if self.n == 1:
+            return
+        sums = [s.cpu() for s in self.sync.gather(self.rank, weight_checksum(self.drafter))]
+        groups: dict[tuple, list[int]] = {}
+        for r, s in enumerate(sums):
+            groups.setdefault(tuple(s.tolist()), []).append(r)
+        if len(groups) > 1:
+            parts = "; ".join(f"replicas {g}" for g in groups.values())
+            raise Diverged(f"drafter replicas diverged at step {step}: weights differ between {parts}")
+
+    def _inject_divergence(self, step: int):
+        hook = self.ctx.cfg.train.diverge_at_step
+        if hook and hook.get("replica") == self.rank and hook.get("step") == step:
+            with torch.no_grad():
+                self.params[0].add_(1e-3)
+            log.warning("drafter-%d: weights perturbed at step %d (train.diverge_at_step test hook)", self.rank, step)
+
+
+def check_finite(step: int, loss: float, gnorm: float) -> None:
+    import math
+    if not (math.isfinite(loss) and math.isfinite(gnorm)):
+        raise NonFinite(f"step {step}: loss {loss}, gradient norm {gnorm} is not finite; stopping (lower train.lr, "
+                        "check the data, or resume from an earlier checkpoint)")
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+__all__ = ["Micro", "Replica", "StopRun", "Diverged", "NonFinite", "Sync", "weight_checksum", "check_finite",
+           "UserError"]

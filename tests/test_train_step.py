@@ -1,0 +1,139 @@
+"""The training step's objective and its transport on CPU: however a step's micro-batches are split over replicas
+and accumulation, the gradient is that of one batch holding them all (float64, 1e-10), and replicas stay
+bit-identical; the run context's small truths (anchor cap, git state, NVML device lookup)."""
+import logging
+import subprocess
+import threading
+
+import pytest
+import torch
+
+from dflash import config as C
+from dflash.train.context import RunContext, git_state, set_shapes
+from dflash.train.runtime.threads import GradSync
+from dflash.train.trainer import Micro, Replica, weight_checksum
+from helpers_model import make_drafter, tiny_cfg
+
+S = 24
+DENSITY = [0.15, 0.9, 0.35, 0.75]   # very unequal supervised-token counts per micro-batch
+
+
+def context(**train) -> RunContext:
+    t = {"num_anchors": 64, "grad_clip": 0.0, "dtype": "float32", "loss_chunk": 16, "compile": False}
+    t.update(train)
+    loaded = C.from_dict({"train": t})
+    return RunContext(loaded, None, "sdpa", None, None, None, tiny_cfg(), 3.0, {}, False)
+
+
+def sequences(cfg, n=len(DENSITY)):
+    g = torch.Generator().manual_seed(7)
+    feats = torch.randn(n, S, cfg.num_context_layers * cfg.hidden_size, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, cfg.vocab_size - 1, (n, S), generator=g)
+    mask = torch.stack([torch.rand(S, generator=g) < d for d in DENSITY[:n]])
+    return feats, ids, mask
+
+
+def micro(feats, ids, mask, rows, index):
+    return Micro(index, int(len(rows) * S), feats[rows], ids[rows], mask[rows])
+
+
+def grads(rep):
+    return [p.grad.clone() for p in rep.params]
+
+
+@pytest.mark.parametrize("n,accum", [(2, 2), (1, 4), (4, 1)])
+def test_split_batch_has_the_gradient_of_the_whole_batch(n, accum):
+    cfg = tiny_cfg()
+    feats, ids, mask = sequences(cfg)
+    assert len({int(m.sum()) for m in mask}) == 4      # unequal supervision, or the test proves nothing
+    cpu = torch.device("cpu")
+
+    whole_ctx = context()
+    whole = Replica(whole_ctx, 0, 1, cpu, make_drafter(cfg, dtype=torch.float64), GradSync(1))
+    stats, _ = whole.accumulate([micro(feats, ids, mask, [0, 1, 2, 3], 0)])
+    want = grads(whole)
+    want_loss = float(stats[0] / stats[1])
+
+    ctx = context(grad_accum=accum)
+    sync = GradSync(n)
+    reps = [Replica(ctx, r, n, cpu, make_drafter(cfg, dtype=torch.float64), sync) for r in range(n)]
+    out, errors = [None] * n, []
+
+    def work(r):
+        try:
+            # replica r, accumulation step a takes stream index a*n + r: row a*n + r of the whole batch
+            out[r] = reps[r].accumulate([micro(feats, ids, mask, [a * n + r], a * n + r) for a in range(accum)])
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    for r in range(n):
+        got = grads(reps[r])
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+        assert float(out[r][0][0] / out[r][0][1]) == pytest.approx(want_loss, rel=1e-10)
+        for g, g0 in zip(got, grads(reps[0])):
+            assert torch.equal(g, g0)             # bit-identical across replicas
+
+
+def test_mean_of_micro_batch_means_is_not_the_objective():
+    """The old normalisation (average of per-micro-batch weighted means) weighs a token of a sparse micro-batch
+    more: the test above would catch it, since the two differ here by far more than its tolerance."""
+    cfg = tiny_cfg()
+    feats, ids, mask = sequences(cfg, 2)
+    ctx = context()
+    drafter = make_drafter(cfg, dtype=torch.float64)
+    from dflash.train.step import micro_step
+    outs = [micro_step(drafter, feats[[i]], ids[[i]], mask[[i]], i, ctx, None) for i in range(2)]
+    w = [float(o.weight_sum) for o in outs]
+    mean_of_means = sum(float(o.loss.detach()) for o in outs) / 2
+    global_mean = sum(float(o.loss.detach()) * wi for o, wi in zip(outs, w)) / sum(w)
+    assert abs(w[0] - w[1]) > 0.5 * max(w) and abs(mean_of_means - global_mean) > 1e-3
+
+
+def test_exact_checksum_sees_one_ulp():
+    d = make_drafter(tiny_cfg())
+    a = weight_checksum(d)
+    with torch.no_grad():
+        p = next(d.parameters())
+        p.view(-1)[0] = torch.nextafter(p.view(-1)[0], torch.tensor(1e9))
+    assert not torch.equal(a, weight_checksum(d))
+
+
+def test_anchor_cap_per_bucket_warns(caplog):
+    ctx = context(num_anchors=200)
+    with caplog.at_level(logging.WARNING, logger="dflash.train"):
+        set_shapes(ctx, [(2, 64), (2, 128), (2, 512)])
+    assert ctx.anchors_for(64) == 63 and ctx.anchors_for(128) == 127 and ctx.anchors_for(512) == 200
+    assert "train.num_anchors=200" in caplog.text and "[64, 128]" in caplog.text
+
+
+def test_git_state_is_none_outside_the_projects_own_repository(tmp_path, monkeypatch):
+    outer = tmp_path / "outer"
+    (outer / "copy").mkdir(parents=True)
+    subprocess.run(["git", "init", "-q", str(outer)], check=True)
+    subprocess.run(["git", "-C", str(outer), "-c", "user.email=a@b", "-c", "user.name=a", "commit", "-q",
+                    "--allow-empty", "-m", "x"], check=True)
+    monkeypatch.setattr("dflash.train.context.REPO", outer / "copy")   # a copy of the project without .git
+    assert git_state() == {"commit": None, "dirty": None}
+    monkeypatch.setattr("dflash.train.context.REPO", outer)
+    assert len(git_state()["commit"]) == 40
+
+
+def test_nvml_handle_follows_cuda_visible_devices(monkeypatch):
+    import pynvml
+
+    from dflash.train.telemetry import nvml_handle
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", lambda i: ("index", i))
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByUUID", lambda u: ("uuid", u))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aaaa,GPU-bbbb")
+    assert nvml_handle(1) == ("uuid", "GPU-bbbb")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert nvml_handle(1) == ("index", 5)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert nvml_handle(2) == ("index", 2)
