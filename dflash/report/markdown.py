@@ -41,7 +41,8 @@ def render(runs: list[Run], records: list[dict], plots: dict[str, Path], out: Pa
         for rec in reversed(records):
             if rec["baseline"]:
                 vs, what = f"{rec['ratio']:.2f}x ({rec['change']:+.0%})", rec["what_changed"] or "nothing recorded"
-                base_id = rec["baseline"]["run_id"]
+                n = len(rec["baseline"].get("runs") or [])
+                base_id = f"median of {n} up to {rec['baseline']['run_id']}" if n > 1 else rec["baseline"]["run_id"]
             else:
                 vs, base_id = "", ""
                 prev = rec.get("previous")
