@@ -294,6 +294,5 @@ class History:
         writer = csv.DictWriter(buf, fieldnames=COLUMNS, lineterminator="\n")
         writer.writeheader()
         writer.writerows(r.row for r in runs)
-        if not self.csv.is_file() or self.csv.read_bytes() != buf.getvalue().encode():
-            atomic_write_text(self.csv, buf.getvalue())
+        atomic_write_text(self.csv, buf.getvalue())     # always (a declared output must be newer than its inputs)
         return runs, new, skipped

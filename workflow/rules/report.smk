@@ -1,4 +1,4 @@
-# Stage 'report': throughput history (append-only), regressions with attribution, anomalies, plots, report.md.
+# Stage 'report': throughput history, regressions with attribution, anomalies, plots, report.md; then the gate.
 # One thin shell line; the logic lives in dflash/report/.
 import os
 
