@@ -249,3 +249,15 @@ def test_devices_plot_without_gpu_telemetry_says_so(tmp_path, monkeypatch):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert any("No GPU telemetry" in t and "cpu (target/drafter)" in t for t in texts)
     assert bars == [[120.0] * 8]                                          # steps per worker, not empty memory bars
+
+
+def test_report_lists_diverged_replicas_and_a_failed_run_as_anomalies(tmp_path):
+    runs, out = tmp_path / "runs", tmp_path / "report"
+    forced = summary(1, 12.0)
+    forced.update(replicas_identical=False, diverged={"step": 40, "replicas": [0, 1]})
+    write_run(runs, forced, metrics=False)
+    write_run(runs, summary(2, 12.0, status="failed"), metrics=False)
+    build(runs, out, Settings())
+    anomalies = (out / "report.md").read_text().split("## Anomalies")[1].split("##")[0]
+    assert f"**{forced['run_id']}**" in anomalies and "replicas_diverged: drafter replicas diverged at step 40" in anomalies
+    assert f"**{summary(2)['run_id']}**" in anomalies and "status: run ended with status 'failed'" in anomalies
