@@ -2,7 +2,11 @@
 history (with the regressed run) stay; without fail_on_regression the same tree passes."""
 import copy
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -10,10 +14,15 @@ import yaml
 from dflash.report import build
 from dflash.report.regress import Settings
 from test_report_factory import BASE_CONFIG, BASE_DATA, summary, write_run
-from test_workflow import SNAKEMAKE, snakemake
-
+SNAKEMAKE = Path(sys.executable).with_name("snakemake")
 pytestmark = pytest.mark.skipif(not SNAKEMAKE.exists(), reason="snakemake is not installed in this environment")
 PNGS = ("ktok_history.png", "devices_latest.png", "time_split.png", "training_latest.png")
+
+
+def snakemake(work, *args):
+    # the venv's binary; its bin/ leads PATH only for rules that still call a bare `python`
+    env = dict(os.environ, PATH=f"{SNAKEMAKE.parent}{os.pathsep}{os.environ['PATH']}")
+    return subprocess.run([str(SNAKEMAKE), *args], cwd=work, capture_output=True, text=True, timeout=300, env=env)
 
 
 def expanded(n, ktok):
@@ -46,7 +55,7 @@ def test_failing_gate_keeps_the_report_and_the_history(tmp_path, repo):
     args = ("results/report/gate.json", "--cores", "1", "--configfile", "config/gate.yaml",
             "--allowed-rules", "report", "gate")
 
-    r = snakemake(tmp_path, *args)
+    r = snakemake(work, *args)
     out = r.stdout + r.stderr
     assert r.returncode != 0, out[-3000:]
     assert "dflash gate: regression: Run " + regressed["run_id"] in out      # the reason on the console
@@ -62,6 +71,6 @@ def test_failing_gate_keeps_the_report_and_the_history(tmp_path, repo):
 
     cfg["report"] = {"fail_on_regression": False}      # the same tree without the gate's flag passes
     (work / "config" / "gate.yaml").write_text(yaml.safe_dump(cfg))
-    r = snakemake(tmp_path, *args)
+    r = snakemake(work, *args)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert json.loads((report / "gate.json").read_text())["verdict"] == "regression"
