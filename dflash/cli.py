@@ -19,6 +19,7 @@ STAGES = {
     "evaluate": "speculative decoding with the target: acceptance length tau, losslessness",
     "export": "write the drafter in the reference inference format with a model card",
     "report": "throughput history, regressions with attribution, plots and report.md",
+    "gate": "exit non-zero when report.fail_on_regression is set and the newest run regressed",
 }
 
 

@@ -1,10 +1,13 @@
-"""The report stage end to end: history store, skipped inputs, outputs, exit code through `python -m dflash`."""
+"""The report stage end to end: history store, history.csv faults, skipped inputs, outputs, the gate's exit code."""
 import json
 import logging
 import subprocess
 import sys
 
+import pytest
+
 from dflash.report import build
+from dflash.report.history import COLUMNS
 from dflash.report.regress import Settings
 from test_report_factory import summary, with_pkg, write_run
 
@@ -32,14 +35,14 @@ def test_corrupt_and_missing_summaries_are_skipped_with_a_warning_naming_the_fil
     assert "Skipped inputs" in md and "badjson/summary.json" in md
 
 
-def test_history_is_append_only(tmp_path):
+def test_history_rows_stay_and_snapshots_are_write_once(tmp_path):
     runs, out = tmp_path / "runs", tmp_path / "report"
     write_run(runs, summary(1, 12.0), folder="demo", metrics=False)
     write_run(runs, summary(2, 11.9), folder="other", metrics=False)
     build(runs, out, Settings())
     first_csv = (out / "history.csv").read_bytes()
     snaps = {p.name: p.read_bytes() for p in (out / "history").iterdir()}
-    # same runs again: nothing appended, nothing rewritten
+    # same runs again: nothing recorded, nothing rewritten
     build(runs, out, Settings())
     assert (out / "history.csv").read_bytes() == first_csv
     # the folder of run 1 is overwritten by a new run; run 2's summary is edited in place (same run_id)
@@ -57,6 +60,79 @@ def test_history_is_append_only(tmp_path):
     assert result.records[-1]["what_changed"] == "environment (torch 2.11.0 -> 2.13.0)"
 
 
+def _three_runs(tmp_path):
+    """Two runs recorded, their folders gone (overwritten long ago), then a third, slower one."""
+    runs, out = tmp_path / "runs", tmp_path / "report"
+    for n, k in ((1, 12.0), (2, 12.2)):
+        write_run(runs, summary(n, k), folder="demo", metrics=False)
+        build(runs, out, Settings())
+    write_run(runs, summary(3, 4.0, commit="b" * 40), folder="demo", metrics=False)
+    return runs, out, (out / "history.csv").read_text()
+
+
+def _garbage_row(csv_text):
+    return csv_text + "garbage,,not a date\n"
+
+
+def _bad_number(csv_text):
+    header, *rows = csv_text.splitlines()
+    cols = header.split(",")
+    fields = rows[0].split(",")
+    fields[cols.index("ktok_per_s")] = "fast"
+    return "\n".join([header, ",".join(fields), *rows[1:]]) + "\n"
+
+
+FAULTS = {
+    "garbage row": (_garbage_row, ":4", "field(s), the header has"),
+    "not a number": (_bad_number, ":2", "ktok_per_s='fast'"),
+    "renamed column": (lambda t: t.replace("ktok_per_s", "ktoks", 1), ":1", "lacks column(s) ktok_per_s"),
+    "emptied": (lambda t: "", None, None),
+    "deleted": (None, None, None),
+    "binary junk": (lambda t: bytes(range(256)) * 8, "", "not UTF-8 text"),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_history_csv_faults_lose_no_run_and_are_named(tmp_path, fault, caplog):
+    runs, out, good = _three_runs(tmp_path)
+    damage, where, reason = FAULTS[fault]
+    if damage is None:
+        (out / "history.csv").unlink()
+    else:
+        bad = damage(good)
+        (out / "history.csv").write_bytes(bad if isinstance(bad, bytes) else bad.encode())
+    with caplog.at_level(logging.WARNING, logger="dflash.report"):
+        result = build(runs, out, Settings())
+    ids = [summary(n)["run_id"] for n in (1, 2, 3)]
+    assert [r["run_id"] for r in result.records] == ids                  # earlier runs rebuilt from history/
+    latest = result.records[-1]
+    assert latest["verdict"] == "regression" and latest["ktok_per_s"] == 4.0
+    assert "fell 3.0x" in latest["sentence"] and "code (commit" in latest["sentence"]
+    lines = (out / "history.csv").read_text().splitlines()                # the view is whole again
+    assert lines[0].split(",") == list(COLUMNS) and [line.split(",")[0] for line in lines[1:]] == ids
+    named = [s for s in result.skipped if "history.csv" in s["file"]]
+    if where is None:
+        assert named == []
+    else:
+        assert len(named) == 1 and named[0]["file"] == f"{out / 'history.csv'}{where}" and reason in named[0]["reason"]
+        assert reason in caplog.text
+        md = (out / "report.md").read_text()
+        assert "Skipped inputs" in md and f"history.csv{where}" in md
+        table = [line for line in md.splitlines() if line.startswith("| ") and "Ktok/s" not in line and "---" not in line]
+        assert [line.split(" | ")[0] for line in table] == [f"| {i}" for i in reversed(ids)]   # no run of a bad row
+
+
+def test_a_damaged_snapshot_is_named_and_restored_from_its_run_folder(tmp_path):
+    runs, out, _ = _three_runs(tmp_path)
+    snap = out / "history" / f"{summary(1)['run_id']}.json"
+    snap.write_text("{not json")
+    result = build(runs, out, Settings())
+    assert [s["file"] for s in result.skipped] == [str(snap), f"{out / 'history.csv'}:2"]   # its row: no snapshot
+    assert len(result.records) == 2                                       # its folder is gone: run 1 is lost, named
+    write_run(runs, summary(1, 12.0), metrics=False)                      # the folder is back: recorded again
+    assert len(build(runs, out, Settings()).records) == 3
+
+
 def test_outputs_exist_and_report_names_the_cause(tmp_path):
     runs, out = tmp_path / "runs", tmp_path / "report"
     write_run(runs, summary(1, 12.0), tau=6.4)
@@ -67,7 +143,7 @@ def test_outputs_exist_and_report_names_the_cause(tmp_path):
         data = (out / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 2000, name
     md = (out / "report.md").read_text()
-    assert "Ktok/s fell 3.1x vs run demo-20261102T100000Z" in md
+    assert "Ktok/s fell 3.1x vs the median of 2 identical runs up to demo-20261102T100000Z (12.10 -> 3.90" in md
     assert "what changed: environment (torch 2.11.0 -> 2.13.0)" in md
     assert "cuda:5" in md                                                 # the anomaly is named
     for name in PNGS:
@@ -100,22 +176,34 @@ def _config(tmp_path, fail):
     return cfg
 
 
-def test_fail_on_regression_gives_a_nonzero_exit_with_a_one_line_reason(tmp_path, repo):
+def _dflash(repo, *args):
+    return subprocess.run([sys.executable, "-m", "dflash", *args], cwd=repo, capture_output=True, text=True,
+                          env={"MPLBACKEND": "Agg", "PATH": "/usr/bin:/bin"})
+
+
+def test_report_exits_zero_and_the_gate_fails_on_regression_with_a_one_line_reason(tmp_path, repo):
     cfg = _config(tmp_path, True)
-    r = subprocess.run([sys.executable, "-m", "dflash", "report", "--config", str(cfg)], cwd=repo,
-                       capture_output=True, text=True, env={"MPLBACKEND": "Agg", "PATH": "/usr/bin:/bin"})
-    assert r.returncode != 0
-    assert (tmp_path / "results" / "report" / "report.md").is_file(), r.stderr
-    reason = [line for line in r.stderr.splitlines() if line.startswith("dflash report: regression:")]
+    r = _dflash(repo, "report", "--config", str(cfg))
+    assert r.returncode == 0, r.stderr
+    g = _dflash(repo, "gate", "--config", str(cfg))
+    assert g.returncode == 3
+    report = tmp_path / "results" / "report"
+    assert (report / "report.md").is_file() and not (report / "gate.json").exists()
+    reason = [line for line in g.stderr.splitlines() if line.startswith("dflash gate: regression:")]
     assert len(reason) == 1 and "code (commit aaaaaaaaaaaa -> bbbbbbbbbbbb)" in reason[0]
 
 
-def test_regression_without_fail_on_regression_exits_zero(tmp_path):
+def test_gate_passes_without_fail_on_regression_and_names_a_missing_report(tmp_path):
     from dflash.cli import main
     cfg = _config(tmp_path, False)
     out = tmp_path / "elsewhere"
+    assert main(["gate", "--config", str(cfg), "--regressions", str(out / "regressions.json")]) == 1   # no report yet
     assert main(["report", "--config", str(cfg), "--runs-dir", str(tmp_path / "results" / "runs"), "--out", str(out)]) == 0
     assert json.loads((out / "regressions.json").read_text())["latest_verdict"] == "regression"
+    assert main(["gate", "--config", str(cfg), "--regressions", str(out / "regressions.json"),
+                 "--out", str(out / "gate.json")]) == 0
+    gate = json.loads((out / "gate.json").read_text())
+    assert gate == {"run_id": summary(2)["run_id"], "verdict": "regression", "fail_on_regression": False, "passed": True}
 
 
 def test_rule_file_declares_every_plot_and_ends_all(repo):
@@ -126,6 +214,9 @@ def test_rule_file_declares_every_plot_and_ends_all(repo):
     assert 'REPORT_EXTRA_INPUTS = globals().get("REPORT_EXTRA_INPUTS", [])' in smk
     assert "update(" in smk                                               # history.csv is not deleted before the job
     assert '\nALL_TARGETS.append(f"{REPORT_DIR}/report.md")' in smk                  # the report ends `all`
+    assert '\nALL_TARGETS.append(f"{REPORT_DIR}/gate.json")' in smk                   # ... and its gate
+    gate = smk[smk.index("rule gate:"):]
+    assert "regressions=rules.report.output.regressions" in gate and "dflash gate" in gate
     for caption in ("report_md", "history", "regressions", "ktok_history", "time_split", "devices_latest", "training_latest"):
         assert (repo / "workflow" / "report" / f"{caption}.rst").is_file()
 
@@ -135,10 +226,38 @@ def test_tau_that_arrives_after_the_run_was_recorded(tmp_path):
     s = summary(1, 12.0)
     write_run(runs, s, tau=None, metrics=False)
     build(runs, out, Settings())
-    before = (out / "history.csv").read_bytes()
     (runs / s["run_id"] / "acceptance.json").write_text(json.dumps({"tau": {"gsm8k": 6.0, "mt-bench": 5.0}}))
     result = build(runs, out, Settings())
-    assert (out / "history.csv").read_bytes() == before            # the row is not rewritten ...
-    assert result.records[0]["tau"] == 5.5                           # ... tau comes from history/late_tau.csv
+    assert result.records[0]["tau"] == 5.5                           # the mean over prompt sets, filled in once
+    assert ",5.5," in (out / "history.csv").read_text()
     (runs / s["run_id"]).rename(tmp_path / "gone")
     assert build(runs, out, Settings()).records[0]["tau"] == 5.5     # and outlives the run folder
+
+
+def test_devices_plot_without_gpu_telemetry_says_so(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    from dflash.report import plots
+    from dflash.report.history import Run
+    s = summary(1, 2.5)
+    s["devices"] = [{"device": "cpu", "roles": ["target", "drafter"], "peak_memory_gb": None, "util_mean": None}]
+    texts, bars = [], []
+    real_text, real_bar = Figure.text, plots.plt.Axes.bar
+    monkeypatch.setattr(Figure, "text", lambda self, x, y, t, *a, **k: texts.append(t) or real_text(self, x, y, t, *a, **k))
+    monkeypatch.setattr(plots.plt.Axes, "bar", lambda self, x, h, *a, **k: bars.append(list(h)) or real_bar(self, x, h, *a, **k))
+    path = plots.devices_latest(Run(row={"run_id": s["run_id"]}, snapshot=s), 30.0, tmp_path / "d.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert any("No GPU telemetry" in t and "cpu (target/drafter)" in t for t in texts)
+    assert bars == [[120.0] * 8]                                          # steps per worker, not empty memory bars
+
+
+def test_report_lists_diverged_replicas_and_a_failed_run_as_anomalies(tmp_path):
+    runs, out = tmp_path / "runs", tmp_path / "report"
+    forced = summary(1, 12.0)
+    forced.update(replicas_identical=False, diverged={"step": 40, "replicas": [0, 1]})
+    write_run(runs, forced, metrics=False)
+    write_run(runs, summary(2, 12.0, status="failed"), metrics=False)
+    build(runs, out, Settings())
+    anomalies = (out / "report.md").read_text().split("## Anomalies")[1].split("##")[0]
+    assert f"**{forced['run_id']}**" in anomalies and "replicas_diverged: drafter replicas diverged at step 40" in anomalies
+    assert f"**{summary(2)['run_id']}**" in anomalies and "status: run ended with status 'failed'" in anomalies

@@ -1,4 +1,4 @@
-"""Throughput report: history (append-only), regressions with attribution, anomalies, plots, report.md."""
+"""Throughput report: history (snapshots + a csv view), regressions with attribution, anomalies, plots, report.md."""
 from __future__ import annotations
 
 import logging
@@ -23,22 +23,21 @@ class Result:
 
 
 def build(runs_dir: str | Path, out: str | Path, settings) -> Result:
-    """Read run folders, append new runs to the history, and write regressions.json, the plots and report.md."""
+    """Read run folders, record new runs in the history, and write history.csv, regressions.json, the plots, report.md."""
     from dflash.atomic import atomic_write_json, atomic_write_text
     from dflash.report import history, markdown, plots, regress
 
     out = Path(out)
     found, skipped = history.scan_runs(runs_dir)
-    store = history.History(out)
-    runs, appended = store.append(found)
-    if not store.csv.exists():       # an empty history is still a history: the header alone
-        atomic_write_text(store.csv, ",".join(history.COLUMNS) + "\n")
+    runs, appended, bad = history.History(out).update(found)
+    skipped += bad
     records = regress.evaluate(runs, settings)
     atomic_write_json(out / "regressions.json", {
         "settings": {"baseline_run": settings.baseline_run, "baseline_window": settings.baseline_window,
-                     "threshold": settings.threshold, "memory_imbalance": settings.memory_imbalance,
+                     "threshold": settings.threshold, "noise_sigmas": settings.noise_sigmas, "memory_imbalance": settings.memory_imbalance,
                      "min_utilisation": settings.min_utilisation},
         "latest": records[-1]["run_id"] if records else None,
+        "latest_run_name": records[-1]["run_name"] if records else None,
         "latest_verdict": records[-1]["verdict"] if records else None,
         "latest_sentence": records[-1]["sentence"] if records else None,
         "skipped": skipped,

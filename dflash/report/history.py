@@ -1,10 +1,11 @@
-"""The run history: one row per training run in `history.csv`, append-only, plus a write-once snapshot per run.
+"""The run history: a write-once snapshot per training run (`history/<run_id>.json`, the record) and `history.csv`,
+a flat view of them rebuilt on every report.
 
 `history.csv` holds the flat numbers (Ktok/s, tau, MFU, time split, hashes, headline versions) so it reads well in
-a spreadsheet; `history/<run_id>.json` keeps the nested fields the attribution needs (env fingerprint, data
-manifest summary, resolved config, git, devices, workers, compile counters), because the run folder itself gets
-overwritten by the next run of the same name. Nothing that was written is ever rewritten: new rows are appended
-after the existing bytes, and an existing snapshot is left alone.
+a spreadsheet; `history/<run_id>.json` keeps the whole summary (env fingerprint, data manifest summary, resolved
+config, git, devices, workers, compile counters, acceptance), because the run folder itself gets overwritten by the
+next run of the same name. A snapshot is never rewritten (its acceptance is filled in once when it arrives late);
+history.csv can be damaged, edited or deleted without losing a run.
 """
 from __future__ import annotations
 
@@ -93,8 +94,18 @@ def validate_summary(data, path: Path) -> dict:
     return data
 
 
+def tau_of(data) -> float | None:
+    """tau of an acceptance.json: a number under `tau`, or the mean over prompt sets when `tau` is a mapping."""
+    tau = data.get("tau") if isinstance(data, dict) else None
+    if isinstance(tau, dict):
+        values = [v.get("tau") if isinstance(v, dict) else v for v in tau.values()]
+        values = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        tau = sum(values) / len(values) if values else None
+    return None if isinstance(tau, bool) or not isinstance(tau, (int, float)) else float(tau)
+
+
 def read_tau(path: Path) -> tuple[float | None, dict | None]:
-    """tau from acceptance.json: a number under `tau`, or the mean over prompt sets when `tau` is a mapping."""
+    """(tau, the acceptance mapping) from a run's acceptance.json; (None, None) when it is absent or unreadable."""
     if not path.is_file():
         return None, None
     try:
@@ -102,15 +113,10 @@ def read_tau(path: Path) -> tuple[float | None, dict | None]:
     except (OSError, ValueError) as e:
         log.warning("%s: unreadable acceptance file (%s); tau left empty", path, e)
         return None, None
-    tau = data.get("tau") if isinstance(data, dict) else None
-    if isinstance(tau, dict):
-        values = [v.get("tau") if isinstance(v, dict) else v for v in tau.values()]
-        values = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
-        tau = sum(values) / len(values) if values else None
-    if isinstance(tau, bool) or not isinstance(tau, (int, float)):
+    tau = tau_of(data)
+    if tau is None:
         log.warning("%s: no numeric 'tau'; tau left empty", path)
-        return None, data if isinstance(data, dict) else None
-    return float(tau), data
+    return tau, data if isinstance(data, dict) else None
 
 
 def scan_runs(runs_dir: str | Path) -> tuple[list[tuple[Path, dict]], list[dict]]:
@@ -185,77 +191,108 @@ def to_snapshot(summary: dict) -> dict:
 
 
 # ---- the store ---------------------------------------------------------------------------------------------
+NUMERIC = ("ktok_per_s", "samples_per_s", "draft_positions_per_s", "mfu", "tau", "loss", "steps", "measured_steps")
+
+
 class History:
-    """`<root>/history.csv` and `<root>/history/<run_id>.json`."""
+    """`<root>/history/<run_id>.json` (one snapshot per run: the record) and `<root>/history.csv` (a view of them).
+
+    Snapshots are written once, when a run is first seen (its acceptance is filled in once if it arrives later);
+    history.csv is rebuilt from the snapshots on every update and replaced atomically, so a damaged, edited or
+    deleted history.csv loses nothing. Rows of the old history.csv that do not parse are named, never made into runs.
+    """
 
     def __init__(self, root: str | Path):
         self.root = Path(root)
         self.csv = self.root / "history.csv"
         self.snapdir = self.root / "history"
 
-    def read_rows(self) -> tuple[list[str], list[dict]]:
-        if not self.csv.is_file():
-            return list(COLUMNS), []
-        text = self.csv.read_text()
-        reader = csv.DictReader(io.StringIO(text))
-        rows = [dict(r) for r in reader]
-        return list(reader.fieldnames or COLUMNS), rows
-
-    def snapshot(self, row: dict) -> dict:
-        rel = row.get("snapshot") or f"history/{safe_name(row['run_id'])}.json"
-        path = self.root / rel
-        try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            log.warning("%s: snapshot of run %s unreadable (%s); attribution falls back to hashes", path, row["run_id"], e)
-            return {}
-
-    def late_tau(self, current: dict[str, float | None], rows: list[dict]) -> dict[str, str]:
-        """tau that arrived after its run was recorded: appended once to history/late_tau.csv (rows stay as written)."""
-        path = self.snapdir / "late_tau.csv"
-        text = path.read_text() if path.is_file() else ""
-        late = {r["run_id"]: r["tau"] for r in csv.DictReader(io.StringIO(text))} if text else {}
-        add = [(r["run_id"], current[r["run_id"]]) for r in rows
-               if not r.get("tau") and r["run_id"] not in late and current.get(r["run_id"]) is not None]
-        if add:
-            buf = io.StringIO()
-            w = csv.writer(buf, lineterminator="\n")
-            if not text:
-                w.writerow(["run_id", "tau"])
-            w.writerows((rid, _fmt(tau)) for rid, tau in add)
-            atomic_write_text(path, text + buf.getvalue())
-            late.update((rid, _fmt(tau)) for rid, tau in add)
-        return late
-
-    def append(self, summaries: list[tuple[Path, dict]]) -> tuple[list[Run], list[str]]:
-        """Append the runs not yet recorded; return every run (history order) and the ids appended now."""
-        header, rows = self.read_rows()
-        known = {r["run_id"] for r in rows}
-        folders = {}
-        new = []
-        for folder, s in sorted(summaries, key=lambda fs: (fs[1]["started_at"], fs[1]["run_id"])):
-            folders.setdefault(s["run_id"], folder)
-            if s["run_id"] in known:
+    def load(self) -> tuple[dict[str, tuple[str, dict]], list[dict]]:
+        """{run_id: (relative path, snapshot)} of every readable snapshot, and the unreadable ones with reasons."""
+        snaps, skipped = {}, []
+        for path in sorted(self.snapdir.glob("*.json")) if self.snapdir.is_dir() else []:
+            try:
+                try:
+                    data = json.loads(path.read_text())
+                except (UnicodeDecodeError, ValueError) as e:
+                    raise BadSummary(f"{path}: not valid JSON ({e})") from None
+                validate_summary(data, path)
+                if data["run_id"] in snaps:
+                    raise BadSummary(f"{path}: run {data['run_id']} already recorded in {snaps[data['run_id']][0]}")
+            except (BadSummary, OSError) as e:
+                reason = str(e).removeprefix(f"{path}: ")
+                log.warning("skipped snapshot %s: %s", path, reason)
+                skipped.append({"file": str(path), "reason": reason})
                 continue
-            known.add(s["run_id"])
-            rel = f"history/{safe_name(s['run_id'])}.json"
-            snap_path = self.root / rel
-            if not snap_path.exists():          # write-once: an existing snapshot is never replaced
-                atomic_write_json(snap_path, to_snapshot(s))
-            new.append(to_row(s, rel))
-        if new:
-            old = self.csv.read_text() if self.csv.is_file() else ""
-            if old and not old.endswith("\n"):
-                old += "\n"
-            buf = io.StringIO()
-            writer = csv.DictWriter(buf, fieldnames=header, extrasaction="ignore", lineterminator="\n")
-            if not old:
-                writer.writeheader()
-            writer.writerows(new)
-            atomic_write_text(self.csv, old + buf.getvalue())
-            rows += [{k: r.get(k, "") for k in header} for r in new]
-        late = self.late_tau({s["run_id"]: s.get("_tau") for _, s in summaries}, rows)
-        rows = [dict(r, tau=late[r["run_id"]]) if not r.get("tau") and r["run_id"] in late else r for r in rows]
-        runs = [Run(row=r, snapshot=self.snapshot(r), folder=folders.get(r["run_id"])) for r in rows]
+            snaps[data["run_id"]] = (path.relative_to(self.root).as_posix(), data)
+        return snaps, skipped
+
+    def check_view(self, known: set[str]) -> list[dict]:
+        """Name what in the old history.csv does not parse (or has no snapshot); it is rewritten anyway."""
+        if not self.csv.is_file():
+            return []
+        name, out = str(self.csv), []
+
+        def bad(where, reason):
+            log.warning("%s%s: %s; history.csv is rebuilt from %s", name, where, reason, self.snapdir)
+            out.append({"file": f"{name}{where}", "reason": reason})
+        try:
+            text = self.csv.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            bad("", f"not UTF-8 text (byte {e.start}); whole file ignored")
+            return out
+        except OSError as e:
+            bad("", f"unreadable ({e.strerror})")
+            return out
+        if not text.strip():
+            return out
+        try:
+            lines = list(csv.reader(io.StringIO(text)))
+        except csv.Error as e:
+            bad("", f"not CSV ({e}); whole file ignored")
+            return out
+        header = lines[0]
+        missing = [c for c in ("run_id", *NUMERIC) if c not in header]
+        if missing:
+            bad(":1", f"header lacks column(s) {', '.join(missing)} (renamed?); rows not read")
+            return out
+        for n, fields in enumerate(lines[1:], 2):
+            if not fields:
+                continue
+            if len(fields) != len(header):
+                bad(f":{n}", f"{len(fields)} field(s), the header has {len(header)}; row skipped")
+                continue
+            row = dict(zip(header, fields))
+            nan = [c for c in NUMERIC if row[c] and to_float(row[c]) is None]
+            if nan:
+                bad(f":{n}", f"not a number in {', '.join(f'{c}={row[c]!r}' for c in nan)}; row skipped")
+            elif row["run_id"] not in known:
+                bad(f":{n}", f"run {row['run_id']!r} has no snapshot in {self.snapdir.name}/; row skipped")
+        return out
+
+    def update(self, summaries: list[tuple[Path, dict]]) -> tuple[list[Run], list[str], list[dict]]:
+        """Record the runs not yet recorded; return every run (start order), the ids recorded now, what was skipped."""
+        snaps, skipped = self.load()
+        skipped += self.check_view(set(snaps) | {s["run_id"] for _, s in summaries})
+        folders, new = {}, []
+        for folder, s in sorted(summaries, key=lambda fs: (fs[1]["started_at"], fs[1]["run_id"])):
+            rid = s["run_id"]
+            folders.setdefault(rid, folder)
+            if rid not in snaps:                         # first sight (or its snapshot was unreadable): record it
+                rel = f"history/{safe_name(rid)}.json"
+                snaps[rid] = (rel, to_snapshot(s))
+                atomic_write_json(self.root / rel, snaps[rid][1])
+                new.append(rid)
+            elif snaps[rid][1].get("acceptance") is None and s.get("_acceptance") is not None:
+                rel, snap = snaps[rid]                   # tau that arrived after the run was recorded: filled once
+                snaps[rid] = (rel, dict(snap, acceptance=s["_acceptance"]))
+                atomic_write_json(self.root / rel, snaps[rid][1])
+        runs = [Run(row=to_row(dict(snap, _tau=tau_of(snap.get("acceptance"))), rel), snapshot=snap,
+                    folder=folders.get(rid)) for rid, (rel, snap) in snaps.items()]
         runs.sort(key=lambda r: (r.row.get("started_at") or "", r.run_id))
-        return runs, [r["run_id"] for r in new]
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=COLUMNS, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(r.row for r in runs)
+        atomic_write_text(self.csv, buf.getvalue())     # always (a declared output must be newer than its inputs)
+        return runs, new, skipped

@@ -29,16 +29,20 @@ def render(runs: list[Run], records: list[dict], plots: dict[str, Path], out: Pa
     else:
         latest = records[-1]
         lines += [f"**Latest run — {latest['verdict']}.** {latest['sentence']}", ""]
-        base = f"pinned run `{settings.baseline_run}`" if settings.baseline_run else \
-            f"the best of the last {settings.baseline_window} earlier runs with the same config hash"
-        lines += [f"Baseline: {base}; a change below {settings.threshold:+.0%} in Ktok/s is a regression.", ""]
+        base = f"pinned run `{settings.baseline_run}`" if settings.baseline_run else (
+            f"the median Ktok/s of up to {settings.baseline_window} earlier runs of the same run name, hardware and "
+            "placement that were identical to the previous one (a drop across a change is measured against the runs "
+            "before it)")
+        lines += [f"Baseline: {base}. A change below {settings.threshold:+.0%}, or below {settings.noise_sigmas:g}x the "
+                  "run-to-run spread of identical runs when that is wider, is a regression.", ""]
         lines += ["## Runs", "",
                   "| run | date | Ktok/s | tau | MFU | status | baseline | vs baseline | verdict | what changed |",
                   "|---|---|---:|---:|---:|---|---|---:|---|---|"]
         for rec in reversed(records):
             if rec["baseline"]:
                 vs, what = f"{rec['ratio']:.2f}x ({rec['change']:+.0%})", rec["what_changed"] or "nothing recorded"
-                base_id = rec["baseline"]["run_id"]
+                n = len(rec["baseline"].get("runs") or [])
+                base_id = f"median of {n} up to {rec['baseline']['run_id']}" if n > 1 else rec["baseline"]["run_id"]
             else:
                 vs, base_id = "", ""
                 prev = rec.get("previous")
@@ -52,8 +56,8 @@ def render(runs: list[Run], records: list[dict], plots: dict[str, Path], out: Pa
         lines += ["## Anomalies", ""]
         flagged = [r for r in reversed(records) if r["anomalies"]]
         if not flagged:
-            lines.append("None: no recompiles after warm-up, no eager fallbacks, no memory imbalance, no idle GPU, "
-                         "no silent worker.")
+            lines.append("None: every run completed, no diverged replicas, no recompiles after warm-up, no eager "
+                         "fallbacks, no memory imbalance, no idle GPU, no silent worker.")
         for rec in flagged:
             lines.append(f"- **{_cell(rec['run_id'])}**")
             lines += [f"  - {a['kind']}: {a['message']}" for a in rec["anomalies"]]
@@ -64,6 +68,7 @@ def render(runs: list[Run], records: list[dict], plots: dict[str, Path], out: Pa
     for key, path in plots.items():
         rel = Path(path).relative_to(out) if Path(path).is_relative_to(out) else Path(path)
         lines += [f"### {PLOT_TITLES.get(key, key)}", "", f"![{PLOT_TITLES.get(key, key)}]({rel.as_posix()})", ""]
-    lines += ["Data: `history.csv` (one row per run, append-only; nested fields in `history/<run_id>.json`), "
-              "`regressions.json` (baselines, ratios, attribution, anomalies).", ""]
+    lines += ["Data: `history/<run_id>.json` (one snapshot per run, the record) and `history.csv` (a flat view of them, "
+              "rebuilt on every report), "
+              "`regressions.json` (baselines, thresholds, ratios, attribution, anomalies).", ""]
     return "\n".join(lines)

@@ -53,18 +53,17 @@ def _labels(runs: list[Run]) -> list[str]:
     return [f"{r.run_id}\n{(r.row.get('started_at') or '')[:10]}" for r in runs]
 
 
-def ktok_history(runs: list[Run], records: list[dict], threshold: float, path: Path) -> Path:
+def ktok_history(runs: list[Run], records: list[dict], path: Path) -> Path:
     if not runs:
         return _placeholder(path, "Ktok/s per run", "no runs in the history yet")
     x = list(range(len(runs)))
     ktok = [r.num("ktok_per_s") if r.num("ktok_per_s") is not None else float("nan") for r in runs]
     base = [rec["baseline"]["ktok_per_s"] if rec["baseline"] else float("nan") for rec in records]
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(runs) + 2), 4), layout="constrained")
-    lo = [b * (1 + threshold) for b in base]
-    hi = [b * (1 - threshold) for b in base]
-    ax.fill_between(x, lo, hi, step="mid", alpha=0.2, color="tab:green",
-                    label=f"baseline ±{abs(threshold):.0%} (threshold band)")
-    ax.step(x, base, where="mid", color="tab:green", linestyle="--", linewidth=1, label="baseline Ktok/s")
+    lo = [b * (1 + rec["threshold"]) for b, rec in zip(base, records)]      # the threshold widens with the noise
+    hi = [b * (1 - rec["threshold"]) for b, rec in zip(base, records)]
+    ax.fill_between(x, lo, hi, step="mid", alpha=0.2, color="tab:green", label="baseline ± threshold")
+    ax.step(x, base, where="mid", color="tab:green", linestyle="--", linewidth=1, label="baseline Ktok/s (median)")
     ax.plot(x, ktok, marker="o", color="tab:blue", label="trained Ktok/s")
     bad = [i for i, rec in enumerate(records) if rec["verdict"] == "regression"]
     if bad:
@@ -87,6 +86,8 @@ def devices_latest(run: Run | None, min_util: float, path: Path) -> Path:
     devices = [d for d in (run.snapshot.get("devices") or [] if run else []) if isinstance(d, dict)]
     if not devices:
         return _placeholder(path, "Devices of the latest run", "no per-device figures recorded")
+    if all(to_float(d.get("peak_memory_gb")) is None and to_float(d.get("util_mean")) is None for d in devices):
+        return _no_telemetry(run, devices, path)
     names = [f"{d.get('device')}\n{'/'.join(d.get('roles') or [])}" for d in devices]
     mem = [to_float(d.get("peak_memory_gb")) or 0.0 for d in devices]
     util = [to_float(d.get("util_mean")) for d in devices]
@@ -109,6 +110,26 @@ def devices_latest(run: Run | None, min_util: float, path: Path) -> Path:
     for ax in (a1, a2):
         ax.tick_params(axis="x", labelsize=7)
     fig.suptitle(f"run {run.run_id} (orange: drafter)", fontsize=9)
+    return _save(fig, path)
+
+
+def _no_telemetry(run: Run, devices: list[dict], path: Path) -> Path:
+    """No GPU in the run (CPU): say so, and show what each worker did instead of empty memory bars."""
+    workers = [w for w in run.snapshot.get("workers") or [] if isinstance(w, dict) and to_float(w.get("steps")) is not None]
+    where = ", ".join(f"{d.get('device')} ({'/'.join(d.get('roles') or [])})" for d in devices)
+    note = f"No GPU telemetry: peak memory and utilisation are measured on CUDA devices; this run used {where}."
+    if not workers:
+        return _placeholder(path, f"Devices of run {run.run_id}", note)
+    fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(workers) + 3), 3.8), layout="constrained")
+    names = [f"{w.get('name')}\n{w.get('device')}" for w in workers]
+    ax.bar(names, [float(w["steps"]) for w in workers],
+           color=["tab:orange" if w.get("role") == "drafter" else "tab:blue" for w in workers])
+    ax.set_ylabel("steps done (count)")
+    ax.set_xlabel("worker (device)")
+    ax.tick_params(axis="x", labelsize=7)
+    ax.set_title(f"run {run.run_id}: steps per worker (orange: drafter)", fontsize=9)
+    fig.text(0.5, 0.01, note, ha="center", va="bottom", fontsize=7, wrap=True)
+    fig.get_layout_engine().set(rect=(0, 0.08, 1, 0.92))
     return _save(fig, path)
 
 
@@ -184,7 +205,7 @@ def training_latest(run: Run | None, path: Path) -> Path:
 def make_all(runs: list[Run], records: list[dict], settings, out: Path) -> dict[str, Path]:
     latest = runs[-1] if runs else None
     return {
-        "ktok": ktok_history(runs, records, settings.threshold, out / PLOTS["ktok"]),
+        "ktok": ktok_history(runs, records, out / PLOTS["ktok"]),
         "devices": devices_latest(latest, settings.min_utilisation, out / PLOTS["devices"]),
         "time_split": time_split(runs, out / PLOTS["time_split"]),
         "training": training_latest(latest, out / PLOTS["training"]),

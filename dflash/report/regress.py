@@ -7,9 +7,15 @@ Attribution compares the run's snapshot with its baseline's, in four categories:
                (run_name, results_dir, report, evaluate, strict_env) are left out
   code         git commit old -> new, and a dirty working tree
 A category whose hash differs but whose fields show no difference (a snapshot is missing) is still named, by hash.
+
+The baseline of a run is the median Ktok/s of the recent comparable runs (same run name, hardware and placement)
+that were in the state of the previous comparable run (same config, data, environment and code), so a drop across
+a change is measured against the runs before the change. The threshold widens to `noise_sigmas` times the
+run-to-run spread measured on identical runs, so noise on a loaded machine is not a regression.
 """
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 from dflash.config import UNHASHED
@@ -27,11 +33,12 @@ class Settings:
     threshold: float = -0.10
     memory_imbalance: float = 0.25
     min_utilisation: float = 30.0
+    noise_sigmas: float = 3.0
 
     @classmethod
     def from_config(cls, cfg) -> "Settings":
         r = cfg.report
-        return cls(r.baseline_run, r.baseline_window, r.threshold, r.memory_imbalance, r.min_utilisation)
+        return cls(r.baseline_run, r.baseline_window, r.threshold, r.memory_imbalance, r.min_utilisation, r.noise_sigmas)
 
 
 # ---- diffs -------------------------------------------------------------------------------------------------
@@ -58,12 +65,12 @@ def flat_diff(old, new, prefix="") -> list[dict]:
         out = []
         for k in sorted(set(old) | set(new), key=str):
             key = f"{prefix}.{k}" if prefix else str(k)
-            if k not in old:
+            if k not in old and not isinstance(new[k], dict):
                 out.append(_change(key, None, new[k]))
-            elif k not in new:
+            elif k not in new and not isinstance(old[k], dict):
                 out.append(_change(key, old[k], None))
-            else:
-                out += flat_diff(old[k], new[k], key)
+            else:                                           # a section on one side only: its keys, one by one
+                out += flat_diff(old.get(k, {}), new.get(k, {}), key)
         return out
     return [] if old == new else [_change(prefix or "<value>", old, new)]
 
@@ -203,6 +210,12 @@ def anomalies(run: Run, st: Settings) -> list[dict]:
         add("status", f"run ended with status '{status}'")
     if run.num("ktok_per_s") is None:
         add("not_measured", "no throughput measured (no optimizer step after warm-up)")
+    diverged = snap.get("diverged") if isinstance(snap.get("diverged"), dict) else {}
+    if snap.get("replicas_identical") is False or diverged:
+        where = f" at step {diverged['step']}" if diverged.get("step") is not None else ""
+        who = f" (replicas {diverged['replicas']})" if diverged.get("replicas") else ""
+        add("replicas_diverged", f"drafter replicas diverged{where}{who}: their weights differ after the all-reduce",
+            step=diverged.get("step"))
     rec = to_float(run.row.get("recompiles_after_warmup")) or 0
     if rec > 0:
         add("recompiles", f"{int(rec)} recompile(s) after warm-up (a shape not compiled in warm-up)", count=int(rec))
@@ -246,28 +259,73 @@ def _usable(run: Run) -> bool:
     return run.row.get("status") == "completed" and ktok is not None and ktok > 0
 
 
-def find_baseline(i: int, runs: list[Run], st: Settings) -> tuple[Run | None, str]:
+def _device(spec) -> str:
+    s = str(spec)
+    return f"cuda:{s}" if s.isdigit() else s
+
+
+def comparable_key(run: Run) -> tuple:
+    """Runs with the same key measure the same pipeline: run name, hardware and placement."""
+    snap = run.snapshot
+    env, train = snap.get("env") or {}, (snap.get("config") or {}).get("train") or {}
+    gpu = env.get("gpu") or {}
+    hardware = ("gpu", gpu.get("count"), tuple(gpu.get("models") or ())) if gpu.get("count") else ("cpu", env.get("cpu"))
+    placement = (snap.get("runtime") or train.get("runtime"), tuple(sorted(map(_device, train.get("targets") or ()))),
+                 tuple(sorted(map(_device, train.get("drafters") or ()))), (train.get("rendezvous") or {}).get("nnodes", 1))
+    return run.row.get("run_name"), hardware, placement
+
+
+def state_key(run: Run) -> tuple:
+    """Runs with the same state are identical runs: their Ktok/s differ by noise alone."""
+    return tuple(run.row.get(k) for k in ("config_hash", "data_hash", "env_hash", "git_commit", "git_dirty"))
+
+
+def spread(runs: list[Run], window: int) -> float | None:
+    """Run-to-run spread of Ktok/s: a robust standard deviation (1.4826 x median absolute deviation), relative to
+    the median, pooled over groups of identical runs (the last `window` of each); None without two identical runs."""
+    groups: dict[tuple, list[float]] = {}
+    for r in runs:
+        groups.setdefault(state_key(r), []).append(r.num("ktok_per_s"))
+    devs = []
+    for ks in groups.values():
+        ks = ks[-window:]
+        if len(ks) >= 2:
+            m = statistics.median(ks)
+            devs += [abs(k / m - 1) for k in ks]
+    return 1.4826 * statistics.median(devs) if devs else None
+
+
+def find_baseline(i: int, runs: list[Run], st: Settings) -> tuple[list[Run], str, float | None]:
+    """(the baseline runs, why them, the spread) for run i; no runs when there is nothing to compare with."""
     run = runs[i]
     if st.baseline_run:
         if run.run_id == st.baseline_run:
-            return None, "is the pinned baseline"
-        for r in runs:
-            if r.run_id == st.baseline_run:
-                return r, "pinned (report.baseline_run)"
-        return None, f"pinned baseline {st.baseline_run} is not in the history"
-    same = [r for r in runs[:i] if r.row.get("config_hash") == run.row.get("config_hash") and _usable(r)]
-    window = same[-st.baseline_window:]
-    if not window:
-        return None, "no earlier completed run with the same config hash"
-    best = max(window, key=lambda r: r.num("ktok_per_s"))
-    return best, f"best of the last {len(window)} run(s) with the same config hash"
+            return [], "is the pinned baseline", None
+        pinned = [r for r in runs if r.run_id == st.baseline_run]
+        return pinned, "pinned (report.baseline_run)" if pinned else \
+            f"pinned baseline {st.baseline_run} is not in the history", None
+    key = comparable_key(run)
+    earlier = [r for r in runs[:i] if _usable(r) and comparable_key(r) == key]
+    if not earlier:
+        return [], f"no earlier completed run of '{key[0]}' on this hardware and placement", None
+    state = state_key(earlier[-1])
+    group = [r for r in earlier if state_key(r) == state][-st.baseline_window:]
+    why = f"median of {len(group)} identical run(s), the latest {group[-1].run_id}" if len(group) > 1 else \
+        "the previous comparable run"
+    return group, why, spread(earlier, st.baseline_window)
 
 
-def compare(run: Run, base: Run) -> dict:
-    k, kb = run.num("ktok_per_s"), base.num("ktok_per_s") or 0.0
+def threshold_of(st: Settings, sigma: float | None) -> float:
+    """report.threshold, widened to noise_sigmas x the measured spread when that is larger."""
+    return st.threshold if sigma is None else min(st.threshold, -st.noise_sigmas * sigma)
+
+
+def compare(run: Run, group: list[Run]) -> dict:
+    k, kb = run.num("ktok_per_s"), statistics.median(r.num("ktok_per_s") or 0.0 for r in group)
     ratio = k / kb if k is not None and kb > 0 else None
-    return {"run_id": base.run_id, "ktok_per_s": kb, "ratio": None if ratio is None else round(ratio, 4),
-            "change": None if ratio is None else round(ratio - 1, 4), "changed": attribute(run, base)}
+    return {"run_id": group[-1].run_id, "ktok_per_s": kb, "runs": [r.run_id for r in group],
+            "ratio": None if ratio is None else round(ratio, 4),
+            "change": None if ratio is None else round(ratio - 1, 4), "changed": attribute(run, group[-1])}
 
 
 def verdict_of(change: float | None, threshold: float) -> str:
@@ -284,27 +342,29 @@ def evaluate(runs: list[Run], st: Settings) -> list[dict]:
     """One record per run (history order) for regressions.json."""
     out = []
     for i, run in enumerate(runs):
-        base, why = find_baseline(i, runs, st)
+        group, why, sigma = find_baseline(i, runs, st)
         rec = {
-            "run_id": run.run_id, "started_at": run.row.get("started_at"), "status": run.row.get("status"),
-            "ktok_per_s": run.num("ktok_per_s"), "tau": run.num("tau"), "mfu": run.num("mfu"),
-            "baseline": None, "baseline_reason": why, "ratio": None, "change": None,
+            "run_id": run.run_id, "run_name": run.row.get("run_name"), "started_at": run.row.get("started_at"),
+            "status": run.row.get("status"), "ktok_per_s": run.num("ktok_per_s"), "tau": run.num("tau"),
+            "mfu": run.num("mfu"), "baseline": None, "baseline_reason": why, "spread": None if sigma is None else
+            round(sigma, 4), "threshold": round(threshold_of(st, sigma), 4), "ratio": None, "change": None,
             "changed": {c: [] for c in CATEGORIES}, "previous": None,
         }
-        if base is not None:
-            cmp_ = compare(run, base)
-            rec.update(baseline={"run_id": base.run_id, "ktok_per_s": cmp_["ktok_per_s"]}, ratio=cmp_["ratio"],
-                       change=cmp_["change"], changed=cmp_["changed"])
-            rec["verdict"] = verdict_of(cmp_["change"], st.threshold)
+        if group:
+            cmp_ = compare(run, group)
+            rec.update(baseline={"run_id": cmp_["run_id"], "ktok_per_s": cmp_["ktok_per_s"], "runs": cmp_["runs"]},
+                       ratio=cmp_["ratio"], change=cmp_["change"], changed=cmp_["changed"])
+            rec["verdict"] = verdict_of(cmp_["change"], rec["threshold"])
         else:
             earlier = [r for r in runs[:i] if _usable(r)]
             rec["verdict"] = "baseline" if why == "is the pinned baseline" else "first run" if i == 0 else "no baseline"
             if earlier and why != "is the pinned baseline":
-                # no like-for-like baseline, but say how it compares with the run before it and what differs
-                cmp_ = compare(run, earlier[-1])
+                # nothing comparable (another run name, hardware or placement): say how it compares with the run
+                # before it and what differs
+                cmp_ = compare(run, earlier[-1:])
                 rec["previous"] = {"run_id": earlier[-1].run_id, "ktok_per_s": cmp_["ktok_per_s"],
                                    "ratio": cmp_["ratio"], "changed": cmp_["changed"]}
-        rec["what_changed"] = changed_text(rec["changed"]) if base is not None else ""
+        rec["what_changed"] = changed_text(rec["changed"]) if group else ""
         rec["anomalies"] = anomalies(run, st)
         rec["sentence"] = sentence(rec)
         out.append(rec)
@@ -328,6 +388,8 @@ def anomaly_brief(items: list[dict]) -> str:
             parts.append(f"worker(s) that never stepped: {', '.join(str(a['worker']) for a in group)}")
         elif kind == "memory_imbalance":
             parts.append("drafter memory imbalance on " + ", ".join(f"{a['device']} ({a['share']:+.0%} vs median)" for a in group))
+        elif kind == "replicas_diverged":
+            parts.append(group[0]["message"].split(":")[0])
         elif kind == "low_utilisation":
             parts.append(f"{len(group)} GPU(s) under the utilisation floor ({', '.join(str(a['device']) for a in group)})")
         else:
@@ -345,14 +407,16 @@ def sentence(rec: dict) -> str:
     anom = anomaly_brief(rec["anomalies"])
     anom_txt = f"; anomalies: {anom}" if anom else ""
     if rec["baseline"] is not None and rec["ratio"] is not None:
-        base, kb, ratio = rec["baseline"]["run_id"], rec["baseline"]["ktok_per_s"], rec["ratio"]
+        b, ratio = rec["baseline"], rec["ratio"]
+        n = len(b.get("runs") or [b["run_id"]])
+        base = f"run {b['run_id']}" if n == 1 else f"the median of {n} identical runs up to {b['run_id']}"
         what = rec["what_changed"] or "nothing recorded (same environment, data, config and code)"
-        nums = f"({kb:.2f} -> {k:.2f} Ktok/s, {rec['change']:+.0%})"
+        nums = f"({b['ktok_per_s']:.2f} -> {k:.2f} Ktok/s, {rec['change']:+.0%}; threshold {rec['threshold']:+.0%})"
         if rec["verdict"] == "regression":
-            return f"Run {rid}: Ktok/s fell {_times(ratio)} vs run {base} {nums}; what changed: {what}{anom_txt}."
+            return f"Run {rid}: Ktok/s fell {_times(ratio)} vs {base} {nums}; what changed: {what}{anom_txt}."
         if rec["verdict"] == "improvement":
-            return f"Run {rid}: Ktok/s rose {_times(ratio)} vs run {base} {nums}; what changed: {what}{anom_txt}."
-        return f"Run {rid}: Ktok/s within the threshold of run {base} {nums}; what changed: {what}{anom_txt}."
+            return f"Run {rid}: Ktok/s rose {_times(ratio)} vs {base} {nums}; what changed: {what}{anom_txt}."
+        return f"Run {rid}: Ktok/s within the threshold of {base} {nums}; what changed: {what}{anom_txt}."
     prev = rec.get("previous")
     if rec["ktok_per_s"] is None:
         base = f" (baseline {rec['baseline']['run_id']})" if rec["baseline"] else ""

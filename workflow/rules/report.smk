@@ -1,4 +1,4 @@
-# Stage 'report': throughput history (append-only), regressions with attribution, anomalies, plots, report.md.
+# Stage 'report': throughput history, regressions with attribution, anomalies, plots, report.md; then the gate.
 # One thin shell line; the logic lives in dflash/report/.
 import os
 
@@ -10,8 +10,9 @@ REPORT_EXTRA_INPUTS = globals().get("REPORT_EXTRA_INPUTS", [])
 REPORT_DIR = f"{RESULTS}/report"
 
 
-# history.csv is append-only across runs: update() keeps Snakemake from deleting it before the job (and restores
-# it if the job fails). The per-run snapshots in report/history/ are write-once and not declared outputs.
+# The per-run snapshots in report/history/ are the record (write-once, not declared outputs); history.csv is a view
+# rebuilt from them on every run (update(): Snakemake does not delete it before the job). The report exits 0 whatever
+# the verdict, so its outputs always stay; the gate below fails on a regression.
 rule report:
     input:
         config=CONFIG_FILE,
@@ -43,5 +44,25 @@ rule report:
         "python -m dflash report --config {input.config} --runs-dir {params.runs_dir} --out {params.out} > {log} 2>&1"
 
 
-# The throughput report ends `all`.
+# The gate: a separate job after the report, so a failing gate (report.fail_on_regression) keeps report.md, the plots
+# and the history. It writes gate.json only when it passes, so a regression fails every `all` until a run recovers.
+rule gate:
+    input:
+        config=ancient(CONFIG_FILE),
+        regressions=rules.report.output.regressions,
+    output:
+        f"{REPORT_DIR}/gate.json",
+    params:
+        fail=config["report"]["fail_on_regression"],
+    log:
+        f"{RESULTS}/logs/gate.log",
+    conda:
+        ENV
+    shell:
+        "python -m dflash gate --config {input.config:q} --regressions {input.regressions:q} --out {output:q}"
+        " > {log:q} 2>&1 || {{ cat {log:q} >&2; exit 3; }}"
+
+
+# The throughput report and its gate end `all`.
 ALL_TARGETS.append(f"{REPORT_DIR}/report.md")
+ALL_TARGETS.append(f"{REPORT_DIR}/gate.json")

@@ -1,0 +1,49 @@
+"""Stage `gate`: after the report, exit non-zero when `report.fail_on_regression` is set and the newest run of this
+run name regressed. A separate stage, so a failing gate leaves the report, the plots and the history in place."""
+import json
+import logging
+import sys
+from pathlib import Path
+
+from dflash.errors import UserError
+
+log = logging.getLogger("dflash.report")
+
+
+def add_arguments(p):
+    p.add_argument("--regressions", default=None,
+                   help="the report's regressions.json (default: <results_dir>/report/regressions.json)")
+    p.add_argument("--out", default=None,
+                   help="the verdict, written when the gate passes (default: <results_dir>/report/gate.json)")
+
+
+def latest_of(data: dict, run_name: str) -> dict | None:
+    """The newest record of `run_name` (the history can hold other run names), else the newest record."""
+    runs = [r for r in data.get("runs") or [] if isinstance(r, dict)]
+    mine = [r for r in runs if r.get("run_name") == run_name]
+    return (mine or runs or [None])[-1]
+
+
+def run(loaded, args):
+    from dflash.atomic import atomic_write_json
+    from dflash.config import results_path
+
+    path = Path(args.regressions or results_path(loaded, "report", "regressions.json"))
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise UserError(f"{path}: cannot read the report's verdicts ({e}); run the report stage first") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a JSON object")
+    latest = latest_of(data, loaded.cfg.run_name)
+    verdict = latest.get("verdict") if latest else None
+    fail = bool(loaded.cfg.report.fail_on_regression)
+    if fail and verdict == "regression":
+        print(f"dflash gate: regression: {latest.get('sentence')} (report.fail_on_regression is true; "
+              f"the report stays in {path.parent})", file=sys.stderr)
+        return 3
+    out = args.out or results_path(loaded, "report", "gate.json")
+    atomic_write_json(out, {"run_id": latest.get("run_id") if latest else None, "verdict": verdict,
+                            "fail_on_regression": fail, "passed": True})
+    log.info("gate passed: %s", latest.get("sentence") if latest else "no runs in the history")
+    return 0
