@@ -223,7 +223,7 @@ class DFlashDrafter(nn.Module):
         anchors = Anchors(torch.full((B, 1), start, device=dev), torch.ones(B, 1, dtype=torch.bool, device=dev), vs)
         masks = make_mask(anchors, start, backend, self.cfg.windows())
         qpos = torch.arange(start, start + vs, device=dev).expand(B, vs)
-        x = F.embedding(block_ids, self.embed_weight)
+        x = F.embedding(block_ids, self.embed_weight).to(self.fc.weight.dtype)
         return self.run(x, qpos, target_hidden, masks, cache)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
