@@ -91,7 +91,9 @@ def test_no_leakage_from_the_future_or_other_blocks(extra):
 
 def _reference_math(drafter, ctx_hidden, block_ids):
     """One drafting step the way the reference DFlashDraftModel computes it at inference (context = the c
-    positions before the block, block at positions c..c+Bk-1, no mask), from transformers' Qwen3 parts."""
+    positions before the block, block at positions c..c+Bk-1; no mask in full layers; in sliding layers its
+    causal window mask: key position k visible from query position t when k <= t and t - k < W), from
+    transformers' Qwen3 parts."""
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
     cfg = drafter.cfg
@@ -121,7 +123,11 @@ def _reference_math(drafter, ctx_hidden, block_ids):
         cq, sq = cos[:, None, -Bk:], sin[:, None, -Bk:]
         q = q * cq + rotate_half(q) * sq
         k = k * cos[:, None] + rotate_half(k) * sin[:, None]
-        o = F.scaled_dot_product_attention(q, k, v, enable_gqa=True, scale=hd ** -0.5)
+        mask = None
+        if hfc.layer_types[i] == "sliding_attention":
+            t, kp = torch.arange(c, c + Bk)[:, None], torch.arange(c + Bk)[None]
+            mask = (kp <= t) & (t - kp < hfc.sliding_window)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=hd ** -0.5)
         x = x + o.transpose(1, 2).reshape(1, Bk, nh * hd) @ sd[p + "self_attn.o_proj.weight"].T
         mlp = Qwen3MLP(hfc).to(dt)
         for n in ("gate_proj", "up_proj", "down_proj"):
@@ -130,8 +136,10 @@ def _reference_math(drafter, ctx_hidden, block_ids):
     return norm("norm.weight", hfc.hidden_size)(x)
 
 
-def test_matches_reference_math_from_transformers_qwen3_parts():
-    cfg = tiny_cfg(rope_theta=5000.0)
+@pytest.mark.parametrize("extra", [{}, {**SLIDING, "sliding_window": 2}, SLIDING],
+                         ids=["full", "mixed-window-below-block", "mixed-window-above-block"])
+def test_matches_reference_math_from_transformers_qwen3_parts(extra):
+    cfg = tiny_cfg(rope_theta=5000.0, **extra)
     d = make_drafter(cfg, dtype=torch.float64)
     S, Bk = 30, cfg.block_size
     g = torch.Generator().manual_seed(5)
