@@ -32,7 +32,8 @@ clean-results:
 
 # Interop with the published reference package (dflash 0.1.0, DFlashDraftModel), in its own venv: both packages
 # are named `dflash`. torch is pinned to the project's 2.13.0 so pip takes the CPU wheel on disk. The check exports
-# a drafter with our code, decodes with our evaluator, then loads and decodes with the reference; any difference fails.
+# drafters in full, sliding and mixed layer layouts with our code, decodes with our evaluator, then loads, runs and
+# decodes them with the reference; any difference fails.
 INTEROP_VENV  := .venv-interop
 INTEROP_STAMP := $(INTEROP_VENV)/.installed
 INTEROP_OUT   ?= results/interop
@@ -46,4 +47,4 @@ $(INTEROP_STAMP):
 interop: $(STAMP) $(INTEROP_STAMP)
 	rm -rf $(INTEROP_OUT)
 	$(BIN)/python tests/interop/make_case.py $(INTEROP_OUT)
-	cd $(INTEROP_OUT) && $(abspath $(INTEROP_VENV))/bin/python $(abspath tests/interop/check_reference.py) .
+	cd $(INTEROP_OUT) && env -u PYTHONPATH $(abspath $(INTEROP_VENV))/bin/python $(abspath tests/interop/check_reference.py) .

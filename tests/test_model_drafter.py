@@ -27,7 +27,8 @@ def test_parameters_are_the_reference_names_and_target_weights_are_not_parameter
     assert abs(fresh.fc.weight.std().item() - 0.02) < 0.002 and torch.all(fresh.norm.weight == 1)
 
 
-@pytest.mark.parametrize("extra", [{}, SLIDING], ids=["full", "sliding"])
+@pytest.mark.parametrize("extra", [{}, SLIDING, {**SLIDING, "sliding_window": 2}],
+                         ids=["full", "sliding-above-block", "sliding-below-block"])
 def test_eager_and_sdpa_agree_forward_and_backward(extra):
     cfg = tiny_cfg(**extra)
     d = make_drafter(cfg, dtype=torch.float64)
@@ -90,7 +91,9 @@ def test_no_leakage_from_the_future_or_other_blocks(extra):
 
 def _reference_math(drafter, ctx_hidden, block_ids):
     """One drafting step the way the reference DFlashDraftModel computes it at inference (context = the c
-    positions before the block, block at positions c..c+Bk-1, no mask), from transformers' Qwen3 parts."""
+    positions before the block, block at positions c..c+Bk-1; no mask in full layers; in sliding layers its
+    causal window mask: key position k visible from query position t when k <= t and t - k < W), from
+    transformers' Qwen3 parts."""
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
     cfg = drafter.cfg
@@ -120,7 +123,11 @@ def _reference_math(drafter, ctx_hidden, block_ids):
         cq, sq = cos[:, None, -Bk:], sin[:, None, -Bk:]
         q = q * cq + rotate_half(q) * sq
         k = k * cos[:, None] + rotate_half(k) * sin[:, None]
-        o = F.scaled_dot_product_attention(q, k, v, enable_gqa=True, scale=hd ** -0.5)
+        mask = None
+        if hfc.layer_types[i] == "sliding_attention":
+            t, kp = torch.arange(c, c + Bk)[:, None], torch.arange(c + Bk)[None]
+            mask = (kp <= t) & (t - kp < hfc.sliding_window)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=hd ** -0.5)
         x = x + o.transpose(1, 2).reshape(1, Bk, nh * hd) @ sd[p + "self_attn.o_proj.weight"].T
         mlp = Qwen3MLP(hfc).to(dt)
         for n in ("gate_proj", "up_proj", "down_proj"):
@@ -129,8 +136,10 @@ def _reference_math(drafter, ctx_hidden, block_ids):
     return norm("norm.weight", hfc.hidden_size)(x)
 
 
-def test_matches_reference_math_from_transformers_qwen3_parts():
-    cfg = tiny_cfg(rope_theta=5000.0)
+@pytest.mark.parametrize("extra", [{}, {**SLIDING, "sliding_window": 2}, SLIDING],
+                         ids=["full", "mixed-window-below-block", "mixed-window-above-block"])
+def test_matches_reference_math_from_transformers_qwen3_parts(extra):
+    cfg = tiny_cfg(rope_theta=5000.0, **extra)
     d = make_drafter(cfg, dtype=torch.float64)
     S, Bk = 30, cfg.block_size
     g = torch.Generator().manual_seed(5)
@@ -148,9 +157,10 @@ def test_matches_reference_math_from_transformers_qwen3_parts():
 
 def test_flex_forward_matches_sdpa_on_cpu():
     """One compiled test (CPU flex_attention: forward only; head_dim >= 32, see attention.py)."""
-    cfg = tiny_cfg(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32, **SLIDING)
-    d = make_drafter(cfg)
-    for seed in (0, 1):   # a second mask of the same shape reuses the compiled graph
+    for seed, window in ((0, 6), (1, 3)):   # windows above and below the block (4); same shapes: one compile
+        cfg = tiny_cfg(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                       **{**SLIDING, "sliding_window": window})
+        d = make_drafter(cfg)
         hidden, ids, lm, an = make_batch(cfg, 2, 45, 10, lengths=[45, 6], seed=seed)
         with torch.no_grad():
             a = d(hidden, ids, an, backend="sdpa")
@@ -160,12 +170,13 @@ def test_flex_forward_matches_sdpa_on_cpu():
 
 
 @pytest.mark.gpu
-def test_flex_forward_backward_matches_sdpa_on_cuda():
+@pytest.mark.parametrize("window", [200, 7])   # above and below the block size 16
+def test_flex_forward_backward_matches_sdpa_on_cuda(window):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     dev = torch.device("cuda")
     cfg = tiny_cfg(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                   intermediate_size=512, block_size=16, **{**SLIDING, "sliding_window": 200})
+                   intermediate_size=512, block_size=16, **{**SLIDING, "sliding_window": window})
     d = make_drafter(cfg).to(dev)
     d.set_target_weights(d.embed_weight.to(dev), d.lm_head_weight.to(dev))
     hidden, ids, lm, an = make_batch(cfg, 2, 700, 40, lengths=[700, 40], seed=0)

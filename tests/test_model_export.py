@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash.model import DrafterConfig, load_drafter, reference_keys, save_drafter
+from dflash.model import DrafterConfig, load_drafter, reference_config, reference_keys, save_drafter
 from helpers_model import make_batch, make_drafter, tiny_cfg
 
 
@@ -41,6 +41,31 @@ def test_config_json_loads_as_a_transformers_qwen3_config(tmp_path):
     assert hf.rope_parameters["rope_theta"] == 12345.0
     assert hf.dflash_config["target_layer_ids"] == [0, 2, 3] and hf.block_size == 4
     assert DrafterConfig.from_hf_dict(hf.to_dict()) == cfg
+    # a mixed layout survives transformers' Qwen3Config, which the reference and SGLang read it through
+    mixed = tiny_cfg(num_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                     sliding_window=3)
+    hf = Qwen3Config(**reference_config(mixed))
+    assert hf.layer_types == mixed.layer_types and hf.sliding_window == 3
+    assert DrafterConfig.from_hf_dict(hf.to_dict()) == mixed
+
+
+def test_reference_config_layer_layout_fields():
+    """What the inference stacks read to run each layer: layer_types, sliding_window, use_sliding_window; and
+    configs whose layers would run differently from ours are refused."""
+    full = reference_config(tiny_cfg(), dtype=torch.float32)
+    assert full["layer_types"] == ["full_attention"] * 2 and full["use_sliding_window"] is False
+    assert full["sliding_window"] is None and full["dtype"] == "float32"
+    assert not {"is_causal", "use_swa", "causal"} & (set(full) | set(full["dflash_config"]))
+    mixed = reference_config(tiny_cfg(layer_types=["full_attention", "sliding_attention"], sliding_window=5))
+    assert mixed["layer_types"] == ["full_attention", "sliding_attention"]
+    assert mixed["use_sliding_window"] is True and mixed["sliding_window"] == 5
+    # no layer_types: transformers' rule (layers from max_window_layers on slide, when use_sliding_window)
+    legacy = {k: v for k, v in mixed.items() if k != "layer_types"} | {"max_window_layers": 1}
+    assert DrafterConfig.from_hf_dict(legacy).layer_types == ["full_attention", "sliding_attention"]
+    for bad in ({"is_causal": False}, {"use_sliding_window": False},
+                {"dflash_config": {**mixed["dflash_config"], "causal": True}}):
+        with pytest.raises(ValueError):
+            DrafterConfig.from_hf_dict(mixed | bad)
 
 
 def test_load_errors_name_the_file(tmp_path):

@@ -90,6 +90,9 @@ CASES = [  # B, S, A, Bk, window, tile, seed
     (2, 64, 7, 5, 2, 16, 3),     # window smaller than the block
     (1, 45, 9, 4, None, 128, 4),
     (2, 33, 8, 2, 6, 128, 5),
+    (2, 40, 5, 8, 3, 16, 7),     # window well below the block: block keys limited by the window too
+    (1, 30, 4, 6, 1, 8, 8),      # window 1: each offset sees only itself
+    (2, 41, 6, 4, 4, 16, 9),     # window equal to the block
 ]
 
 
@@ -122,10 +125,16 @@ def test_three_mask_products_agree(B, S, A, Bk, window, tile, seed):
                  "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
         t = getattr(bm, name)
         assert t.dtype == torch.int32 and t.is_contiguous(), name   # the kernels assume contiguous int32
-    # padded blocks see nothing; a valid block sees its whole own block
+    # padded blocks see nothing; a valid block sees its whole own block (full), or itself and its earlier
+    # offsets within the window (sliding)
     rows = an.valid.repeat_interleave(Bk, 1)
     assert not ref[~rows].any()
-    assert (ref[rows].sum(-1) >= Bk).all()
+    own = ref[..., S:].view(B, A, Bk, A, Bk).diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2)   # [B, A, Bk, Bk]
+    i = torch.arange(Bk)
+    want = torch.ones(Bk, Bk, dtype=torch.bool) if window is None else \
+        (i[None] <= i[:, None]) & (i[:, None] - i[None] < window)
+    assert torch.equal(own[an.valid], want.expand(int(an.valid.sum()), Bk, Bk))
+    assert ref[..., S:].sum() == own.sum()                         # no other block's keys
 
 
 def test_block_mask_uses_full_tiles_and_skips_invisible_ones():
@@ -142,3 +151,18 @@ def test_block_mask_uses_full_tiles_and_skips_invisible_ones():
     bm_w = block_mask(an, S, 6, tile=tile)   # with a window, far context tiles are skipped entirely
     assert int(bm_w.kv_num_blocks[0, 0, 0] + bm_w.full_kv_num_blocks[0, 0, 0]) <= 4
     assert torch.equal(block_mask_to_dense(bm_w, Q, S + Q), reference_allowed(an, S, 6))
+
+
+@pytest.mark.parametrize("window", [None, 2, 5, 12])
+def test_one_anchor_mask_is_the_inference_rule(window):
+    """One block at anchor a with context 0..a-1: keys are positions 0..a+Bk-1, so the mask must be the
+    inference stacks' rule on positions: full layers see every key; sliding layers (dflash 0.1.0 is_causal,
+    SGLang window_left = W-1, vLLM causal sliding layers) see key k from query position t when k <= t and
+    t - k < W."""
+    a, Bk = 9, 5
+    an = anchors_of([[a]], [[True]], Bk)
+    t = torch.arange(a, a + Bk)[:, None]
+    k = torch.arange(a + Bk)[None]
+    want = torch.ones(Bk, a + Bk, dtype=torch.bool) if window is None else (k <= t) & (t - k < window)
+    assert torch.equal(dense_mask(an, a, window)[0, 0], want)
+    assert torch.equal(reference_allowed(an, a, window)[0], want)

@@ -28,8 +28,9 @@ The drafter interface (`Draft`) is a small protocol so that an oracle or a rando
         ctx_ids [1, m] / ctx_feats [1, m, k*H] (or None): the positions start-m..start-1 accepted since the last
         call (the whole prompt on the first call); block_ids [1, vs] the block (anchor then MASK); returns the
         drafter's logits for block positions 1..vs-1.
-The KV-cached DFlash drafter (`DFlashDraft`) keeps per-layer context K/V of every accepted position; since it is
-only ever extended with accepted positions (the block's own K/V are never cached), a rejection needs no crop.
+The DFlash drafter (`DFlashDraft`) runs DFlashDrafter.draft, which keeps per-layer context K/V of every accepted
+position; since the cache is only ever extended with accepted positions (the block's own K/V are never cached), a
+rejection needs no crop.
 """
 from __future__ import annotations
 
@@ -38,7 +39,6 @@ import time
 from typing import Protocol, Sequence
 
 import torch
-import torch.nn.functional as F
 
 
 # ---- the drafter interface --------------------------------------------------------------------------------------
@@ -265,71 +265,30 @@ def target_generate(target, prompt_ids, max_new_tokens: int, stop_ids: Sequence[
 
 # ---- drafters --------------------------------------------------------------------------------------------------
 class DFlashDraft:
-    """A trained `dflash.model.DFlashDrafter` run incrementally: context K/V per layer cached for every accepted
-    position, the block computed against [cached context ; block]. Same math as DFlashDrafter.forward with one
-    anchor at `start` over the full context (tests hold them equal) and as the reference's DFlashDraftModel."""
+    """A trained `dflash.model.DFlashDrafter` run incrementally through its own `draft` (the same computation
+    as its training forward, masks included): the context K/V of every accepted position are kept in a
+    DrafterCache, each block is computed against [cached context ; block]."""
 
-    def __init__(self, drafter):
+    def __init__(self, drafter, backend: str = "sdpa"):
         self.drafter = drafter.eval()
         self.cfg = drafter.cfg
+        self.backend = backend
         self.block_size = self.cfg.block_size
         self.target_layer_ids = list(self.cfg.target_layer_ids)
         self.mask_token_id = self.cfg.mask_token_id
         self.reset()
 
     def reset(self) -> None:
-        self.k: list[torch.Tensor | None] = [None] * self.cfg.num_layers
-        self.v: list[torch.Tensor | None] = [None] * self.cfg.num_layers
-        self.length = 0
+        self.cache = self.drafter.new_cache()
 
     @torch.inference_mode()
     def propose(self, ctx_ids, ctx_feats, block_ids, start: int) -> torch.Tensor:
-        from dflash.model.drafter import apply_rope, rope_cos_sin
-        d, cfg = self.drafter, self.cfg
-        m, vs = (0 if ctx_feats is None else ctx_feats.shape[1]), block_ids.shape[1]
-        if self.length + m != start:
-            raise RuntimeError(f"drafter context holds {self.length} positions + {m} new, but the block starts at {start}")
-        dtype = d.fc.weight.dtype
-        device = d.fc.weight.device
-        pos = torch.arange(start - m, start + vs, device=device)[None]
-        x = F.embedding(block_ids.to(device), d.embed_weight).to(dtype)                  # [1, vs, H]
-        cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, dtype)              # [1, m+vs, D]
-        ctx = d.hidden_norm(d.fc(ctx_feats.to(device=device, dtype=dtype))) if m else None
-        nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        for li, layer in enumerate(d.layers):
-            attn = layer.self_attn
-            if m:
-                kc = attn.k_norm(attn.k_proj(ctx).view(1, m, nkv, hd)).transpose(1, 2)
-                kc = apply_rope(kc, cos[:, :m], sin[:, :m])
-                vc = attn.v_proj(ctx).view(1, m, nkv, hd).transpose(1, 2)
-                self.k[li] = kc if self.k[li] is None else torch.cat([self.k[li], kc], dim=2)
-                self.v[li] = vc if self.v[li] is None else torch.cat([self.v[li], vc], dim=2)
-            h = layer.input_layernorm(x)
-            q = attn.q_norm(attn.q_proj(h).view(1, vs, nh, hd)).transpose(1, 2)
-            kb = attn.k_norm(attn.k_proj(h).view(1, vs, nkv, hd)).transpose(1, 2)
-            vb = attn.v_proj(h).view(1, vs, nkv, hd).transpose(1, 2)
-            q = apply_rope(q, cos[:, m:], sin[:, m:])
-            kb = apply_rope(kb, cos[:, m:], sin[:, m:])
-            k = kb if self.k[li] is None else torch.cat([self.k[li], kb], dim=2)
-            v = vb if self.v[li] is None else torch.cat([self.v[li], vb], dim=2)
-            mask = self._window_mask(layer.window, start, vs, device)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=hd ** -0.5, enable_gqa=nh != nkv)
-            x = x + attn.o_proj(y.transpose(1, 2).reshape(1, vs, nh * hd))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        self.length = start
-        hidden = d.norm(x)[:, 1:]
-        return d.logits(hidden).float()
-
-    @staticmethod
-    def _window_mask(window, start, vs, device):
-        """None (full attention) or Bool[vs, start+vs]: the training rule of sliding layers (dflash.model.masks):
-        block offset i sees context p when (start + i) - p < window, and its whole block."""
-        if window is None:
-            return None
-        i = torch.arange(vs, device=device)[:, None]
-        p = torch.arange(start, device=device)[None, :]
-        ctx = (start + i) - p < window
-        return torch.cat([ctx, torch.ones(vs, vs, dtype=torch.bool, device=device)], dim=1)
+        m = ctx_feats.shape[1]
+        if self.cache.length + m != start:
+            raise RuntimeError(f"drafter context holds {self.cache.length} positions + {m} new, but the block "
+                               f"starts at {start}")
+        hidden = self.drafter.draft(block_ids, ctx_feats, self.cache, backend=self.backend)
+        return self.drafter.logits(hidden[:, 1:]).float()
 
 
 class OracleDraft:

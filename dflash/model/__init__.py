@@ -2,8 +2,8 @@
 from .anchors import IGNORE, Anchors, block_labels, block_positions, build_blocks, sample_anchors
 from .attention import BACKENDS, Mask, attention, compiled_flex, make_mask
 from .config import DrafterConfig, default_gamma, default_target_layer_ids
-from .drafter import DFlashDrafter
-from .export import load_drafter, reference_keys, save_drafter
+from .drafter import DFlashDrafter, DrafterCache
+from .export import load_drafter, reference_config, reference_keys, save_drafter
 from .loss import LossOutput, dflash_loss
 from .masks import block_mask, dense_mask, reference_allowed
 
@@ -11,6 +11,6 @@ __all__ = [
     "IGNORE", "Anchors", "block_labels", "block_positions", "build_blocks", "sample_anchors",
     "BACKENDS", "Mask", "attention", "compiled_flex", "make_mask",
     "DrafterConfig", "default_gamma", "default_target_layer_ids",
-    "DFlashDrafter", "load_drafter", "reference_keys", "save_drafter",
+    "DFlashDrafter", "DrafterCache", "load_drafter", "reference_config", "reference_keys", "save_drafter",
     "LossOutput", "dflash_loss", "block_mask", "dense_mask", "reference_allowed",
 ]

@@ -45,6 +45,30 @@ def _rope_theta(hf) -> float:
     return float(theta)
 
 
+def _layer_layout(d: dict, num_layers: int) -> tuple[list[str] | None, int | None]:
+    """(layer_types, sliding_window) of a reference config.json as the inference stacks read it (transformers'
+    Qwen3Config: the window counts only with use_sliding_window; without layer_types, layers from
+    max_window_layers on slide). Settings that would run layers differently from ours are refused."""
+    dc = d.get("dflash_config") or {}
+    for key, value in (("is_causal", d.get("is_causal")), ("dflash_config.causal", dc.get("causal")),
+                       ("dflash_config.use_swa", dc.get("use_swa")),
+                       ("dflash_config.swa_window_size", dc.get("swa_window_size"))):
+        if value is not None:
+            raise ValueError(f"{key}={value!r} is not supported: layer attention follows layer_types (sliding layers "
+                             "causal within the window, full layers bidirectional)")
+    window = d.get("sliding_window", 4096) if d.get("use_sliding_window") else None
+    types = d.get("layer_types")
+    if types is None and window is not None:
+        mwl = int(d.get("max_window_layers", 28))
+        types = [SLIDING if i >= mwl else FULL for i in range(num_layers)]
+    if types is not None and SLIDING in types and window is None:
+        raise ValueError("layer_types has sliding_attention layers but use_sliding_window is not true (the inference "
+                         "stacks would run them without a window)")
+    if types is not None and SLIDING not in types:
+        window = None
+    return (list(types) if types is not None else None), window
+
+
 @dataclasses.dataclass
 class DrafterConfig:
     vocab_size: int
@@ -76,6 +100,8 @@ class DrafterConfig:
             raise ValueError(f"unknown layer type {bad[0]!r} (allowed: {FULL}, {SLIDING})")
         if SLIDING in self.layer_types and not self.sliding_window:
             raise ValueError("sliding_attention layers need drafter.sliding_window")
+        if self.sliding_window is not None and int(self.sliding_window) < 1:
+            raise ValueError(f"sliding_window must be at least 1, got {self.sliding_window}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads {self.num_key_value_heads}")
@@ -203,10 +229,7 @@ class DrafterConfig:
         mask_id = dc.get("mask_token_id", d.get("mask_token_id"))
         if mask_id is None:
             raise ValueError("config.json has no dflash_config.mask_token_id")
-        layer_types = d.get("layer_types")
-        sliding = d.get("sliding_window")
-        if layer_types is not None and SLIDING not in layer_types:
-            sliding = None
+        layer_types, sliding = _layer_layout(d, num_layers)
         heads = int(d["num_attention_heads"])
         return cls(
             vocab_size=int(d["vocab_size"]),
@@ -223,7 +246,7 @@ class DrafterConfig:
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=_rope_theta(d),
             max_position_embeddings=int(d.get("max_position_embeddings", 40960)),
-            layer_types=list(layer_types) if layer_types is not None else None,
+            layer_types=layer_types,
             sliding_window=sliding,
         )
 

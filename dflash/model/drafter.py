@@ -9,7 +9,12 @@ Math (matches the reference `DFlashDraftModel` of z-lab dflash 0.1.0 for the sam
               v = v_proj([ctx ; h])
               x = x + o_proj(attention(q, k, v, mask));  x = x + mlp(post_attention_layernorm(x))
   out = norm(x)                                                      [B, Q, H]
+mask: dflash.model.masks (full layers: context before the anchor + the whole own block; sliding layers: causal
+over [context ; block] positions within the window, as the reference's sliding layers).
 The embedding and LM head are the target's: frozen, held by reference, not parameters of this module.
+
+One computation, `run`, serves training (`forward`: many blocks over the whole context) and speculative decoding
+(`draft`: one block per call, the context K/V of earlier calls kept in a DrafterCache).
 """
 from __future__ import annotations
 
@@ -62,17 +67,44 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
 
-    def forward(self, h, ctx, cos, sin, mask: Mask):
+    def kv(self, x, cos, sin):   # x [B, T, H] -> k, v [B, nkv, T, D] (k normed and rotated)
+        B, T, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(B, T, self.nkv, self.hd)).transpose(1, 2)
+        return apply_rope(k, cos, sin), self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+
+    def forward(self, h, ctx, ctx_rope, q_rope, mask: Mask, cache: "LayerKV | None" = None):
+        """h [B, Q, H] block states; ctx [B, m, H] the new context (all of it without a cache); keys are
+        [cached context ; ctx ; block]."""
         B, Q, _ = h.shape
-        T = ctx.shape[1] + Q
-        kv_in = torch.cat([ctx.to(h.dtype), h], dim=1)                         # [B, S+Q, H]
+        kc, vc = self.kv(ctx.to(h.dtype), *ctx_rope)                           # [B, nkv, m, D]
+        if cache is not None:
+            kc, vc = cache.extend(kc, vc)                                      # [B, nkv, P+m, D]
+        kb, vb = self.kv(h, *q_rope)                                           # [B, nkv, Q, D]
         q = self.q_norm(self.q_proj(h).view(B, Q, self.nh, self.hd)).transpose(1, 2)     # [B, nh, Q, D]
-        k = self.k_norm(self.k_proj(kv_in).view(B, T, self.nkv, self.hd)).transpose(1, 2)  # [B, nkv, S+Q, D]
-        v = self.v_proj(kv_in).view(B, T, self.nkv, self.hd).transpose(1, 2)               # [B, nkv, S+Q, D]
-        q = apply_rope(q, cos[:, -Q:], sin[:, -Q:])
-        k = apply_rope(k, cos, sin)
-        y = attention(q, k, v, mask)                                           # [B, nh, Q, D]
+        q = apply_rope(q, *q_rope)
+        y = attention(q, torch.cat([kc, kb], dim=2), torch.cat([vc, vb], dim=2), mask)   # [B, nh, Q, D]
         return self.o_proj(y.transpose(1, 2).reshape(B, Q, self.nh * self.hd))
+
+
+class LayerKV:
+    """One layer's cached context K/V [B, nkv, P, D] (after k_norm and RoPE)."""
+
+    def __init__(self):
+        self.k = self.v = None
+
+    def extend(self, k, v):
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+
+class DrafterCache:
+    """Context K/V of every drafter layer for positions 0..length-1. Only context positions are ever cached
+    (a block's own K/V never is), so speculative decoding only appends accepted positions and never crops."""
+
+    def __init__(self, num_layers: int):
+        self.layers = [LayerKV() for _ in range(num_layers)]
+        self.length = 0
 
 
 class MLP(nn.Module):
@@ -95,8 +127,8 @@ class Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, ctx, cos, sin, masks: dict):
-        x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, masks[self.window])
+    def forward(self, x, ctx, ctx_rope, q_rope, masks: dict, cache: LayerKV | None = None):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, ctx_rope, q_rope, masks[self.window], cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -144,22 +176,55 @@ class DFlashDrafter(nn.Module):
 
     def forward(self, target_hidden: torch.Tensor, input_ids: torch.Tensor, anchors: Anchors,
                 backend: str = "sdpa", masks: dict | None = None) -> torch.Tensor:
-        """target_hidden [B, S, k*H], input_ids [B, S] -> hidden [B, Q, H] (Q = A*Bk, after the final norm).
-        `masks` (from make_mask) may be passed when built elsewhere; otherwise built here once."""
-        B, S, _ = target_hidden.shape
-        cfg = self.cfg
-        if anchors.block_size != cfg.block_size:
-            raise ValueError(f"anchors have block_size {anchors.block_size}, the drafter {cfg.block_size}")
+        """Training: target_hidden [B, S, k*H] (context positions 0..S-1), input_ids [B, S], one block per anchor
+        -> hidden [B, Q, H] (Q = A*Bk, after the final norm). `masks` (from make_mask) may be passed when built
+        elsewhere; otherwise built here once."""
+        S = target_hidden.shape[1]
+        if anchors.block_size != self.cfg.block_size:
+            raise ValueError(f"anchors have block_size {anchors.block_size}, the drafter {self.cfg.block_size}")
         if masks is None:
-            masks = make_mask(anchors, S, backend, cfg.windows())
-        ids, qpos = build_blocks(input_ids, anchors, cfg.mask_token_id)      # [B, Q], [B, Q]
-        x = F.embedding(ids, self.embed_weight)                                 # [B, Q, H]
-        ctx = self.hidden_norm(self.fc(target_hidden))                          # [B, S, H]
-        kpos = torch.cat([torch.arange(S, device=qpos.device).expand(B, S), qpos], dim=1)  # [B, S+Q]
-        cos, sin = rope_cos_sin(kpos, cfg.head_dim, cfg.rope_theta, x.dtype)   # [B, S+Q, D]
-        for layer in self.layers:
-            x = layer(x, ctx, cos, sin, masks)
+            masks = make_mask(anchors, S, backend, self.cfg.windows())
+        ids, qpos = build_blocks(input_ids, anchors, self.cfg.mask_token_id)   # [B, Q], [B, Q]
+        return self.run(F.embedding(ids, self.embed_weight), qpos, target_hidden, masks)
+
+    def run(self, x: torch.Tensor, qpos: torch.Tensor, target_hidden: torch.Tensor, masks: dict,
+            cache: DrafterCache | None = None) -> torch.Tensor:
+        """The drafter proper, shared by training and decoding: block embeddings x [B, Q, H] at positions
+        qpos [B, Q], conditioned on the features target_hidden [B, m, k*H] of context positions P..P+m-1
+        (P = cache.length; 0 without a cache, then the context is all of target_hidden). Keys are
+        [context 0..P+m-1 ; blocks]; `masks` come from make_mask(anchors, P+m, ...). Returns [B, Q, H]."""
+        cfg = self.cfg
+        P = cache.length if cache is not None else 0
+        m = target_hidden.shape[1]
+        ctx = self.hidden_norm(self.fc(target_hidden))                          # [B, m, H]
+        cpos = torch.arange(P, P + m, device=qpos.device)[None]                 # [1, m]
+        ctx_rope = rope_cos_sin(cpos, cfg.head_dim, cfg.rope_theta, x.dtype)   # [1, m, D] x2
+        q_rope = rope_cos_sin(qpos, cfg.head_dim, cfg.rope_theta, x.dtype)     # [B, Q, D] x2
+        for i, layer in enumerate(self.layers):
+            x = layer(x, ctx, ctx_rope, q_rope, masks, cache.layers[i] if cache is not None else None)
+        if cache is not None:
+            cache.length = P + m
         return self.norm(x)
+
+    def new_cache(self) -> DrafterCache:
+        return DrafterCache(self.cfg.num_layers)
+
+    @torch.no_grad()
+    def draft(self, block_ids: torch.Tensor, target_hidden: torch.Tensor, cache: DrafterCache,
+              backend: str = "sdpa") -> torch.Tensor:
+        """Speculative decoding, one block per row: target_hidden [B, m, k*H], the features of the positions
+        accepted since the last call (P..P+m-1, P = cache.length; appended to the cache); block_ids [B, vs] (the
+        anchor token then MASK) at positions start..start+vs-1, start = P+m. The same computation as forward()
+        with one anchor at `start` over the whole context. Returns hidden [B, vs, H]."""
+        dev = self.fc.weight.device
+        block_ids, target_hidden = block_ids.to(dev), target_hidden.to(device=dev, dtype=self.fc.weight.dtype)
+        B, vs = block_ids.shape
+        start = cache.length + target_hidden.shape[1]
+        anchors = Anchors(torch.full((B, 1), start, device=dev), torch.ones(B, 1, dtype=torch.bool, device=dev), vs)
+        masks = make_mask(anchors, start, backend, self.cfg.windows())
+        qpos = torch.arange(start, start + vs, device=dev).expand(B, vs)
+        x = F.embedding(block_ids, self.embed_weight).to(self.fc.weight.dtype)
+        return self.run(x, qpos, target_hidden, masks, cache)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden @ self.lm_head_weight.t()

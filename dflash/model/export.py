@@ -28,6 +28,16 @@ def reference_keys(num_layers: int) -> list[str]:
     return sorted(keys)
 
 
+def reference_config(cfg: DrafterConfig, extra: dict | None = None, dtype: torch.dtype | str | None = None) -> dict:
+    """The config.json dict of a drafter directory in the reference format (read by dflash 0.1.0, SGLang and
+    vLLM): a Qwen3 config with the DFlash fields and the layer layout (`layer_types`, `sliding_window`,
+    `use_sliding_window`). `extra` adds keys; `dtype` is the weights' dtype as written (default bfloat16)."""
+    config = cfg.to_hf_dict(extra)
+    if dtype is not None:
+        config["dtype"] = str(dtype).removeprefix("torch.")
+    return config
+
+
 def save_drafter(drafter: DFlashDrafter, out_dir, extra: dict | None = None, dtype: torch.dtype | None = None) -> Path:
     """Write `out_dir` (replaced in one rename). `extra` adds keys to config.json; `dtype` casts the weights
     (default: as they are)."""
@@ -38,11 +48,7 @@ def save_drafter(drafter: DFlashDrafter, out_dir, extra: dict | None = None, dty
         raise RuntimeError(f"drafter state_dict keys differ from the reference: "
                            f"extra {sorted(set(sd) - set(expected))}, missing {sorted(set(expected) - set(sd))}")
     tensors = {k: (v.to(dtype) if dtype is not None else v).detach().cpu().contiguous() for k, v in sd.items()}
-    config = drafter.cfg.to_hf_dict(extra)
-    if dtype is not None:
-        config["dtype"] = str(dtype).removeprefix("torch.")
-    else:
-        config["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+    config = reference_config(drafter.cfg, extra, dtype or next(iter(tensors.values())).dtype)
     out_dir = Path(out_dir)
     with atomic_dir(out_dir) as tmp:
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})

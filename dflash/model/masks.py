@@ -1,13 +1,15 @@
 """Attention masks of the drafter, all from one Anchors description.
 
-Keys are [context 0..S-1 ; blocks S..S+Q-1]; query q = j*Bk + i is offset i of block j (anchor a = pos[b, j]).
-Rules (True = may attend):
-  * context key p:  p < a                       (strictly before the anchor)
-                    and (a + i) - p < window     (sliding layers only: the query's position minus the key's
-                                                  position is below the window, the rule of the reference's
-                                                  sliding layers; so offset i sees the last window-1-i
-                                                  context positions)
-  * block key S + j'*Bk + i':  j' == j           (own block, bidirectional, whatever the window)
+Keys are [context 0..S-1 ; blocks S..S+Q-1]; query q = j*Bk + i is offset i of block j (anchor a = pos[b, j]),
+at position a + i; block key S + j'*Bk + i' is at position a' + i'. Rules (True = may attend):
+  full-attention layers (the reference's non-causal layers):
+    * context key p:  p < a                        (strictly before the anchor)
+    * block key:      j' == j                      (own block, bidirectional)
+  sliding-window layers, window W (the reference dflash 0.1.0 `is_causal` sliding layers: causal attention over
+  [context ; block] positions, limited to the last W positions, the query's own included):
+    * context key p:  p < a  and  (a + i) - p < W  (offset i sees the last W-1-i context positions)
+    * block key:      j' == j  and  i' <= i  and  i - i' < W   (causal within the block; when W < Bk the window
+                                                                  also hides the block's own earlier offsets)
   * padded blocks (valid False) see nothing; their attention output is defined as 0 (see attention.py).
 
 Three products that tests hold equal:
@@ -16,6 +18,7 @@ Three products that tests hold equal:
   block_mask         flex BlockMask built directly from the anchors with tensor ops: per query tile the full and
                      partial kv tiles (BlockMask.from_kv_blocks) plus a mask_mod closing over per-query bounds.
                      No create_block_mask, no FX tracing, no compilation, no host sync.
+Every rule is an interval per query row: context keys [lo, hi), block keys [blo, bhi) (key indices).
 """
 from __future__ import annotations
 
@@ -30,10 +33,12 @@ TILE = 128
 
 @dataclasses.dataclass
 class QueryBounds:
-    """Per query row: visible context is [lo, hi); visible block index blk (-1: none). Padded to `length`."""
+    """Per query row: visible context keys [lo, hi), visible block keys [blo, bhi) (key indices, blo >= S;
+    empty rows: hi = 0, blo = bhi = S). Padded to a multiple of `pad_to` rows."""
     lo: torch.Tensor    # Long[B, Qp]
     hi: torch.Tensor    # Long[B, Qp]
-    blk: torch.Tensor   # Long[B, Qp]
+    blo: torch.Tensor   # Long[B, Qp]
+    bhi: torch.Tensor   # Long[B, Qp]
     S: int
     Q: int
     block_size: int
@@ -50,20 +55,25 @@ def query_bounds(anchors: Anchors, S: int, window: int | None = None, pad_to: in
         pos = torch.cat([pos, pos.new_zeros(B, pad)], 1)
         valid = torch.cat([valid, valid.new_zeros(B, pad)], 1)
     Ab = pos.shape[1]
-    hi = (pos * valid)[:, :, None].expand(B, Ab, Bk).reshape(B, Ab * Bk)               # [B, Q']
-    ar = torch.arange(Ab, device=pos.device)
-    blk = torch.where(valid, ar, -1)[:, :, None].expand(B, Ab, Bk).reshape(B, Ab * Bk)
+    dev = pos.device
+    i = torch.arange(Bk, device=dev)                                                   # [Bk]
+    first = S + torch.arange(Ab, device=dev)[:, None] * Bk                             # [Ab, 1] first key of block j
+    v = valid[:, :, None]                                                               # [B, Ab, 1]
+    hi = (pos * valid)[:, :, None].expand(B, Ab, Bk)                                   # [B, Ab, Bk]
     if window is None:
         lo = torch.zeros_like(hi)
+        blo, bhi = first.expand(Ab, Bk), (first + Bk).expand(Ab, Bk)
     else:
-        i = torch.arange(Bk, device=pos.device)
-        lo = (pos[:, :, None] + (i - window + 1)).clamp(min=0).reshape(B, Ab * Bk)
+        lo = (pos[:, :, None] + (i - window + 1)).clamp(min=0)
+        blo, bhi = first + (i - window + 1).clamp(min=0), first + i + 1                 # [Ab, Bk]
+    blo = torch.where(v, blo, S).reshape(B, Ab * Bk)
+    bhi = torch.where(v, bhi, S).reshape(B, Ab * Bk)
+    lo, hi = lo.reshape(B, Ab * Bk), hi.reshape(B, Ab * Bk)
     if Qp > hi.shape[1]:                            # block size does not divide the padding: pad rows
         pad = Qp - hi.shape[1]
-        hi = torch.cat([hi, hi.new_zeros(B, pad)], 1)
-        lo = torch.cat([lo, lo.new_zeros(B, pad)], 1)
-        blk = torch.cat([blk, blk.new_full((B, pad), -1)], 1)
-    return QueryBounds(lo, hi, blk, S, Q, Bk)
+        lo, hi = torch.cat([lo, lo.new_zeros(B, pad)], 1), torch.cat([hi, hi.new_zeros(B, pad)], 1)
+        blo, bhi = torch.cat([blo, blo.new_full((B, pad), S)], 1), torch.cat([bhi, bhi.new_full((B, pad), S)], 1)
+    return QueryBounds(lo, hi, blo, bhi, S, Q, Bk)
 
 
 def reference_allowed(anchors: Anchors, S: int, window: int | None = None) -> torch.Tensor:
@@ -84,7 +94,8 @@ def reference_allowed(anchors: Anchors, S: int, window: int | None = None) -> to
                     if p < a and (window is None or (a + i) - p < window):
                         out[b, q, p] = True
                 for i2 in range(Bk):
-                    out[b, q, S + j * Bk + i2] = True
+                    if window is None or (i2 <= i and i - i2 < window):
+                        out[b, q, S + j * Bk + i2] = True
     return out
 
 
@@ -92,18 +103,17 @@ def dense_mask(anchors: Anchors, S: int, window: int | None = None) -> torch.Ten
     """Bool[B, 1, Q, S+Q] for sdpa / eager."""
     qb = query_bounds(anchors, S, window)
     kv = torch.arange(S + qb.Q, device=anchors.pos.device)
-    ctx = (kv < S) & (kv >= qb.lo[..., None]) & (kv < qb.hi[..., None])
-    own = (kv >= S) & (torch.div(kv - S, qb.block_size, rounding_mode="floor") == qb.blk[..., None])
+    ctx = (kv >= qb.lo[..., None]) & (kv < qb.hi[..., None])      # hi <= anchor < S: context keys only
+    own = (kv >= qb.blo[..., None]) & (kv < qb.bhi[..., None])
     return (ctx | own)[:, None]
 
 
 def _mask_mod(qb: QueryBounds):
-    lo, hi, blk, S, Bk = qb.lo, qb.hi, qb.blk, qb.S, qb.block_size
+    lo, hi, blo, bhi = qb.lo, qb.hi, qb.blo, qb.bhi
 
-    def dflash_mask(b, h, q_idx, kv_idx):   # no integer division: start/end of the own block instead
-        start = S + blk[b, q_idx] * Bk                 # blk -1 (padded) -> start S - Bk, end S: no block key
-        ctx = (kv_idx < S) & (kv_idx >= lo[b, q_idx]) & (kv_idx < hi[b, q_idx])
-        own = (kv_idx >= S) & (kv_idx >= start) & (kv_idx < start + Bk)
+    def dflash_mask(b, h, q_idx, kv_idx):
+        ctx = (kv_idx >= lo[b, q_idx]) & (kv_idx < hi[b, q_idx])
+        own = (kv_idx >= blo[b, q_idx]) & (kv_idx < bhi[b, q_idx])
         return ctx | own
 
     return dflash_mask
@@ -112,20 +122,16 @@ def _mask_mod(qb: QueryBounds):
 _CONST: dict = {}
 
 
-def _consts(device, S: int, Qp: int, Bk: int, tile: int):
+def _consts(device, S: int, Qp: int, tile: int):
     """Index tensors that depend only on the shapes (cached: fewer launches per build)."""
-    key = (str(device), S, Qp, Bk, tile)
+    key = (str(device), S, Qp, tile)
     c = _CONST.get(key)
     if c is None:
         KV = S + Qp
         KT = -(-KV // tile)
         k0 = torch.arange(KT, device=device) * tile                          # first key of each kv tile
-        k1 = (k0 + tile).clamp(max=KV)
-        jb0 = torch.div(k0.clamp(min=S) - S, Bk, rounding_mode="floor")       # block ids the tile touches
-        jb1 = torch.div(k1 - 1 - S, Bk, rounding_mode="floor")
-        jb1 = torch.where(k1 > S, jb1, torch.full_like(jb1, -2))               # no block key in the tile
-        c = dict(k0=k0, k0t=k0 + tile, k1c=k1.clamp(max=S), jb0=jb0, jb1=jb1,
-                 ar_bk=torch.arange(Bk, device=device), ar_a=torch.arange(Qp // Bk + 1, device=device))
+        k1 = (k0 + tile).clamp(max=KV)                                        # one past its last key
+        c = dict(k0=k0, k0t=k0 + tile, k1=k1, k1c=k1.clamp(max=S))
         if len(_CONST) > 256:
             _CONST.clear()
         _CONST[key] = c
@@ -137,15 +143,16 @@ def tile_masks(qb: QueryBounds, tile: int = TILE, window: int | None = None, con
     all / every key visible to every query (only context tiles can be full; tiles with block keys are
     partial). Conservative where a tile mixes queries: extra partial tiles are filtered by mask_mod."""
     B, Qp = qb.lo.shape
-    c = consts or _consts(qb.lo.device, qb.S, Qp, qb.block_size, tile)
-    hi, blk = qb.hi[..., None], qb.blk[..., None]                            # [B, Qp, 1]
+    c = consts or _consts(qb.lo.device, qb.S, Qp, tile)
+    hi, blo, bhi = qb.hi[..., None], qb.blo[..., None], qb.bhi[..., None]    # [B, Qp, 1]
     ctx = hi > c["k0"]                                                         # hi <= anchor < S
     full = hi >= c["k0t"]
     if window is not None:
         lo = qb.lo[..., None]
-        ctx = ctx & (lo < c["k1c"])
+        ctx = ctx & (lo < c["k1c"]) & (lo < hi)
         full = full & (lo <= c["k0"])
-    anyv = ctx | ((blk >= c["jb0"]) & (blk <= c["jb1"]))
+    own = torch.maximum(blo, c["k0"]) < torch.minimum(bhi, c["k1"])          # [blo, bhi) meets the tile
+    anyv = ctx | own
     QT, KT = Qp // tile, anyv.shape[-1]
     anyv = anyv.view(B, QT, tile, KT).any(2)
     full = full.view(B, QT, tile, KT).all(2)

@@ -1,10 +1,19 @@
-"""Interop case, our side (run by the project venv): a tiny Qwen3 target (save_pretrained), a DFlash drafter
-briefly trained on the target's own greedy outputs, exported with dflash.model.save_drafter, and our evaluator's
-greedy speculative decoding of a few prompts (tokens, acceptance lengths) plus the drafter's block logits on a
-fixed input, for tests/interop/check_reference.py (run by the reference package's venv) to compare.
+"""Interop case, our side (run by the project venv), for tests/interop/check_reference.py (run by the reference
+package's venv) to compare:
+
+  generation  a tiny Qwen3 target (save_pretrained) and DFlash drafters in several layer layouts (all full;
+              mixed sliding/full with a window below and above the block size), each briefly trained on the
+              target's own greedy outputs and exported with dflash.model.save_drafter; our evaluator's greedy
+              speculative decoding of a few prompts (tokens, acceptance lengths) and each drafter's block logits
+              on a fixed input.
+  forward     untrained float64 drafters in full, sliding and mixed layouts (windows below and above the block
+              size), exported in float64, with our training forward over several anchors and our cached decoding
+              path (DFlashDrafter.draft) on the same context features, for a float64 comparison with the
+              reference's DFlashDraftModel on each block.
 
     python tests/interop/make_case.py OUT_DIR
-writes OUT_DIR/target/, OUT_DIR/drafter/, OUT_DIR/case.json, OUT_DIR/forward.safetensors.
+writes OUT_DIR/target/, OUT_DIR/case.json, OUT_DIR/<drafter>/{drafter/,forward.safetensors} per generation
+drafter, OUT_DIR/forward/<layout>/{drafter/,case.safetensors} per forward layout.
 """
 from __future__ import annotations
 
@@ -21,6 +30,22 @@ import torch  # noqa: E402
 VOCAB, LAYERS, HIDDEN, BLOCK = 48, 4, 32, 4
 MASK = VOCAB - 1
 MAX_NEW = 40
+SW, FA = "sliding_attention", "full_attention"
+# drafters trained and decoded with both stacks: layer layouts with windows below and above the block size (4)
+GENERATION = {
+    "full": {},
+    "mixed_w3": {"layer_types": [SW, FA], "sliding_window": 3},
+    "mixed_w6": {"layer_types": [FA, SW], "sliding_window": 6},
+}
+# untrained float64 drafters for the forward comparison (3 layers)
+FORWARD = {
+    "full": {},
+    "sliding_w2": {"layer_types": [SW] * 3, "sliding_window": 2},
+    "sliding_w6": {"layer_types": [SW] * 3, "sliding_window": 6},
+    "mixed_w3": {"layer_types": [SW, FA, SW], "sliding_window": 3},
+    "mixed_w9": {"layer_types": [FA, SW, FA], "sliding_window": 9},
+}
+FORWARD_ANCHORS = [3, 9, 14, 20]   # context of 24 positions; block j sees the features of 0..anchor-1
 
 
 def build_target():
@@ -39,21 +64,26 @@ def random_prompts(n, seed):
             for _ in range(n)]
 
 
-def train_drafter(target, steps=150):
+def training_data(target, num_target_layers=2):
     from dflash.evaluate import target_generate
-    from dflash.model import DFlashDrafter, DrafterConfig, block_labels, dflash_loss, sample_anchors
-    cfg = DrafterConfig.from_target(target.config, {"num_layers": 2, "num_target_layers": 2, "block_size": BLOCK},
-                                    mask_token_id=MASK)
-    torch.manual_seed(1)
-    drafter = DFlashDrafter(cfg, target.get_input_embeddings().weight, target.get_output_embeddings().weight)
-    seqs = []
-    for p in random_prompts(48, seed=11):
-        seqs.append(p + target_generate(target, p, 40).tokens)
+    from dflash.model import default_target_layer_ids
+    seqs = [p + target_generate(target, p, 40).tokens for p in random_prompts(48, seed=11)]
     L = min(len(s) for s in seqs)
     ids = torch.tensor([s[:L] for s in seqs])
+    layer_ids = default_target_layer_ids(LAYERS, num_target_layers)
     with torch.no_grad():
         hs = target(ids, output_hidden_states=True).hidden_states
-        feats = torch.cat([hs[i + 1] for i in cfg.target_layer_ids], -1)
+        feats = torch.cat([hs[i + 1] for i in layer_ids], -1)
+    return ids, feats
+
+
+def train_drafter(target, data, layout: dict, steps=150):
+    from dflash.model import DFlashDrafter, DrafterConfig, block_labels, dflash_loss, sample_anchors
+    cfg = DrafterConfig.from_target(target.config, {"num_layers": 2, "num_target_layers": 2, "block_size": BLOCK,
+                                                    **layout}, mask_token_id=MASK)
+    torch.manual_seed(1)
+    drafter = DFlashDrafter(cfg, target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+    ids, feats = data
     mask = torch.ones_like(ids, dtype=torch.bool)
     mask[:, :4] = False
     opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
@@ -70,18 +100,11 @@ def train_drafter(target, steps=150):
     return drafter.eval().requires_grad_(False), float(out.loss.detach())
 
 
-def main(out_dir: str) -> int:
+def generation_case(target, drafter, out: Path) -> dict:
     from safetensors.torch import save_file
 
     from dflash.evaluate import DFlashDraft, speculative_generate, target_generate
     from dflash.model import save_drafter
-    torch.set_num_threads(1)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    target = build_target()
-    target.save_pretrained(out / "target")
-    drafter, loss = train_drafter(target)
     save_drafter(drafter, out / "drafter")
     draft = DFlashDraft(drafter)
     cases = []
@@ -93,8 +116,7 @@ def main(out_dir: str) -> int:
     # the drafter's block logits on a fixed input: context of S positions, block [anchor, MASK x (B-1)] at S..
     g = torch.Generator().manual_seed(9)
     S = 10
-    k = len(drafter.cfg.target_layer_ids)
-    feats = torch.randn(1, S, k * HIDDEN, generator=g)
+    feats = torch.randn(1, S, len(drafter.cfg.target_layer_ids) * HIDDEN, generator=g)
     block = torch.full((1, BLOCK), MASK, dtype=torch.long)
     block[0, 0] = 7
     draft.reset()
@@ -102,12 +124,71 @@ def main(out_dir: str) -> int:
     save_file({"target_hidden": feats, "block_ids": block, "logits": logits.contiguous()},
               str(out / "forward.safetensors"))
     produced = [a for c in cases for a in c["acceptance_lengths"]]
-    case = {"max_new_tokens": MAX_NEW, "block_size": BLOCK, "mask_token_id": MASK, "train_loss": loss,
-            "tau": sum(produced) / len(produced), "cases": cases, "context_length": S}
+    return {"layer_types": drafter.cfg.layer_types, "sliding_window": drafter.cfg.sliding_window,
+            "tau": sum(produced) / len(produced), "cases": cases}
+
+
+def forward_case(layout: dict, out: Path, seed: int) -> None:
+    """An untrained float64 drafter (non-trivial norms), our training forward over FORWARD_ANCHORS (plus a padded
+    block) and our cached decoding path over the same anchors in order."""
+    from safetensors.torch import save_file
+
+    from dflash.model import Anchors, DFlashDrafter, DrafterConfig, save_drafter
+    cfg = DrafterConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=3, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, intermediate_size=48, target_layer_ids=[0, 2],
+                        mask_token_id=MASK, num_target_layers=LAYERS, block_size=BLOCK, rope_theta=10000.0,
+                        **layout)
+    g = torch.Generator().manual_seed(seed)
+    embed = torch.randn(VOCAB, HIDDEN, generator=g, dtype=torch.float64)
+    head = torch.randn(VOCAB, HIDDEN, generator=g, dtype=torch.float64)
+    torch.manual_seed(seed)
+    d = DFlashDrafter(cfg, embed, head).to(torch.float64)
+    d.reset_parameters(std=0.2)
+    with torch.no_grad():
+        for n, p in d.named_parameters():
+            if n.endswith("norm.weight"):
+                p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    d.eval().requires_grad_(False)
+    S = 24
+    feats = torch.randn(1, S, 2 * HIDDEN, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, MASK, (1, S), generator=g)
+    anchors = Anchors(torch.tensor([FORWARD_ANCHORS + [0]]), torch.tensor([[True] * len(FORWARD_ANCHORS) + [False]]),
+                      BLOCK)
+    with torch.no_grad():
+        ours = d(feats, ids, anchors, backend="sdpa")[:, : len(FORWARD_ANCHORS) * BLOCK]   # [1, Q, H]
+        cache, prev, cached = d.new_cache(), 0, []
+        for a in FORWARD_ANCHORS:
+            block = torch.full((1, BLOCK), MASK, dtype=torch.long)
+            block[0, 0] = ids[0, a]
+            cached.append(d.draft(block, feats[:, prev:a], cache))
+            prev = a
+    save_drafter(d, out / "drafter")
+    save_file({"target_hidden": feats, "input_ids": ids, "embed": embed, "ours": ours.contiguous(),
+               "ours_cached": torch.cat(cached, 1).contiguous(), "anchors": torch.tensor(FORWARD_ANCHORS)},
+              str(out / "case.safetensors"))
+
+
+def main(out_dir: str) -> int:
+    torch.set_num_threads(1)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    target = build_target()
+    target.save_pretrained(out / "target")
+    data = training_data(target)
+    drafters = {}
+    for name, layout in GENERATION.items():
+        drafter, loss = train_drafter(target, data, layout)
+        drafters[name] = {**generation_case(target, drafter, out / name), "train_loss": loss}
+    for i, (name, layout) in enumerate(FORWARD.items()):
+        forward_case(layout, out / "forward" / name, seed=100 + i)
+    case = {"max_new_tokens": MAX_NEW, "block_size": BLOCK, "mask_token_id": MASK, "drafters": drafters,
+            "forward": {name: layout for name, layout in FORWARD.items()}}
     (out / "case.json").write_text(json.dumps(case, indent=1))
-    print(f"our side: drafter loss {loss:.3f}, tau {case['tau']:.3f} over {len(produced)} steps, lossless "
-          f"{all(c['lossless'] for c in cases)}, {time.perf_counter() - t0:.1f}s -> {out}")
-    return 0 if all(c["lossless"] for c in cases) else 1
+    lossless = all(c["lossless"] for d in drafters.values() for c in d["cases"])
+    print("our side: " + "; ".join(f"{n}: loss {d['train_loss']:.3f}, tau {d['tau']:.3f}" for n, d in drafters.items())
+          + f"; {len(FORWARD)} forward layouts; lossless {lossless}; {time.perf_counter() - t0:.1f}s -> {out}")
+    return 0 if lossless else 1
 
 
 if __name__ == "__main__":
