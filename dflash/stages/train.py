@@ -17,15 +17,13 @@ def run(loaded, args):
 
     from dflash.atomic import atomic_write_text
     from dflash.fingerprint import compile_cache_dir
-    from dflash.train import checkpoint, compile_guard, threads
+    from dflash.train import compile_guard, threads
     from dflash.train.metrics import RunMetrics
     from dflash.train.reader import ShardReader
     from dflash.train.setup import prepare
     from dflash.train.telemetry import GpuSampler
 
     setup = prepare(loaded)
-    if "LOCAL_RANK" not in os.environ and checkpoint.finished(setup):  # the launcher decides, not every rank
-        return 0
     if setup.placement.runtime == "distributed":
         from dflash.train import distributed
         return distributed.launch(loaded, args)

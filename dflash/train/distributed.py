@@ -182,7 +182,7 @@ def worker_main(loaded, args) -> int:
     # resume point, decided by drafter rank 0 and broadcast to every rank
     pos = torch.zeros(2, dtype=torch.long)
     if rank == T:
-        latest = checkpoint.resumable(setup) if cfg.train.resume else None
+        latest = checkpoint.resumable(setup)
         if latest is not None:
             state = checkpoint.load(latest, drafter, opt, sched)
             pos = torch.tensor([state["step"], state["data_index"]])

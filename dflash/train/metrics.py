@@ -262,9 +262,6 @@ class RunMetrics:
             "queue_depth_mean": (sum(r["queue_depth"] for r in self.rows) / len(self.rows)) if self.rows else None,
         }
         atomic_write_json(setup.run_dir / "summary.json", summary)
-        if status == "completed":
-            from dflash.train.checkpoint import archive_outputs
-            archive_outputs(setup.run_dir, self.step)
         tp = summary["throughput"]
         log.info("run %s %s: %d steps, %s Ktok/s, loss %s", summary["run_id"], status, self.step,
                  f"{tp['ktok_per_s']:.3f}" if tp["ktok_per_s"] else "n/a",

@@ -91,11 +91,11 @@ def random_head(setup: Setup, device: torch.device, dtype):
 
 def build_drafter(setup: Setup, embed, head, device: torch.device):
     from dflash.model import DFlashDrafter
-    from dflash.model.export import load_drafter
+    from dflash.train.checkpoint import load_drafter
 
     init_from = setup.cfg.drafter.init_from
     if init_from:
-        drafter = load_drafter(init_from, embed, head, device=device)
+        drafter = load_drafter(init_from, embed, head, device=device, expect=setup.drafter_config)
     else:
         torch.manual_seed(setup.cfg.seed)
         with torch.device(device):

@@ -234,7 +234,7 @@ def run(setup: Setup, reader, metrics: RunMetrics) -> int:
     for dr in drafters[1:]:
         dr.load_state_dict(drafters[0].state_dict())
     start_step, data_index = 0, 0
-    latest = checkpoint.resumable(setup) if cfg.train.resume else None
+    latest = checkpoint.resumable(setup)
     optims = [optim.build([p for p in dr.parameters() if p.requires_grad], cfg.train, d)
               for dr, d in zip(drafters, pl.drafters)]
     if latest is not None:
