@@ -80,7 +80,9 @@ def _torch_save(obj, path: Path):
 
 
 def _disk_full(e: BaseException) -> bool:
-    while e is not None:
+    for _ in range(8):   # the exception and what it was raised from (torch.save's RuntimeError hides the OSError)
+        if e is None:
+            return False
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:
             return True
         if "No space left on device" in str(e) or "os error 28" in str(e):   # safetensors' Rust writer
@@ -174,7 +176,7 @@ def resumable(setup) -> Path | None:
                            f"({ {k: saved.get(k) for k in want} } != {want})")
         return None
     if saved["step"] >= setup.cfg.train.steps:
-        set_aside(run_dir, f"the run finished at step {saved['step']} ({path.name}); training a new run")
+        set_aside(run_dir, f"the run finished at step {saved['step']} ({path.name}), so this rerun trains a new run")
         return None
     return path
 
@@ -228,18 +230,20 @@ def _torch_load(path: Path):
 
 
 def _same_config(path: Path, cfg):
-    from dflash.model import DrafterConfig
+    """Refuse a checkpoint whose config.json describes another drafter than `cfg` (a DrafterConfig), naming the
+    keys; compared in the reference form (what the folder says), the weights' dtype aside."""
     try:
-        saved = DrafterConfig.from_hf_dict(read_json(path / CONFIG))
+        saved = read_json(path / CONFIG)
     except FileNotFoundError:
         raise UserError(f"{path / CONFIG}: missing (a checkpoint written before checkpoints described their "
                         f"drafter; train anew)") from None
-    except (ValueError, KeyError, TypeError) as e:
-        raise UserError(f"{path / CONFIG}: not a DFlash drafter config: {e}") from None
-    diff = {k: (v, getattr(cfg, k)) for k, v in vars(saved).items() if getattr(cfg, k) != v}
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path / CONFIG}: unreadable ({type(e).__name__}: {e})") from None
+    want = cfg.to_hf_dict()
+    diff = [k for k in dict.fromkeys([*saved, *want]) if k != "dtype" and saved.get(k) != want.get(k)]
     if diff:
         raise UserError(f"{path / CONFIG}: the drafter there differs from the one configured: "
-                        + ", ".join(f"{k} {a} there vs {b} here" for k, (a, b) in diff.items()))
+                        + ", ".join(f"{k} {saved.get(k)} there vs {want.get(k)} here" for k in diff))
 
 
 def load_drafter(path, embed=None, head=None, device=None, dtype=None, expect=None):
