@@ -78,11 +78,18 @@ def test_checkpoint_is_the_reference_format_and_restores_exactly(tmp_path):
     assert sched2.state_dict() == sched.state_dict()
 
 
-def test_init_from_refuses_another_shape_naming_the_field(tmp_path):
+def test_init_from_a_checkpoint_and_refuses_another_shape(tmp_path):
+    from dflash.train.setup import build_drafter
     setup = fake_setup(tmp_path)
-    saved(setup, (4,))
+    d, _, _ = saved(setup, (4,))
+    ck = C.step_dir(setup.run_dir, 4)
+    s = SimpleNamespace(cfg=SimpleNamespace(drafter=SimpleNamespace(init_from=str(ck)), seed=0),
+                        drafter_config=tiny_cfg(), compile=False)
+    dr = build_drafter(s, d.embed_weight, d.lm_head_weight, torch.device("cpu"))
+    assert dr.training and all(torch.equal(v, d.state_dict()[k]) for k, v in dr.state_dict().items())
+    s.drafter_config = tiny_cfg(block_size=8)
     with pytest.raises(UserError, match="block_size 4 there vs 8 here"):
-        C.load_drafter(C.step_dir(setup.run_dir, 4), expect=tiny_cfg(block_size=8))
+        build_drafter(s, d.embed_weight, d.lm_head_weight, torch.device("cpu"))
 
 
 def _truncate(f: Path):

@@ -11,7 +11,6 @@ never from the YAML.
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import pickle
@@ -110,23 +109,22 @@ def verify(path, names=FILES) -> str | None:
     """None if the files `names` of checkpoint `path` match its manifest, else why not (one phrase)."""
     path = Path(path)
     try:
-        manifest = read_json(path / MANIFEST)
-        files = manifest["files"]
+        files = read_json(path / MANIFEST)["files"]
+        wants = {name: (int(files[name]["bytes"]), str(files[name][HASH])) for name in names if name in files}
     except FileNotFoundError:
         return f"no {MANIFEST} (incomplete, or written before checkpoints had one)"
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"{MANIFEST} unreadable ({type(e).__name__})"
     for name in names:
-        want = files.get(name)
         f = path / name
-        if want is None:
+        if name not in wants:
             return f"{name} is not in {MANIFEST}"
         if not f.is_file():
             return f"{name} is missing"
-        size = f.stat().st_size
-        if size != want["bytes"]:
-            return f"{name} is {size} bytes, {MANIFEST} says {want['bytes']} (truncated or overwritten)"
-        if _describe(f)[HASH] != want[HASH]:
+        size, (want_size, want_hash) = f.stat().st_size, wants[name]
+        if size != want_size:
+            return f"{name} is {size} bytes, {MANIFEST} says {want_size} (truncated or overwritten)"
+        if _describe(f)[HASH] != want_hash:
             return f"{name} does not match its hash in {MANIFEST} (corrupted)"
     return None
 
