@@ -61,6 +61,14 @@ def test_estimate_is_close_to_the_measured_cpu_peak():
     assert 0.9 <= est / measured <= 1.4, (est, measured)     # 646 MB vs 579 MB when calibrated
 
 
+@pytest.mark.parametrize("key", sorted(M.CALIBRATION))
+def test_estimate_covers_each_calibration_point(key):
+    """Never below what was measured (a refusal must not be needed to avoid an OOM), at most 1.3x above."""
+    b, S, A, L, backend = key
+    est = M.estimate(demo(L), train(batch_size=b, num_anchors=A, queue_size=0), S, backend, "cpu")["total"]
+    assert 1.0 <= est / M.CALIBRATION[key] <= 1.3, est / M.CALIBRATION[key]
+
+
 def test_estimate_follows_the_shapes():
     base = M.estimate(demo(), train(num_anchors=128), 512, "sdpa", "cpu")
     assert M.estimate(demo(4), train(num_anchors=128), 512, "sdpa", "cpu")["activations"] > 1.9 * base["activations"]
