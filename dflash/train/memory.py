@@ -1,22 +1,24 @@
 """Memory a drafter replica needs, estimated before the first step, and a refusal of a run that cannot fit.
 
-Per replica: weights, gradients, AdamW state and the flat gradient buffers of the reduction (fp32, 24 bytes per
-parameter); the feature queue (`train.queue_size` + 1 micro-batches of target features); the activations one
-micro-batch saves for backward at the largest bucket; the chunked loss; and the backward's transient gradients.
-The activations follow the drafter's code (dflash/model/drafter.py): per layer, with b sequences of S tokens,
-Q = num_anchors * block_size block queries and T = S + Q keys,
+Per replica: weights, gradients and AdamW state (float32: 16 bytes per parameter) and the feature queue
+(`train.queue_size` + 1 micro-batches of target features), plus the larger of two phases: the forward/backward of
+one micro-batch at the largest bucket (saved activations, the chunked loss, one layer's gradients) or the gradient
+reduction after it (12 bytes per parameter: flat gradients, their sum, the average). Per layer, with b sequences
+of S tokens, Q = num_anchors * block_size block queries and T = S + Q keys, uncompiled (e: 4 fp32, 2 bf16):
   norms (float32 always)   4 * (4*b*Q*H + 2*b*Q*nh*D + 2*b*T*nkv*D)
-  linears, attention, MLP  e * (3*b*Q*H + b*T*H + 4*b*Q*nh*D + 2*b*T*nkv*D + 4*b*Q*I)   (e: 4 fp32, 2 bf16)
+  linears, attention, MLP  e * (3*b*Q*H + b*T*H + 4*b*Q*nh*D + 2*b*T*nkv*D + 4*b*Q*I)
   attention mask           sdpa: the boolean mask made additive, saved per layer (4*b*Q*T on CPU, e*b*Q*T on
                            GPU, where k and v are also repeated for GQA); eager: the probabilities (2 copies of
                            b*nh*Q*T floats); flex: none (a block mask of tiles).
-The b*Q*T terms dominate at many anchors: `num_anchors=1000` on the CPU demo needs ~10 GiB per replica.
+Compiled layers save only the matmul inputs, e * (4*b*Q*H + b*T*H + 2*b*Q*nh*D + 2*b*T*nkv*D + 3*b*Q*I).
+The b*Q*T terms dominate at many anchors: `num_anchors=1000` on the CPU demo needs ~11 GiB per replica.
 
 Calibrated on CPU (float32, uncompiled, the demo drafter: H 128, 4/2 heads of 32, I 384, vocab 2048, block 16)
-against the peak RSS one micro-step (forward, backward, AdamW) adds to the process (`CALIBRATION`; the estimate is
-1.0-1.2x those, tests/test_memory.py re-measures one). On a GPU (bf16, compiled flex) it is not calibrated: for
-config/h200.yaml it gives 43 GiB (1 replica + the target) and 99 GiB (3 replicas) where the committed H200 runs
-peaked at 57 and 118 GiB, so it refuses what is far out of reach, not what is borderline.
+against the peak RSS one micro-step (forward, backward, AdamW) adds to the process (`CALIBRATION`: the estimate is
+1.01-1.23x each; tests/test_memory.py re-measures one). On a GPU (bf16, compiled flex) it is not calibrated: for
+config/h200.yaml it gives 43 GiB (1 replica + the target's weights) and 99 GiB (3 replicas) where the committed
+H200 runs peaked at 57 and 118 GiB (max_memory_allocated), so it refuses what is far out of reach, not what is
+borderline.
 """
 from __future__ import annotations
 
