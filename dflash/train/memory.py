@@ -11,7 +11,7 @@ of S tokens, Q = num_anchors * block_size block queries and T = S + Q keys, unco
                            GPU, where k and v are also repeated for GQA); eager: the probabilities (2 copies of
                            b*nh*Q*T floats); flex: none (a block mask of tiles).
 Compiled layers save only the matmul inputs, e * (4*b*Q*H + b*T*H + 2*b*Q*nh*D + 2*b*T*nkv*D + 3*b*Q*I).
-The b*Q*T terms dominate at many anchors: `num_anchors=1000` on the CPU demo needs ~11 GiB per replica.
+The b*Q*T terms dominate at many anchors: `num_anchors=1000` on the CPU demo needs ~11.6 GiB per replica.
 
 Calibrated on CPU (float32, uncompiled, the demo drafter: H 128, 4/2 heads of 32, I 384, vocab 2048, block 16)
 against the peak RSS one micro-step (forward, backward, AdamW) adds to the process (`CALIBRATION`: the estimate is
