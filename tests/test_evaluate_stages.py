@@ -23,11 +23,9 @@ def one_thread():
 
 @pytest.fixture
 def run(tmp_path, tiny_target):  # noqa: F811
-    from safetensors.torch import save_file
     from transformers import AutoConfig
 
     from dflash import config as C
-    from dflash.evaluate import loading as L
     from dflash.target import load_tokenizer
 
     raw = {"results_dir": str(tmp_path / "results"), "run_name": "t", "target": target_section(tiny_target),
@@ -45,16 +43,18 @@ def run(tmp_path, tiny_target):  # noqa: F811
             ids = ids["input_ids"] if hasattr(ids, "keys") else ids
             f.write(json.dumps({"id": f"h{i}", "source": "test", "prompt_ids": list(ids), "reference_ids": []}) + "\n")
     (hold.parent / "manifest.json").write_text(json.dumps({"content_hash": "abcdef0123456789"}))
+    from dflash.model import DFlashDrafter, DrafterConfig
+    from dflash.target import mask_token_id
+    from dflash.train import checkpoint
     tconf = AutoConfig.from_pretrained(tiny_target)
-    dcfg = L.drafter_config(loaded, tconf, tok)
-    from dflash.model import DFlashDrafter
+    dcfg = DrafterConfig.from_target(tconf, loaded.cfg.drafter, mask_token_id(tok, int(tconf.vocab_size)))
     torch.manual_seed(0)
     d = DFlashDrafter(dcfg, torch.zeros(dcfg.vocab_size, dcfg.hidden_size), torch.zeros(dcfg.vocab_size, dcfg.hidden_size))
+    opt = torch.optim.AdamW(d.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     run_dir = tmp_path / "results" / "runs" / "t"
     for step in (5, 10):
-        ck = run_dir / "checkpoints" / f"step-{step:06d}"
-        ck.mkdir(parents=True)
-        save_file({k: v.contiguous() for k, v in d.state_dict().items()}, str(ck / "model.safetensors"))
+        checkpoint.save(run_dir, step, step, d, opt, sched)
     (run_dir / "summary.json").write_text(json.dumps({"run_id": "t-1", "status": "completed", "steps": 10,
                                                        "throughput": {"ktok_per_s": 1.25}, "config_hash": "c0ffee"}))
     return cfg_file, run_dir, d
@@ -116,5 +116,25 @@ def test_bad_inputs_are_named(run, capsys):
     import shutil
     shutil.rmtree(run_dir / "checkpoints")
     assert main(["export", "--config", str(cfg_file)]) == 1
-    assert "no checkpoint" in capsys.readouterr().err
+    assert "no intact checkpoint" in capsys.readouterr().err
     assert not (run_dir / "drafter").exists()
+
+
+def test_evaluate_and_export_ignore_edited_drafter_keys(run, caplog):
+    """The drafter is described by its checkpoint's config.json: editing the YAML's drafter keys after training
+    changes neither the export nor the evaluation; a damaged newest checkpoint is skipped in one line."""
+    cfg_file, run_dir, d = run
+    raw = yaml.safe_load(cfg_file.read_text())
+    raw["drafter"] = {"num_layers": 3, "block_size": 8, "target_layer_ids": [1], "mask_token_id": 3}
+    cfg_file.write_text(yaml.safe_dump(raw))
+    w = run_dir / "checkpoints" / "step-000010" / "model.safetensors"
+    w.write_bytes(w.read_bytes()[:100])
+    assert main(["export", "--config", str(cfg_file)]) == 0
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "step-000010 skipped: model.safetensors is 100 bytes" in warned[0]
+    conf = json.loads((run_dir / "drafter" / "config.json").read_text())
+    assert conf["num_hidden_layers"] == 1 and conf["block_size"] == 4
+    assert conf["dflash_config"] == {"mask_token_id": d.cfg.mask_token_id, "target_layer_ids": [0, 1], "block_size": 4}
+    assert main(["evaluate", "--config", str(cfg_file), "--no-progress"]) == 0
+    acc = json.loads((run_dir / "acceptance.json").read_text())
+    assert acc["block_size"] == 4 and acc["checkpoint_step"] == 5 and acc["lossless"] is True

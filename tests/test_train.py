@@ -74,18 +74,30 @@ def test_two_replicas_train_in_lockstep(tmp_path):
         ["step-000004", "step-000008", "step-000012"]
 
 
-def test_rerun_of_a_finished_run_trains_a_new_run(tmp_path):
-    """A rerun (Snakemake -R train, or a changed input) trains again: a finished run is never "restored"; its
-    checkpoints are set aside. Only an interrupted run is resumed."""
-    cfg = prepared(tmp_path, steps=4, checkpoint_every=0)
+def test_rerun_resumes_an_interrupted_run_and_trains_a_finished_one_anew(tmp_path, caplog):
+    """Snakemake deletes a job's outputs before rerunning it (`-R train`, a failed job). A run whose final
+    checkpoint is damaged resumes from the previous intact one (one line says which was skipped); a finished run
+    trains a new run, its checkpoints set aside in checkpoints.previous/."""
+    cfg = prepared(tmp_path, steps=4, checkpoint_every=2)
     assert main(["train", "--config", str(cfg), "--no-progress"]) == 0
-    first = json.loads((run_dir(cfg) / "summary.json").read_text())
-    time.sleep(1.1)   # run ids have one-second resolution
+    final = run_dir(cfg) / "checkpoints" / "step-000004" / "model.safetensors"
+    first = {k: v.clone() for k, v in load_file(str(final)).items()}  # not a view of the file truncated next
+    final.write_bytes(final.read_bytes()[:1000])
     assert main(["train", "--config", str(cfg), "--no-progress"]) == 0
-    second = json.loads((run_dir(cfg) / "summary.json").read_text())
-    assert second["status"] == "completed" and second["resumed_from_step"] is None
-    assert second["run_id"] != first["run_id"] and second["measured_steps"] == first["measured_steps"]
-    assert (run_dir(cfg) / "checkpoints.previous").is_dir()
+    assert [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()] == \
+        [f"checkpoint {final.parent} skipped: model.safetensors is 1000 bytes, manifest.json says "
+         f"{json.loads((final.parent / 'manifest.json').read_text())['files']['model.safetensors']['bytes']} "
+         f"(truncated or overwritten)"]
+    s = json.loads((run_dir(cfg) / "summary.json").read_text())
+    assert s["resumed_from_step"] == 2 and s["status"] == "completed" and s["steps"] == 4
+    for k, v in load_file(str(final)).items():   # retrained exactly from step 2
+        torch.testing.assert_close(v, first[k], rtol=0, atol=0)
+    caplog.clear()
+    assert main(["train", "--config", str(cfg), "--no-progress"]) == 0
+    assert any("the run finished at step 4" in r.getMessage() for r in caplog.records)
+    s = json.loads((run_dir(cfg) / "summary.json").read_text())
+    assert s["resumed_from_step"] is None and s["status"] == "completed" and s["steps"] == 4
+    assert sorted(p.name for p in (run_dir(cfg) / "checkpoints.previous").iterdir()) == ["step-000002", "step-000004"]
 
 
 def test_kill9_then_resume_trains_exactly_the_same(tmp_path):

@@ -11,56 +11,18 @@ log = logging.getLogger("dflash.evaluate")
 
 
 def newest_checkpoint(run_dir) -> Path:
-    """The newest `checkpoints/step-N/` of a run that holds model.safetensors (the trained drafter)."""
-    root = Path(run_dir, "checkpoints")
-    dirs = sorted(d for d in root.glob("step-*") if (d / "model.safetensors").is_file()) if root.is_dir() else []
-    if not dirs:
-        raise UserError(f"{root}: no checkpoint with model.safetensors (train the run first, or pass --drafter DIR)")
-    return dirs[-1]
+    """The newest `checkpoints/step-N/` of a run whose drafter (config.json + model.safetensors) is intact."""
+    from dflash.train.checkpoint import CONFIG, WEIGHTS, latest
+    path = latest(run_dir, (CONFIG, WEIGHTS))
+    if path is None:
+        raise UserError(f"{Path(run_dir, 'checkpoints')}: no intact checkpoint (train the run first, or pass "
+                        f"--drafter DIR)")
+    return path
 
 
 def checkpoint_step(path) -> int | None:
-    try:
-        return int(Path(path).name.split("-", 1)[1])
-    except (IndexError, ValueError):
-        return None
-
-
-def drafter_config(loaded, target_config, tokenizer=None):
-    """The drafter's shape from the config's `drafter` section and the target (as train builds it)."""
-    from dflash.model import DrafterConfig
-    from dflash.target import mask_token_id
-    cfg = loaded.cfg
-    mask_id = cfg.drafter.mask_token_id
-    if mask_id is None:
-        if tokenizer is None:
-            raise UserError("drafter.mask_token_id is null and no tokenizer was given")
-        mask_id = mask_token_id(tokenizer, int(target_config.vocab_size))
-    try:
-        return DrafterConfig.from_target(target_config, cfg.drafter, mask_id)
-    except ValueError as e:
-        raise UserError(f"drafter section: {e}") from None
-
-
-def drafter_from_checkpoint(ckpt_dir, dcfg, embed_weight, lm_head_weight, device=None, dtype=None):
-    """A DFlashDrafter with the weights of `ckpt_dir/model.safetensors` (reference tensor names, strict)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    from dflash.model import DFlashDrafter
-    w = Path(ckpt_dir, "model.safetensors")
-    try:
-        sd = load_file(str(w), device="cpu")
-    except (SafetensorError, OSError) as e:
-        raise UserError(f"{w}: cannot read safetensors: {e}") from None
-    drafter = DFlashDrafter(dcfg, embed_weight, lm_head_weight)
-    missing, unexpected = drafter.load_state_dict(sd, strict=False)
-    if missing or unexpected:
-        raise UserError(f"{w}: weights do not match the drafter built from the config ({dcfg.num_layers} layers): "
-                        f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
-    if device is not None or dtype is not None:
-        drafter.to(device=device, dtype=dtype)
-    return drafter.eval().requires_grad_(False)
+    from dflash.train.checkpoint import step_of
+    return step_of(path)
 
 
 def _prompt_rows(path, parse, what: str, expected: str = "", limit: int | None = None) -> list[dict]:

@@ -12,7 +12,7 @@ log = logging.getLogger("dflash.evaluate")
 def add_arguments(p):
     p.add_argument("--run-dir", default=None, help="run folder (default: <results_dir>/runs/<run_name>)")
     p.add_argument("--drafter", default=None,
-                   help="a drafter directory in the reference format (default: the run's newest checkpoint)")
+                   help="a drafter folder: an export or a checkpoint (default: the run's newest checkpoint)")
     p.add_argument("--holdout", default=None,
                    help="held-out prompts (default: <results_dir>/data/<dataset_name>/holdout.jsonl)")
     p.add_argument("--out", default=None, help="output JSON (default: <run-dir>/acceptance.json)")
@@ -31,8 +31,8 @@ def run(loaded, args):
     from dflash.evaluate import DFlashDraft
     from dflash.evaluate import acceptance as A
     from dflash.evaluate import loading as L
-    from dflash.model import load_drafter
     from dflash.target import load_target, load_tokenizer, resolve_device, stop_token_ids
+    from dflash.train.checkpoint import load_drafter
 
     cfg, ev = loaded.cfg, loaded.cfg.evaluate
     run_dir = Path(args.run_dir) if args.run_dir else results_path(loaded, "runs", cfg.run_name)
@@ -42,17 +42,10 @@ def run(loaded, args):
     target = load_target(cfg.target, device=device, seed=cfg.seed)
     dtype = next(target.parameters()).dtype
     embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
-    if args.drafter:
-        try:
-            drafter = load_drafter(args.drafter, embed, head, device=device, dtype=dtype).eval()
-        except (FileNotFoundError, ValueError) as e:
-            raise UserError(str(e)) from None
-        source, step = str(args.drafter), None
-    else:
-        ckpt = L.newest_checkpoint(run_dir)
-        dcfg = L.drafter_config(loaded, target.config, tok)
-        drafter = L.drafter_from_checkpoint(ckpt, dcfg, embed, head, device=device, dtype=dtype)
-        source, step = str(ckpt), L.checkpoint_step(ckpt)
+    # the drafter's shape is its folder's config.json (a checkpoint or an export), never the YAML's drafter keys
+    path = Path(args.drafter) if args.drafter else L.newest_checkpoint(run_dir)
+    drafter = load_drafter(path, embed, head, device=device, dtype=dtype).eval()
+    source, step = str(path), L.checkpoint_step(path)
     draft = DFlashDraft(drafter)
     bsz, mask_id = drafter.cfg.block_size, drafter.cfg.mask_token_id
     stops = stop_token_ids(tok, target)

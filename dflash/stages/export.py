@@ -27,7 +27,7 @@ def run(loaded, args):
     from dflash.evaluate import loading as L
     from dflash.evaluate.modelcard import model_card
     from dflash.model import save_drafter
-    from dflash.target import load_tokenizer
+    from dflash.train.checkpoint import load_drafter
 
     cfg = loaded.cfg
     run_dir = Path(args.run_dir) if args.run_dir else results_path(loaded, "runs", cfg.run_name)
@@ -37,11 +37,13 @@ def run(loaded, args):
     if not (tpath / "config.json").is_file():
         raise UserError(f"{tpath}: target folder has no config.json (run the target stage, or set target.path)")
     tconf = AutoConfig.from_pretrained(str(tpath), trust_remote_code=cfg.target.trust_remote_code)
-    dcfg = L.drafter_config(loaded, tconf, load_tokenizer(cfg.target) if cfg.drafter.mask_token_id is None else None)
-    # the embedding and LM head are the target's and are not exported: shape-only stand-ins (no memory)
-    shape = (dcfg.vocab_size, dcfg.hidden_size)
-    meta = torch.empty(shape, device="meta")
-    drafter = L.drafter_from_checkpoint(ckpt, dcfg, meta, meta)
+    # the drafter's shape is the checkpoint's config.json, never the YAML's drafter keys; the embedding and LM head
+    # are the target's and are not exported: shape-only stand-ins
+    drafter = load_drafter(ckpt)
+    dcfg = drafter.cfg
+    if (dcfg.vocab_size, dcfg.hidden_size) != (tconf.vocab_size, tconf.hidden_size):
+        raise UserError(f"{ckpt}: the drafter there was trained for a target of vocabulary {dcfg.vocab_size} and "
+                        f"hidden size {dcfg.hidden_size}, {tpath} has {tconf.vocab_size} and {tconf.hidden_size}")
     dtype = None if args.dtype == "keep" else getattr(torch, args.dtype)
 
     summary = _read(run_dir / "summary.json")

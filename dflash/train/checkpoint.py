@@ -1,34 +1,93 @@
-"""Checkpoints: drafter weights (safetensors), optimizer + RNG (torch.save, loaded weights_only), trainer state (JSON).
+"""Checkpoints: `checkpoints/step-000050/` holds the drafter in the reference format (config.json +
+model.safetensors, loadable as is by `DFlashDraftModel`, SGLang, vLLM), the optimizer and RNG state (torch.save,
+read back with weights_only=True), trainer.json, and last manifest.json (size and xxh3-128 hash of every file).
 
-`checkpoints/step-000050/` is written into a temporary folder and renamed, so a kill -9 never leaves half of one.
+A checkpoint is written into a temporary folder and renamed, so a kill -9 never leaves half of one; the manifest
+catches what happens to it later (a truncated copy, rotten bytes). Resume takes the newest checkpoint whose files
+match its manifest, saying in one line which ones it skipped and why. `load_drafter` is the package's one loader
+of drafter weights (evaluate, export, `drafter.init_from`): the drafter's shape comes from the folder's config.json,
+never from the YAML.
 """
 from __future__ import annotations
 
+import errno
+import logging
+import os
+import pickle
 import random
+import shutil
+import zipfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from dflash.atomic import atomic_dir, atomic_write_json, read_json
+from dflash.errors import UserError
+
+log = logging.getLogger("dflash.train")
+
+CONFIG, WEIGHTS, OPTIMIZER, RNG, TRAINER, MANIFEST = (
+    "config.json", "model.safetensors", "optimizer.pt", "rng.pt", "trainer.json", "manifest.json")
+FILES = (CONFIG, WEIGHTS, OPTIMIZER, RNG, TRAINER)
+HASH = "xxh3_128"
+PREVIOUS = "checkpoints.previous"
 
 
-def step_dir(run_dir: Path, step: int) -> Path:
+def step_dir(run_dir, step: int) -> Path:
     return Path(run_dir, "checkpoints", f"step-{step:06d}")
 
 
+def step_of(path) -> int | None:
+    """50 for `.../step-000050`, None for anything else."""
+    name = Path(path).name
+    return int(name[5:]) if name.startswith("step-") and name[5:].isdigit() else None
+
+
+# ---- writing -------------------------------------------------------------------------------------------------
 def save(run_dir, step: int, data_index: int, drafter, optimizer, scheduler, extra: dict | None = None) -> Path:
+    """Write checkpoint `step` (the drafter's config from `drafter.cfg`). A full disk raises UserError naming the
+    folder and leaves nothing behind."""
+    from dflash.model.export import save_drafter
     out = step_dir(run_dir, step)
-    with atomic_dir(out) as tmp:
-        state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
-        save_file(state, str(tmp / "model.safetensors"))
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save({"torch": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}, tmp / "rng.pt")
-        atomic_write_json(tmp / "trainer.json", {
-            "step": step, "data_index": data_index, "scheduler": scheduler.state_dict(),
-            "python_random": _py_state(), **(extra or {})})
+    try:
+        with atomic_dir(out) as tmp:
+            save_drafter(drafter, tmp / "drafter")           # the reference format, exactly as `export` writes it
+            for name in (CONFIG, WEIGHTS):
+                os.replace(tmp / "drafter" / name, tmp / name)
+            (tmp / "drafter").rmdir()
+            _torch_save(optimizer.state_dict(), tmp / OPTIMIZER)
+            _torch_save({"torch": torch.get_rng_state(),
+                         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}, tmp / RNG)
+            atomic_write_json(tmp / TRAINER, {
+                "step": step, "data_index": data_index, "scheduler": scheduler.state_dict(),
+                "python_random": _py_state(), **(extra or {})})
+            atomic_write_json(tmp / MANIFEST, {"step": step, "hash": HASH,
+                                               "files": {n: _describe(tmp / n) for n in FILES}})
+    except Exception as e:
+        if _disk_full(e):
+            free = shutil.disk_usage(out.parent).free if out.parent.is_dir() else 0
+            raise UserError(f"{out}: no space left on device while writing the checkpoint ({free / 2**20:.0f} MiB "
+                            f"free now); nothing was left half-written. Free space on that disk (or set results_dir "
+                            f"elsewhere) and rerun: training resumes from the previous checkpoint") from None
+        raise
     return out
+
+
+def _torch_save(obj, path: Path):
+    with open(path, "wb") as f:   # a Python file: a full disk surfaces as OSError(ENOSPC), not "unexpected pos"
+        torch.save(obj, f)
+
+
+def _disk_full(e: BaseException) -> bool:
+    for _ in range(8):   # the exception and what it was raised from (torch.save's RuntimeError hides the OSError)
+        if e is None:
+            return False
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+        if "No space left on device" in str(e) or "os error 28" in str(e):   # safetensors' Rust writer
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _py_state():
@@ -36,29 +95,55 @@ def _py_state():
     return [version, list(state), gauss]
 
 
-def latest(run_dir) -> Path | None:
-    dirs = sorted(Path(run_dir, "checkpoints").glob("step-*"))
-    dirs = [d for d in dirs if (d / "trainer.json").is_file()]
-    return dirs[-1] if dirs else None
+def _describe(path: Path) -> dict:
+    import xxhash
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return {"bytes": path.stat().st_size, HASH: h.hexdigest()}
 
 
-def load(path: Path, drafter, optimizer, scheduler) -> dict:
-    """Restore in place; returns trainer.json (step, data_index, ...)."""
+# ---- finding and verifying -----------------------------------------------------------------------------------
+def verify(path, names=FILES) -> str | None:
+    """None if the files `names` of checkpoint `path` match its manifest, else why not (one phrase)."""
     path = Path(path)
-    state = load_file(str(path / "model.safetensors"), device=str(next(drafter.parameters()).device))
-    missing, unexpected = drafter.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise RuntimeError(f"{path}/model.safetensors: missing keys {missing}, unexpected keys {unexpected}")
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu"))
-    trainer = read_json(path / "trainer.json")
-    scheduler.load_state_dict(trainer["scheduler"])
-    rng = torch.load(path / "rng.pt", weights_only=True)
-    torch.set_rng_state(rng["torch"])
-    if rng["cuda"] and torch.cuda.is_available() and len(rng["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    v, s, g = trainer["python_random"]
-    random.setstate((v, tuple(s), g))
-    return trainer
+    try:
+        files = read_json(path / MANIFEST)["files"]
+        wants = {name: (int(files[name]["bytes"]), str(files[name][HASH])) for name in names if name in files}
+    except FileNotFoundError:
+        return f"no {MANIFEST} (incomplete, or written before checkpoints had one)"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{MANIFEST} unreadable ({type(e).__name__})"
+    for name in names:
+        f = path / name
+        if name not in wants:
+            return f"{name} is not in {MANIFEST}"
+        if not f.is_file():
+            return f"{name} is missing"
+        size, (want_size, want_hash) = f.stat().st_size, wants[name]
+        if size != want_size:
+            return f"{name} is {size} bytes, {MANIFEST} says {want_size} (truncated or overwritten)"
+        if _describe(f)[HASH] != want_hash:
+            return f"{name} does not match its hash in {MANIFEST} (corrupted)"
+    return None
+
+
+def candidates(run_dir) -> list[Path]:
+    """The run's `checkpoints/step-N/` folders, newest first (whatever their state)."""
+    root = Path(run_dir, "checkpoints")
+    dirs = [d for d in root.iterdir() if d.is_dir() and step_of(d) is not None] if root.is_dir() else []
+    return sorted(dirs, key=step_of, reverse=True)
+
+
+def latest(run_dir, names=FILES) -> Path | None:
+    """The newest checkpoint whose files `names` match its manifest; one warning line per newer one skipped."""
+    for path in candidates(run_dir):
+        why = verify(path, names)
+        if why is None:
+            return path
+        log.warning("checkpoint %s skipped: %s", path, why)
+    return None
 
 
 def identity(setup) -> dict:
@@ -68,54 +153,127 @@ def identity(setup) -> dict:
 
 
 def resumable(setup) -> Path | None:
-    """The newest checkpoint of this run if it was made with the same config and data; stale ones are set aside."""
-    import logging
-    import os
-    import time
-    path = latest(setup.run_dir)
-    if path is None:
+    """The checkpoint to resume from: the newest intact one, if the run was interrupted (its step < train.steps)
+    with the same config and data. Otherwise the run trains from scratch and the old checkpoints are moved to
+    `checkpoints.previous/` (replacing an older one): a finished run (a forced rerun trains a new run), another
+    config or data, `train.resume: false`. Checkpoints none of which is intact: UserError naming them."""
+    run_dir = Path(setup.run_dir)
+    if not candidates(run_dir):
         return None
-    saved = read_json(path / "trainer.json")
+    if not setup.cfg.train.resume:
+        set_aside(run_dir, "train.resume is false")
+        return None
+    path = latest(run_dir)
+    if path is None:
+        raise UserError(f"{run_dir / 'checkpoints'}: no intact checkpoint to resume from (each is named above with "
+                        f"its fault); move that folder away to train from scratch, or set train.resume: false")
+    saved = read_json(path / TRAINER)
     want = identity(setup)
-    if all(saved.get(k) == v for k, v in want.items()):
-        return path
-    stale = Path(setup.run_dir, f"checkpoints.stale-{time.strftime('%Y%m%dT%H%M%S')}")
-    os.replace(Path(setup.run_dir, "checkpoints"), stale)
-    logging.getLogger("dflash.train").warning(
-        "checkpoints in %s were made with another config or data (%s); moved to %s, starting fresh",
-        setup.run_dir, {k: saved.get(k) for k in want}, stale)
-    return None
+    if any(saved.get(k) != v for k, v in want.items()):
+        set_aside(run_dir, f"they were made with another config or data "
+                           f"({ {k: saved.get(k) for k in want} } != {want})")
+        return None
+    if saved["step"] >= setup.cfg.train.steps:
+        set_aside(run_dir, f"the run finished at step {saved['step']} ({path.name}), so this rerun trains a new run")
+        return None
+    return path
 
 
-OUTPUTS = ("summary.json", "metrics.jsonl")
+def set_aside(run_dir, why: str) -> Path:
+    """Move `checkpoints/` to `checkpoints.previous/` (replacing an older one), with one log line."""
+    run_dir = Path(run_dir)
+    prev = run_dir / PREVIOUS
+    shutil.rmtree(prev, ignore_errors=True)
+    os.replace(run_dir / "checkpoints", prev)
+    log.warning("starting from scratch: %s; old checkpoints moved to %s", why, prev)
+    return prev
 
 
-def archive_outputs(run_dir, step: int) -> None:
-    """Keep the finished run's summary and metrics beside its final checkpoint (restored if a rerun finds it)."""
-    import shutil
-    ckpt = step_dir(run_dir, step)
-    if ckpt.is_dir():
-        for name in OUTPUTS:
-            if Path(run_dir, name).is_file():
-                shutil.copy2(Path(run_dir, name), ckpt / name)
+# ---- reading -------------------------------------------------------------------------------------------------
+def load(path, drafter, optimizer, scheduler) -> dict:
+    """Restore a replica in place from a verified checkpoint; returns trainer.json (step, data_index, ...)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    path = Path(path)
+    _same_config(path, drafter.cfg)
+    try:
+        state = load_file(str(path / WEIGHTS), device=str(next(drafter.parameters()).device))
+    except (SafetensorError, OSError) as e:
+        raise UserError(f"{path / WEIGHTS}: cannot read safetensors: {e}") from None
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise UserError(f"{path / WEIGHTS}: missing keys {missing}, unexpected keys {unexpected}")
+    optimizer.load_state_dict(_torch_load(path / OPTIMIZER))
+    try:
+        trainer = read_json(path / TRAINER)
+        scheduler.load_state_dict(trainer["scheduler"])
+        v, s, g = trainer["python_random"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{path / TRAINER}: not a trainer state ({type(e).__name__}: {e})") from None
+    rng = _torch_load(path / RNG)
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] and torch.cuda.is_available() and len(rng["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    random.setstate((v, tuple(s), g))
+    return trainer
 
 
-def finished(setup) -> bool:
-    """A rerun of a run that already finished with this config and data: restore its outputs instead of
-    training again. A final checkpoint without archived outputs is set aside (the run is trained afresh)."""
-    import logging
-    import shutil
-    path = resumable(setup) if setup.cfg.train.resume else None
-    if path is None or read_json(path / "trainer.json")["step"] < setup.cfg.train.steps:
-        return False
-    log = logging.getLogger("dflash.train")
-    if all((path / name).is_file() for name in OUTPUTS):
-        for name in OUTPUTS:
-            shutil.copy2(path / name, Path(setup.run_dir, name))
-        log.info("run already finished with this config and data (%s): outputs restored, nothing to train", path)
-        return True
-    stale = Path(setup.run_dir, f"checkpoints.stale-{path.name}")
-    shutil.rmtree(stale, ignore_errors=True)
-    Path(setup.run_dir, "checkpoints").rename(stale)
-    log.warning("%s is final but holds no run outputs; moved to %s and training afresh", path, stale)
-    return False
+def _torch_load(path: Path):
+    """torch.load(weights_only=True); a file that is not one is named, without torch's advice to load unsafely."""
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as e:
+        raise UserError(f"{path}: not a readable checkpoint file ({type(e).__name__}): the checkpoint is damaged; "
+                        f"remove its folder to resume from the previous one") from None
+
+
+def _same_config(path: Path, cfg):
+    """Refuse a checkpoint whose config.json describes another drafter than `cfg` (a DrafterConfig), naming the
+    keys; compared in the reference form (what the folder says), the weights' dtype aside."""
+    try:
+        saved = read_json(path / CONFIG)
+    except FileNotFoundError:
+        raise UserError(f"{path / CONFIG}: missing (a checkpoint written before checkpoints described their "
+                        f"drafter; train anew)") from None
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path / CONFIG}: unreadable ({type(e).__name__}: {e})") from None
+    want = cfg.to_hf_dict()
+    diff = [k for k in dict.fromkeys([*saved, *want]) if k != "dtype" and saved.get(k) != want.get(k)]
+    if diff:
+        raise UserError(f"{path / CONFIG}: the drafter there differs from the one configured: "
+                        + ", ".join(f"{k} {saved.get(k)} there vs {want.get(k)} here" for k in diff))
+
+
+def load_drafter(path, embed=None, head=None, device=None, dtype=None, expect=None):
+    """The one loader of drafter weights: a checkpoint folder (its manifest verified) or an exported drafter
+    folder, both config.json + model.safetensors in the reference format; the drafter's shape is config.json's.
+    `embed`/`head` are the target's weights; None gives shape-only stand-ins on the meta device (export).
+    `expect` (a DrafterConfig) refuses a drafter of another shape, naming the fields."""
+    from dflash.model import DrafterConfig
+    from dflash.model.export import load_drafter as read_reference
+    path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"{path}: not a drafter folder (a checkpoint or an export: config.json + model.safetensors)")
+    if (path / MANIFEST).is_file():
+        why = verify(path, (CONFIG, WEIGHTS))
+        if why:
+            raise UserError(f"{path}: {why}")
+    if expect is not None:
+        _same_config(path, expect)
+    if embed is None or head is None:
+        try:
+            c = DrafterConfig.from_hf_dict(read_json(path / CONFIG))
+        except FileNotFoundError:
+            raise UserError(f"{path / CONFIG}: missing (a drafter folder holds {CONFIG} and {WEIGHTS}; a "
+                            f"checkpoint written before checkpoints described their drafter has none)") from None
+        except (ValueError, KeyError, TypeError) as e:
+            raise UserError(f"{path / CONFIG}: not a DFlash drafter config: {e}") from None
+        embed = head = torch.empty(c.vocab_size, c.hidden_size, device="meta")
+    try:
+        drafter = read_reference(path, embed, head, device=device, dtype=dtype)
+    except FileNotFoundError as e:
+        raise UserError(f"{e}; a checkpoint written before checkpoints described their drafter has no "
+                        f"{CONFIG}") from None
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    return drafter

@@ -24,11 +24,11 @@ def random_head(ctx, device: torch.device, dtype):
 
 def build_drafter(ctx, embed, head, device: torch.device):
     from dflash.model import DFlashDrafter
-    from dflash.model.export import load_drafter
+    from dflash.train.checkpoint import load_drafter
 
     init_from = ctx.cfg.drafter.init_from
     if init_from:
-        drafter = load_drafter(init_from, embed, head, device=device)
+        drafter = load_drafter(init_from, embed, head, device=device, expect=ctx.drafter_config)
     else:
         torch.manual_seed(ctx.cfg.seed)
         with torch.device(device):

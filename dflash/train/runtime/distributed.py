@@ -272,7 +272,7 @@ def worker_main(loaded, args) -> int:
     # resume point: decided by drafter rank 0 (same verified checkpoint for every replica), broadcast to all
     holder = [None]
     if rank == T:
-        holder[0] = str(checkpoint.resumable(ctx) or "") if cfg.train.resume else ""
+        holder[0] = str(checkpoint.resumable(ctx) or "")
     dist.broadcast_object_list(holder, src=T)
     latest = holder[0] or None
     if not is_target and latest:

@@ -271,7 +271,7 @@ def run(ctx, reader, metrics) -> int:
         if replicas:
             dr.load_state_dict(replicas[0].drafter.state_dict())
         replicas.append(Replica(ctx, r, D, d, dr, sync, metrics))
-    latest = checkpoint.resumable(ctx) if cfg.train.resume else None
+    latest = checkpoint.resumable(ctx)
     if latest is not None:
         for rep in replicas:
             rep.resume(latest)
