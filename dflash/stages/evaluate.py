@@ -26,16 +26,18 @@ def run(loaded, args):
     import torch
 
     from dflash.atomic import atomic_write_json
-    from dflash.config import REPO, inside, results_path
+    from dflash import paths
+    from dflash.config import REPO, inside
     from dflash.errors import UserError
     from dflash.evaluate import DFlashDraft
     from dflash.evaluate import acceptance as A
     from dflash.evaluate import loading as L
     from dflash.model import load_drafter
+    from dflash.stages import check_run_config
     from dflash.target import load_target, load_tokenizer, resolve_device, stop_token_ids
 
     cfg, ev = loaded.cfg, loaded.cfg.evaluate
-    run_dir = Path(args.run_dir) if args.run_dir else results_path(loaded, "runs", cfg.run_name)
+    run_dir = Path(args.run_dir) if args.run_dir else paths.run(cfg.results_dir, cfg.run_name)
     out = Path(args.out) if args.out else run_dir / "acceptance.json"
     device = resolve_device(ev.device)
     tok = load_tokenizer(cfg.target)
@@ -49,6 +51,7 @@ def run(loaded, args):
             raise UserError(str(e)) from None
         source, step = str(args.drafter), None
     else:
+        check_run_config(loaded, run_dir)
         ckpt = L.newest_checkpoint(run_dir)
         dcfg = L.drafter_config(loaded, target.config, tok)
         drafter = L.drafter_from_checkpoint(ckpt, dcfg, embed, head, device=device, dtype=dtype)
@@ -57,7 +60,7 @@ def run(loaded, args):
     bsz, mask_id = drafter.cfg.block_size, drafter.cfg.mask_token_id
     stops = stop_token_ids(tok, target)
 
-    holdout = args.holdout or results_path(loaded, "data", cfg.dataset_name, "holdout.jsonl")
+    holdout = args.holdout or paths.dataset(cfg.results_dir, cfg.dataset_name) / "holdout.jsonl"
     sets = {"holdout": L.read_holdout(holdout, ev.num_prompts)}
     for f in ev.prompt_files:
         path = inside(f, REPO, cfg.results_dir)

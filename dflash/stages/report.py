@@ -13,12 +13,13 @@ def add_arguments(p):
 
 
 def run(loaded, args):
-    from dflash.config import results_path
+    from dflash import paths
     from dflash.report import build
     from dflash.report.regress import Settings
 
     settings = Settings.from_config(loaded.cfg)
-    result = build(args.runs_dir or results_path(loaded, "runs"), args.out or results_path(loaded, "report"), settings)
+    results = loaded.cfg.results_dir
+    result = build(args.runs_dir or paths.runs(results), args.out or paths.report(results), settings)
     latest = result.latest
     if loaded.cfg.report.fail_on_regression and latest is not None and latest["verdict"] == "regression":
         print(f"dflash report: regression: {latest['sentence']}", file=sys.stderr)

@@ -6,6 +6,8 @@ log = logging.getLogger("dflash.train")
 
 
 def add_arguments(p):
+    p.add_argument("--data", default=None, help="dataset folder (default: <results_dir>/data/<dataset_name>)")
+    p.add_argument("--run-dir", default=None, help="run folder (default: <results_dir>/runs/<run_name>)")
     p.add_argument("--no-progress", action="store_true", help="no live progress bar")
 
 
@@ -23,7 +25,7 @@ def run(loaded, args):
     from dflash.train.setup import prepare
     from dflash.train.telemetry import GpuSampler
 
-    setup = prepare(loaded)
+    setup = prepare(loaded, run_dir=args.run_dir, data_dir=args.data)
     if "LOCAL_RANK" not in os.environ and checkpoint.finished(setup):  # the launcher decides, not every rank
         return 0
     if setup.placement.runtime == "distributed":

@@ -11,7 +11,8 @@ import torch
 
 from dflash import fingerprint
 from dflash.atomic import read_json
-from dflash.config import REPO, results_path
+from dflash import paths
+from dflash.config import REPO
 from dflash.errors import UserError
 from dflash.train import compile_guard, placement as P
 
@@ -37,7 +38,8 @@ class Setup:
         return self.loaded.cfg
 
 
-def prepare(loaded, need_data: bool = True) -> Setup:
+def prepare(loaded, need_data: bool = True, run_dir=None, data_dir=None) -> Setup:
+    """Everything a runtime needs; `run_dir` / `data_dir` as the stage was handed them (default: dflash.paths)."""
     from transformers import AutoConfig
 
     from dflash.model import DrafterConfig, default_gamma
@@ -57,11 +59,12 @@ def prepare(loaded, need_data: bool = True) -> Setup:
     mask_id = cfg.drafter.mask_token_id if cfg.drafter.mask_token_id is not None else mask_token_id(tok)
     dconf = DrafterConfig.from_target(tconf, cfg.drafter, mask_id)
     env = fingerprint.collect()
-    data_dir = results_path(loaded, "data", cfg.dataset_name)
+    data_dir = Path(data_dir or paths.dataset(cfg.results_dir, cfg.dataset_name))
+    run_dir = Path(run_dir or paths.run(cfg.results_dir, cfg.run_name))
     if need_data and not (data_dir / "manifest.json").is_file():
         raise UserError(f"{data_dir}/manifest.json: dataset not found (run the data stage first)")
     use_compile = cfg.train.compile and backend != "eager"
-    setup = Setup(loaded, placement, backend, results_path(loaded, "runs", cfg.run_name), data_dir, tconf, dconf,
+    setup = Setup(loaded, placement, backend, run_dir, data_dir, tconf, dconf,
                  cfg.train.gamma if cfg.train.gamma is not None else default_gamma(dconf.block_size), env, use_compile)
     setup.extra["pad_id"] = tok.pad_token_id if tok.pad_token_id is not None else 0
     return setup
