@@ -55,6 +55,18 @@ def section(*keys):
     return json.dumps({k: config[k] for k in keys}, sort_keys=True)
 
 
+# train keys that shape no compiled graph (optimiser, schedule, logging, supervision): a change reruns train
+# onward, not the warm-up
+TRAIN_ONLY = ("steps", "lr", "betas", "weight_decay", "warmup_ratio", "min_lr_ratio", "grad_clip", "grad_accum",
+              "checkpoint_every", "log_every", "resume", "warmup_steps_excluded", "matmul_tflops", "ready_timeout_s",
+              "stall_timeout_s", "fail_at_step", "queue_size", "rendezvous")
+
+
+def warmup_section():
+    train = {k: v for k, v in config["train"].items() if k not in TRAIN_ONLY}
+    return json.dumps({"train": train, **{k: config[k] for k in ("drafter", "target", "seed")}}, sort_keys=True)
+
+
 def env_key():
     """What the environment fingerprint hashes, read without importing torch: a change reruns env onward."""
     return json.dumps({"python": platform.python_version(), "gpu": fingerprint.gpu_info(),
