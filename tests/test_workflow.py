@@ -235,8 +235,8 @@ def test_changed_pins_rerun_env_onward(after):
 
 @pipeline
 def test_config_run_name_trains_a_new_run(after):
-    r = snakemake(after, "--cores", "2", "--configfile", "config/tiny.yaml", "--config", "run_name=other",
-                  "results/runs/other/summary.json")
+    r = snakemake(after, "results/runs/other/summary.json", "--cores", "2", "--configfile", "config/tiny.yaml",
+                  "--config", "run_name=other")
     assert r.returncode == 0, r.out[-3000:]
     assert planned(r) == {"train": 1}
     assert json.loads((after / "results/runs/other/summary.json").read_text())["run_name"] == "other"
