@@ -43,25 +43,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def setup_logging(args) -> None:
-    """Log lines to the console (stderr) and, with --log, to that file too. Progress bars are for a terminal:
-    on a pipe or a file they are turned off and the stages' periodic log lines report progress instead."""
-    handlers = [logging.StreamHandler(sys.stderr)]
-    if args.log:
-        from pathlib import Path
-        Path(args.log).parent.mkdir(parents=True, exist_ok=True)
-        handlers.append(logging.FileHandler(args.log, mode="w"))
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, handlers=handlers, force=True,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def setup_logging(args) -> logging.Handler | None:
+    """Log lines to the console (stderr) and, with --log, to that file too; returns the file's handler. Progress
+    bars are for a terminal: on a pipe or a file they are off and the stages' periodic log lines show progress."""
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format=FORMAT, datefmt="%H:%M:%S")
     logging.captureWarnings(True)
     if hasattr(args, "no_progress") and not sys.stderr.isatty():
         args.no_progress = True
+    if not args.log:
+        return None
+    from pathlib import Path
+    Path(args.log).parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(args.log, mode="w")
+    handler.setFormatter(logging.Formatter(FORMAT, datefmt="%H:%M:%S"))
+    logging.getLogger().addHandler(handler)
+    return handler
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    setup_logging(args)
-    log = logging.getLogger(f"dflash.{args.stage}")
+    handler = setup_logging(args)
+    try:
+        return _run(args)
+    finally:
+        if handler is not None:
+            logging.getLogger().removeHandler(handler)
+            handler.close()
+
+
+def _run(args) -> int:
     try:
         overrides = {}
         for item in args.set:
@@ -77,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         return _fail(args, f"dflash {args.stage}: error: {e}", 1)
     except Exception:
-        if args.log:  # the traceback goes to the log file too, not only to the console
-            log.exception("dflash %s failed", args.stage)
+        if args.log:  # the traceback goes to the log file as well as to the console
+            logging.getLogger(f"dflash.{args.stage}").exception("dflash %s failed", args.stage)
             return 1
         raise
 
