@@ -17,6 +17,8 @@ def add_arguments(p):
                    help="held-out prompts (default: <results_dir>/data/<dataset_name>/holdout.jsonl)")
     p.add_argument("--out", default=None, help="output JSON (default: <run-dir>/acceptance.json)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--same-config", action="store_true",
+                   help="refuse a run trained with another config, e.g. by hand with --set (the workflow passes it)")
 
 
 def run(loaded, args):
@@ -51,7 +53,8 @@ def run(loaded, args):
             raise UserError(str(e)) from None
         source, step = str(args.drafter), None
     else:
-        check_run_config(loaded, run_dir)
+        if args.same_config:
+            check_run_config(loaded, run_dir)
         ckpt = L.newest_checkpoint(run_dir)
         dcfg = L.drafter_config(loaded, target.config, tok)
         drafter = L.drafter_from_checkpoint(ckpt, dcfg, embed, head, device=device, dtype=dtype)

@@ -11,6 +11,8 @@ def add_arguments(p):
     p.add_argument("--checkpoint", default=None, help="checkpoint folder (default: the run's newest)")
     p.add_argument("--data", default=None, help="dataset folder, for the model card (default: <results_dir>/data/<dataset_name>)")
     p.add_argument("--out", default=None, help="output folder (default: <run-dir>/drafter)")
+    p.add_argument("--same-config", action="store_true",
+                   help="refuse a run trained with another config, e.g. by hand with --set (the workflow passes it)")
     p.add_argument("--dtype", choices=["keep", "float32", "bfloat16"], default="keep",
                    help="cast the weights (default: as trained)")
 
@@ -34,7 +36,7 @@ def run(loaded, args):
     cfg = loaded.cfg
     run_dir = Path(args.run_dir) if args.run_dir else paths.run(cfg.results_dir, cfg.run_name)
     out = Path(args.out) if args.out else run_dir / "drafter"
-    if not args.checkpoint:
+    if args.same_config and not args.checkpoint:
         check_run_config(loaded, run_dir)
     ckpt = Path(args.checkpoint) if args.checkpoint else L.newest_checkpoint(run_dir)
     tpath = Path(cfg.target.path)

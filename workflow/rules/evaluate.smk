@@ -21,4 +21,4 @@ rule evaluate:
         ENV
     shell:
         "python -m dflash evaluate {params.stage_config:q} --run-dir {params.run_dir:q} --holdout {params.holdout:q}"
-        " --out {output:q} --log {log:q}"
+        " --same-config --out {output:q} --log {log:q}"

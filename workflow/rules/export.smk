@@ -19,5 +19,5 @@ rule export:
     conda:
         ENV
     shell:
-        "python -m dflash export {params.stage_config:q} --run-dir {params.run_dir:q} --data {params.data:q} --out {output:q}"
-        " --log {log:q}"
+        "python -m dflash export {params.stage_config:q} --run-dir {params.run_dir:q} --data {params.data:q} --same-config"
+        " --out {output:q} --log {log:q}"
