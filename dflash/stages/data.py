@@ -13,8 +13,8 @@ def add_arguments(p):
 
 
 def run(loaded, args):
-    from dflash.atomic import atomic_dir
     from dflash import paths
+    from dflash.atomic import atomic_dir
     from dflash.config import REPO, inside
     from dflash.data.expand import expand
 

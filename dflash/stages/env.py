@@ -11,9 +11,8 @@ def add_arguments(p):
 
 
 def run(loaded, args):
-    from dflash import fingerprint
+    from dflash import fingerprint, paths
     from dflash.atomic import atomic_write_json
-    from dflash import paths
 
     fp = fingerprint.collect()
     problems = fingerprint.pin_mismatches(fp, fingerprint.read_pins())

@@ -27,8 +27,8 @@ def run(loaded, args):
 
     import torch
 
-    from dflash.atomic import atomic_write_json
     from dflash import paths
+    from dflash.atomic import atomic_write_json
     from dflash.config import REPO, inside
     from dflash.errors import UserError
     from dflash.evaluate import DFlashDraft

@@ -24,8 +24,8 @@ def run(loaded, args):
     import torch
     from transformers import AutoConfig
 
-    from dflash.atomic import atomic_dir, read_json
     from dflash import paths
+    from dflash.atomic import atomic_dir, read_json
     from dflash.errors import UserError
     from dflash.evaluate import loading as L
     from dflash.evaluate.modelcard import model_card
