@@ -37,15 +37,45 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config key, e.g. --set train.steps=10 (repeatable)")
         p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+        p.add_argument("--log", default=None, metavar="FILE",
+                       help="also write the log (and any traceback) to FILE; the console keeps it and progress bars")
         module = importlib.import_module(f"dflash.stages.{name}")
         module.add_arguments(p)
     return parser
 
 
+FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def setup_logging(args) -> logging.Handler | None:
+    """Log lines to the console (stderr) and, with --log, to that file too; returns the file's handler. Progress
+    bars are for a terminal: on a pipe or a file they are off and the stages' periodic log lines show progress."""
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format=FORMAT, datefmt="%H:%M:%S")
+    logging.captureWarnings(True)
+    if hasattr(args, "no_progress") and not sys.stderr.isatty():
+        args.no_progress = True
+    if not args.log:
+        return None
+    from pathlib import Path
+    Path(args.log).parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(args.log, mode="w")
+    handler.setFormatter(logging.Formatter(FORMAT, datefmt="%H:%M:%S"))
+    logging.getLogger().addHandler(handler)
+    return handler
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    handler = setup_logging(args)
+    try:
+        return _run(args)
+    finally:
+        if handler is not None:
+            logging.getLogger().removeHandler(handler)
+            handler.close()
+
+
+def _run(args) -> int:
     try:
         overrides = {}
         for item in args.set:
@@ -57,9 +87,21 @@ def main(argv: list[str] | None = None) -> int:
         module = importlib.import_module(f"dflash.stages.{args.stage}")
         return int(module.run(loaded, args) or 0)
     except ConfigError as e:
-        print(f"dflash {args.stage}: config error: {e}", file=sys.stderr)
-        return 2
+        return _fail(args, f"dflash {args.stage}: config error: {e}", 2)
     except UserError as e:
-        print(f"dflash {args.stage}: error: {e}", file=sys.stderr)
-        return 1
+        return _fail(args, f"dflash {args.stage}: error: {e}", 1)
+    except Exception:
+        if args.log:  # the traceback goes to the log file as well as to the console
+            logging.getLogger(f"dflash.{args.stage}").exception("dflash %s failed", args.stage)
+            return 1
+        raise
+
+
+def _fail(args, line: str, code: int) -> int:
+    """One line on the console (no traceback), the same line in the --log file."""
+    print(line, file=sys.stderr)
+    if args.log:
+        with open(args.log, "a") as f:
+            f.write(line + "\n")
+    return code
 

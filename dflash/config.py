@@ -29,6 +29,54 @@ def load_schema() -> dict:
     return yaml.safe_load(SCHEMA_PATH.read_text())
 
 
+class StrictLoader(yaml.SafeLoader):
+    """yaml.safe_load that refuses a duplicate key (PyYAML silently keeps the last value)."""
+
+
+def _mapping(loader: StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    loader.flatten_mapping(node)
+    seen = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.MarkedYAMLError(problem=f"duplicate key '{key}' (first at line {seen[key] + 1})",
+                                       problem_mark=key_node.start_mark)
+        seen[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep=deep)
+
+
+StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping)
+
+
+def read_yaml(path: str | Path):
+    """A config file's YAML; a syntax error or a duplicate key is one line: `file:line:column: what`."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        return yaml.load(path.read_text(), Loader=StrictLoader)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        what = " ".join(x for x in (e.problem, f"({e.context})" if e.context else None) if x)
+        raise ConfigError(f"{where}: not valid YAML: {what}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
+
+
+def set_dotted(data: dict, overrides: dict) -> dict:
+    """Apply {"train.steps": 5, "run_name": "x"} to a nested dict, in place; returns it."""
+    for dotted, value in overrides.items():
+        node = data
+        *parents, leaf = str(dotted).split(".")
+        for p in parents:
+            if not isinstance(node.get(p), dict):
+                node[p] = {}
+            node = node[p]
+        node[leaf] = value
+    return data
+
+
 def apply_defaults(data: Any, schema: dict) -> Any:
     """Fill missing keys from schema defaults, recursing into objects and arrays of objects."""
     if isinstance(data, dict) and "properties" in schema:
@@ -127,20 +175,9 @@ def from_dict(data: dict, source: str = "<config>") -> Loaded:
 
 
 def load(path: str | Path, overrides: dict | None = None) -> Loaded:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{path}: config file not found")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
-    data = data or {}
-    for dotted, value in (overrides or {}).items():
-        node = data
-        *parents, leaf = dotted.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
+    data = read_yaml(path) or {}
+    if isinstance(data, dict):
+        set_dotted(data, overrides or {})
     return from_dict(data, str(path))
 
 
@@ -148,11 +185,6 @@ def config_hash(raw: dict) -> str:
     """Stable hash of what the config computes (names and report settings excluded)."""
     kept = {k: v for k, v in raw.items() if k not in UNHASHED}
     return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def results_path(loaded: Loaded, *parts: str) -> Path:
-    """A path inside results_dir (relative to the working directory, as Snakemake runs)."""
-    return Path(loaded.cfg.results_dir, *parts)
 
 
 def inside(path: str | Path, *roots: str | Path) -> Path:
@@ -163,3 +195,30 @@ def inside(path: str | Path, *roots: str | Path) -> Path:
         if p == r or r in p.parents:
             return p
     raise ConfigError(f"path {path} is outside the allowed folders ({', '.join(str(r) for r in roots)})")
+
+
+def _leaves(data, prefix=""):
+    """{"train": {"steps": 5}} -> [("train.steps", 5)]: the dotted keys of every leaf value."""
+    for k, v in data.items():
+        if isinstance(v, dict):
+            yield from _leaves(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
+def for_workflow(path: str | Path, cli: dict) -> tuple[dict, list[str]]:
+    """The Snakefile's config: the YAML at `path` (read strictly) with Snakemake's `--config` values applied and
+    validated as the stages validate it, and the `--set KEY=VALUE` arguments that give every stage the same config.
+
+    Snakemake reads `--config train="{steps: 5}"` with YAML's base loader (every scalar a string): nested values
+    are read again as YAML, so 5 is an integer as it would be in the file."""
+    data = read_yaml(path) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the config must be a mapping of keys, got {type(data).__name__}")
+    overrides = {}
+    for key, value in _leaves(dict(cli)):
+        if isinstance(value, str) and "." in key:
+            value = yaml.safe_load(value)
+        overrides[key] = value
+    resolved = validate(set_dotted(data, overrides), str(path))
+    return resolved, [f"{k}={json.dumps(v)}" for k, v in overrides.items()]

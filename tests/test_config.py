@@ -89,3 +89,58 @@ def test_cli_help_lists_stages(repo):
     assert r.returncode == 0
     for stage in ("env", "data", "warmup", "train", "evaluate", "export", "report"):
         assert stage in r.stdout
+
+
+def test_yaml_syntax_error_names_line_and_column(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("run_name: demo\ntrain:\n  steps: [1, 2\n  lr: 0.1\n")
+    with pytest.raises(C.ConfigError, match=r"c\.yaml:4:5: not valid YAML: expected ',' or '\]'"):
+        C.load(p)
+
+
+def test_duplicate_key_refused_at_any_depth(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("train:\n  steps: 3\n  lr: 0.1\n  steps: 5\n")
+    with pytest.raises(C.ConfigError, match=r"c\.yaml:4:3: not valid YAML: duplicate key 'steps' \(first at line 2\)"):
+        C.load(p)
+    p.write_text("run_name: a\nseed: 1\nrun_name: b\n")
+    with pytest.raises(C.ConfigError, match="duplicate key 'run_name'"):
+        C.read_yaml(p)
+    p.write_text("base: &b {x: 1}\nother:\n  <<: *b\n  y: 2\n")   # merge keys still work
+    assert C.read_yaml(p)["other"] == {"x": 1, "y": 2}
+
+
+def test_for_workflow_applies_snakemake_config_values(tmp_path):
+    """What Snakemake's --config gives (nested values as strings, from YAML's base loader) is typed as in the file,
+    validated, and handed to the stages as --set arguments that rebuild the same config."""
+    p = write(tmp_path, {"run_name": "demo", "train": {"steps": 7, "lr": 0.001}})
+    resolved, sets = C.for_workflow(p, {"run_name": "x", "train": {"steps": "5"}})
+    assert resolved["run_name"] == "x" and resolved["train"]["steps"] == 5 and resolved["train"]["lr"] == 0.001
+    assert sets == ['run_name="x"', "train.steps=5"]
+    again = C.load(p, {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in sets)})
+    assert again.raw == resolved
+    with pytest.raises(C.ConfigError, match="unknown key 'bogus'"):
+        C.for_workflow(p, {"bogus": 1})
+
+
+def test_cli_log_file_gets_the_log_and_the_one_line_error(tmp_path, repo):
+    good, log = write(tmp_path, {"results_dir": str(tmp_path / "r")}), tmp_path / "logs" / "env.log"
+    r = subprocess.run([sys.executable, "-m", "dflash", "env", "--config", str(good), "--log", str(log)], cwd=repo,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "INFO dflash.env: environment" in log.read_text() and "INFO dflash.env: environment" in r.stderr
+    bad = write(tmp_path, {"bogus": 1})
+    r = subprocess.run([sys.executable, "-m", "dflash", "env", "--config", str(bad), "--log", str(log)], cwd=repo,
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "unknown key 'bogus'" in log.read_text() and "unknown key 'bogus'" in r.stderr
+
+
+def test_run_trained_with_another_config_refused(tmp_path):
+    from dflash.errors import UserError
+    from dflash.stages import check_run_config
+    loaded = C.from_dict({"train": {"steps": 7}})
+    (tmp_path / "summary.json").write_text('{"config_hash": "%s"}' % loaded.hash)
+    check_run_config(loaded, tmp_path)                                       # same config: fine
+    check_run_config(C.from_dict({"train": {"steps": 7}, "run_name": "x", "evaluate": {"num_prompts": 2}}), tmp_path)
+    with pytest.raises(UserError, match="summary.json was trained with another config"):
+        check_run_config(C.from_dict({"train": {"steps": 50}}), tmp_path)

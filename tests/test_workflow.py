@@ -1,4 +1,7 @@
-"""The Snakemake workflow: lint-clean, dry runs list every stage, the README's cluster command plans the 8-GPU job."""
+"""The Snakemake workflow as a user drives it: the venv's `snakemake` with the venv not activated, on a copy of the
+repository. Lint-clean; dry runs list every stage; the rerun triggers rerun exactly the stages a change affects;
+config values reach the stages quoted; config mistakes are one short message."""
+import json
 import os
 import shutil
 import subprocess
@@ -6,51 +9,257 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
+
+from conftest_data import TINY_ARCH, good_rows, write_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
 SNAKEMAKE = Path(sys.executable).with_name("snakemake")
+STAGES = ("env", "target", "data", "warmup", "train", "evaluate", "export", "report")
 
 pytestmark = pytest.mark.skipif(not SNAKEMAKE.exists(), reason="snakemake is not installed in this environment")
 
 
-def snakemake(tmp_path, *args):
-    """Run snakemake on a copy of the workflow (no results, no .snakemake state of the checkout)."""
+def copy_repo(dst: Path) -> Path:
+    shutil.copytree(REPO, dst, ignore=shutil.ignore_patterns(".venv*", ".git", "results", ".snakemake", "__pycache__",
+                                                             ".whl", "bench", ".pytest_cache"))
+    return dst
+
+
+def bare_env() -> dict:
+    """The environment of a shell where the venv is not activated: no venv on PATH, no PYTHONPATH."""
+    venv_bin = str(SNAKEMAKE.parent)
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
+                                  if p and Path(p).resolve() != Path(venv_bin).resolve())
+    return env
+
+
+def snakemake(work: Path, *args, timeout=600):
+    r = subprocess.run([str(SNAKEMAKE), *args], cwd=work, capture_output=True, text=True, timeout=timeout,
+                       env=bare_env())
+    r.out = r.stdout + r.stderr
+    return r
+
+
+def planned(r) -> dict:
+    """{rule: count} from a dry run's job table."""
+    table = r.out.split("Job stats:")[1].split("total")[0]
+    rows = [line.split() for line in table.splitlines()[3:] if line.strip()]
+    return {name: int(n) for name, n in rows}
+
+
+@pytest.fixture
+def wf(tmp_path):
+    return copy_repo(tmp_path / "wf")
+
+
+def tiny_config(work: Path, **over) -> dict:
+    """The whole pipeline in about a minute on 2 cores: a 2-layer target of width 32, a built-in corpus of 40
+    conversations plus one local source file, 3 training steps, 2 evaluation prompts."""
+    cfg = {"run_name": "tiny", "dataset_name": "tiny",
+           "target": {"path": "results/target/tiny", "build": "tiny", "arch": TINY_ARCH,
+                      "pretrain": {"steps": 2, "batch_size": 4, "seq_len": 32}},
+           "data": {"builtin_corpus": {"enabled": True, "max_conversations": 40}, "regenerate": {"enabled": False},
+                    "sources": [{"name": "mine", "path": "sources/mine.jsonl"}],
+                    "holdout": 2, "min_supervised_blocks": 1, "max_length": 128, "bucket_edges": [64, 128]},
+           "drafter": {"num_layers": 1, "block_size": 4, "num_target_layers": 2, "target_layer_ids": [0, 1]},
+           "train": {"targets": ["cpu"], "drafters": ["cpu"], "attention": "sdpa", "compile": False, "steps": 3,
+                     "batch_size": 2, "num_anchors": 4, "log_every": 1, "checkpoint_every": 0,
+                     "warmup_steps_excluded": 1},
+           "evaluate": {"num_prompts": 2, "max_new_tokens": 8}}
+    for key, value in over.items():
+        section, _, leaf = key.partition("__")
+        if leaf:
+            cfg[section][leaf] = value
+        else:
+            cfg[section] = value
+    return cfg
+
+
+def write_config(work: Path, name: str, cfg: dict) -> str:
+    (work / "config" / name).write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return f"config/{name}"
+
+
+@pytest.fixture(scope="module")
+def done(tmp_path_factory):
+    """A copy of the repository where the whole pipeline ran once on the tiny config."""
+    work = copy_repo(tmp_path_factory.mktemp("done") / "wf")
+    (work / "sources").mkdir()
+    write_jsonl(work / "sources" / "mine.jsonl", good_rows(12))
+    write_config(work, "tiny.yaml", tiny_config(work))
+    r = snakemake(work, "--cores", "2", "--configfile", "config/tiny.yaml")
+    assert r.returncode == 0, r.out[-5000:]
+    return work, r
+
+
+@pytest.fixture
+def after(done, tmp_path):
+    """A private copy of the finished pipeline (mtimes and Snakemake's metadata kept) to change things in."""
     work = tmp_path / "wf"
-    if not work.exists():
-        shutil.copytree(REPO, work, ignore=shutil.ignore_patterns(".venv*", ".git", "results", ".snakemake",
-                                                                   "__pycache__", ".whl", "bench"))
-    env = dict(os.environ, PATH=f"{SNAKEMAKE.parent}{os.pathsep}{os.environ['PATH']}")
-    return subprocess.run([str(SNAKEMAKE), *args], cwd=work, capture_output=True, text=True, timeout=300, env=env)
+    shutil.copytree(done[0], work, symlinks=True)
+    return work
 
 
-def test_lint_clean(tmp_path):
-    r = snakemake(tmp_path, "--lint")
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "Congratulations" in r.stdout + r.stderr
+def dry(work: Path, *args):
+    r = snakemake(work, "-n", "--configfile", "config/tiny.yaml", *args)
+    assert r.returncode == 0, r.out[-3000:]
+    return r
 
 
-def test_default_dry_run_lists_every_stage(tmp_path):
-    r = snakemake(tmp_path, "-n", "-p", "--cores", "2")
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-3000:]
-    for rule in ("env", "target", "data", "warmup", "train", "export", "evaluate", "report", "all"):
-        assert f"rule {rule}:" in out or f"localrule {rule}:" in out, rule
-    assert "--config config/config.yaml" in out
+# ---- static checks and dry runs ------------------------------------------------------------------------------
+def test_lint_clean(wf):
+    r = snakemake(wf, "--lint")
+    assert r.returncode == 0, r.out[-3000:]
+    assert "Congratulations" in r.out
 
 
-def test_slurm_profile_plans_the_8gpu_job(tmp_path):
+def test_default_dry_run_lists_every_stage_with_the_venv_interpreter(wf):
+    r = snakemake(wf, "-n", "-p", "--cores", "2")
+    assert r.returncode == 0, r.out[-3000:]
+    assert set(planned(r)) == set(STAGES) | {"all"}
+    assert "python -m dflash train --config config/config.yaml --data results/data/default" in r.out
+    assert "--run-dir results/runs/demo --log results/logs/train/demo.log" in r.out
+
+
+def test_slurm_profile_plans_the_8gpu_job(wf):
     """The README's cluster command, as a dry run: one warm-up job per drafter GPU, train asks for 8 GPUs."""
-    r = snakemake(tmp_path, "-n", "--workflow-profile", "workflow/profiles/slurm", "--configfile",
-                  "config/seed-8gpu.yaml")
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-3000:]
-    assert "Config file(s): [PosixPath(" in out and "config/config.yaml" not in out.split("Config file(s):")[1].split("\n")[0]
-    assert out.count("rule warmup:") == 3                      # cuda5, cuda6, cuda7
-    train = out[out.index("rule train:"):]
-    assert "gpu=8" in train.split("Shell command")[0] and "gres=gpu:8" in train.split("Shell command")[0]
-    assert "python -m dflash train --config" in train and "seed-8gpu.yaml" in train
+    r = snakemake(wf, "-n", "--workflow-profile", "workflow/profiles/slurm", "--configfile", "config/seed-8gpu.yaml")
+    assert r.returncode == 0, r.out[-3000:]
+    assert r.out.count("rule warmup:") == 3                      # cuda5, cuda6, cuda7
+    train = r.out[r.out.index("rule train:"):]
+    head = train.split("Shell command")[0]
+    assert "gpu=8" in head and "gres=gpu:8" in head
+    assert "python -m dflash train --config config/seed-8gpu.yaml" in train
 
 
-def test_two_configfiles_refused(tmp_path):
-    r = snakemake(tmp_path, "-n", "--configfile", "config/config.yaml", "config/h200.yaml")
-    assert r.returncode != 0 and "give one --configfile" in r.stdout + r.stderr
+def test_two_configfiles_refused(wf):
+    r = snakemake(wf, "-n", "--configfile", "config/config.yaml", "config/h200.yaml")
+    assert r.returncode != 0 and "give one --configfile" in r.out
+
+
+# ---- config mistakes: one short message ----------------------------------------------------------------------
+def error_lines(r) -> list[str]:
+    return [line for line in r.out.splitlines() if line.strip()]
+
+
+def test_yaml_syntax_error_names_line_and_column(wf):
+    (wf / "config" / "config.yaml").write_text("run_name: demo\ntrain:\n  steps: [1\n")
+    r = snakemake(wf, "-n")
+    assert r.returncode != 0
+    assert "config/config.yaml:4:1: not valid YAML: expected ',' or ']'" in r.out, r.out
+    assert len(error_lines(r)) <= 4, r.out
+
+
+def test_duplicate_key_refused(wf):
+    (wf / "config" / "dup.yaml").write_text("run_name: demo\ntrain:\n  steps: 3\n  steps: 5\n")
+    r = snakemake(wf, "-n", "--configfile", "config/dup.yaml")
+    assert r.returncode != 0
+    assert "config/dup.yaml:4:3: not valid YAML: duplicate key 'steps' (first at line 3)" in r.out, r.out
+
+
+def test_schema_error_is_short(wf):
+    (wf / "config" / "bad.yaml").write_text("train:\n  stepz: 3\n")
+    r = snakemake(wf, "-n", "--configfile", "config/bad.yaml")
+    assert r.returncode != 0
+    assert "config/bad.yaml: unknown key 'train.stepz'" in r.out
+    assert len(error_lines(r)) <= 4, r.out                     # was a 240-1255-line schema dump
+
+
+def test_config_values_are_passed_quoted(wf):
+    """A value holding `; touch X` and spaces reaches the stage intact and runs nothing."""
+    cfg = {"results_dir": "res x; touch PWNED; echo ", "target": {"path": "res x; touch PWNED; echo /my target"}}
+    write_config(wf, "evil.yaml", cfg)
+    r = snakemake(wf, "env", "--cores", "1", "--configfile", "config/evil.yaml")
+    assert r.returncode == 0, r.out[-3000:]
+    assert not list(wf.rglob("PWNED")) and not (Path("/tmp") / "PWNED").exists()
+    fp = json.loads((wf / "res x; touch PWNED; echo " / "env" / "fingerprint.json").read_text())
+    assert Path(fp["executable"]).parent.resolve() == SNAKEMAKE.parent.resolve()  # the venv's interpreter ran it
+    r = snakemake(wf, "-n", "-p", "--configfile", "config/evil.yaml")
+    assert "--out 'res x; touch PWNED; echo /my target'" in r.out     # the target path: one quoted argument
+
+
+# ---- the pipeline, then what reruns -------------------------------------------------------------------------
+pipeline = pytest.mark.slow
+
+
+@pipeline
+def test_pipeline_runs_with_progress_on_the_console_and_logs_kept(done):
+    work, r = done
+    assert "INFO dflash.train: step 3/3 loss" in r.out               # the stage's periodic line, on the console
+    assert "INFO dflash.data: dataset tiny:" in r.out
+    log = (work / "results" / "logs" / "train" / "tiny.log").read_text()
+    assert "step 3/3 loss" in log and "completed: 3 steps" in log
+    for stage in STAGES:
+        assert f"(Rule: {stage})" in r.out, stage
+    assert "Nothing to be done" in dry(work).out
+
+
+@pipeline
+def test_copied_config_with_same_content_reruns_nothing(done):
+    work = done[0]
+    shutil.copy(work / "config" / "tiny.yaml", work / "config" / "tiny-copy.yaml")
+    r = snakemake(work, "-n", "--configfile", "config/tiny-copy.yaml")
+    assert r.returncode == 0 and "Nothing to be done" in r.out, r.out[-3000:]
+
+
+@pipeline
+def test_train_key_change_reruns_train_to_report_only(done):
+    work = done[0]
+    write_config(work, "tiny-lr.yaml", tiny_config(work, train__lr=1e-3))
+    r = snakemake(work, "-n", "--configfile", "config/tiny-lr.yaml")
+    assert planned(r) == {"train": 1, "evaluate": 1, "export": 1, "report": 1, "all": 1}, r.out[-3000:]
+    assert "Params have changed since last execution" in r.out
+
+
+@pipeline
+def test_changed_source_reruns_data_onward_and_a_touch_does_not(after):
+    src = after / "sources" / "mine.jsonl"
+    os.utime(src)                                                    # newer, same content: nothing to do
+    assert "Nothing to be done" in dry(after).out
+    write_jsonl(src, good_rows(13))
+    assert planned(dry(after)) == {"data": 1, "warmup": 1, "train": 1, "evaluate": 1, "export": 1, "report": 1,
+                                   "all": 1}
+
+
+@pipeline
+def test_changed_pins_rerun_env_onward(after):
+    """The environment fingerprint is an input of warm-up and train (it names the compile cache, it decides
+    throughput); a package change is seen through the env rule's params, a pins change through its input."""
+    with open(after / "envs" / "requirements.txt", "a") as f:
+        f.write("# a comment changes the lock hash\n")
+    assert planned(dry(after)) == {"env": 1, "warmup": 1, "train": 1, "evaluate": 1, "export": 1, "report": 1,
+                                   "all": 1}
+
+
+@pipeline
+def test_config_run_name_trains_a_new_run(after):
+    r = snakemake(after, "results/runs/other/summary.json", "--cores", "2", "--configfile", "config/tiny.yaml",
+                  "--config", "run_name=other")
+    assert r.returncode == 0, r.out[-3000:]
+    assert planned(r) == {"train": 1}
+    assert json.loads((after / "results/runs/other/summary.json").read_text())["run_name"] == "other"
+
+
+@pipeline
+def test_forced_rerun_of_train_trains(after):
+    before = json.loads((after / "results/runs/tiny/summary.json").read_text())["run_id"]
+    r = snakemake(after, "--cores", "2", "--configfile", "config/tiny.yaml", "-R", "train")
+    assert r.returncode == 0, r.out[-3000:]
+    assert "nothing to train" not in r.out and "INFO dflash.train: step 3/3" in r.out
+    assert json.loads((after / "results/runs/tiny/summary.json").read_text())["run_id"] != before
+
+
+@pipeline
+def test_run_by_hand_with_other_settings_is_not_taken_for_the_pipelines(after):
+    """`python -m dflash train --set train.steps=2` into the pipeline's run folder, then the pipeline: the
+    2-step run is refused by name, never evaluated and reported as the pipeline's run."""
+    r = subprocess.run([sys.executable, "-m", "dflash", "train", "--config", "config/tiny.yaml", "--set",
+                        "train.steps=2"], cwd=after, capture_output=True, text=True, env=bare_env(), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = snakemake(after, "--cores", "2", "--configfile", "config/tiny.yaml")
+    assert r.returncode != 0
+    assert "results/runs/tiny/summary.json was trained with another config" in r.out
+    acceptance = after / "results/runs/tiny/acceptance.json"
+    assert not acceptance.exists() or json.loads(acceptance.read_text())["checkpoint_step"] == 3

@@ -13,11 +13,12 @@ def add_arguments(p):
 
 
 def run(loaded, args):
+    from dflash import paths
     from dflash.atomic import atomic_dir
-    from dflash.config import REPO, inside, results_path
+    from dflash.config import REPO, inside
     from dflash.data.expand import expand
 
-    out = args.out or results_path(loaded, "data", loaded.cfg.dataset_name)
+    out = args.out or paths.dataset(loaded.cfg.results_dir, loaded.cfg.dataset_name)
     inside(out, loaded.cfg.results_dir, REPO)
     with atomic_dir(out) as tmp:
         m = expand(loaded, tmp, progress=not args.no_progress, threads=args.threads)

@@ -11,9 +11,8 @@ def add_arguments(p):
 
 
 def run(loaded, args):
-    from dflash import fingerprint
+    from dflash import fingerprint, paths
     from dflash.atomic import atomic_write_json
-    from dflash.config import results_path
 
     fp = fingerprint.collect()
     problems = fingerprint.pin_mismatches(fp, fingerprint.read_pins())
@@ -22,7 +21,7 @@ def run(loaded, args):
         log.warning("environment differs from envs/requirements.txt: %s", line)
     if problems and loaded.cfg.strict_env:
         raise UserError(f"strict_env is on and {len(problems)} package(s) differ from the pins: " + "; ".join(problems))
-    out = args.out or results_path(loaded, "env", "fingerprint.json")
+    out = args.out or paths.fingerprint(loaded.cfg.results_dir)
     atomic_write_json(out, fp)
     gpu = fp["gpu"]
     log.info("environment %s: python %s, torch %s, %s GPU(s) %s -> %s", fp["hash"], fp["python"],

@@ -17,6 +17,8 @@ def add_arguments(p):
                    help="held-out prompts (default: <results_dir>/data/<dataset_name>/holdout.jsonl)")
     p.add_argument("--out", default=None, help="output JSON (default: <run-dir>/acceptance.json)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--same-config", action="store_true",
+                   help="refuse a run trained with another config, e.g. by hand with --set (the workflow passes it)")
 
 
 def run(loaded, args):
@@ -25,17 +27,19 @@ def run(loaded, args):
 
     import torch
 
+    from dflash import paths
     from dflash.atomic import atomic_write_json
-    from dflash.config import REPO, inside, results_path
+    from dflash.config import REPO, inside
     from dflash.errors import UserError
     from dflash.evaluate import DFlashDraft
     from dflash.evaluate import acceptance as A
     from dflash.evaluate import loading as L
+    from dflash.stages import check_run_config
     from dflash.target import load_target, load_tokenizer, resolve_device, stop_token_ids
     from dflash.train.checkpoint import load_drafter
 
     cfg, ev = loaded.cfg, loaded.cfg.evaluate
-    run_dir = Path(args.run_dir) if args.run_dir else results_path(loaded, "runs", cfg.run_name)
+    run_dir = Path(args.run_dir) if args.run_dir else paths.run(cfg.results_dir, cfg.run_name)
     out = Path(args.out) if args.out else run_dir / "acceptance.json"
     device = resolve_device(ev.device)
     tok = load_tokenizer(cfg.target)
@@ -43,6 +47,8 @@ def run(loaded, args):
     dtype = next(target.parameters()).dtype
     embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     # the drafter's shape is its folder's config.json (a checkpoint or an export), never the YAML's drafter keys
+    if args.same_config and not args.drafter:
+        check_run_config(loaded, run_dir)
     path = Path(args.drafter) if args.drafter else L.newest_checkpoint(run_dir)
     drafter = load_drafter(path, embed, head, device=device, dtype=dtype).eval()
     source, step = str(path), L.checkpoint_step(path)
@@ -50,7 +56,7 @@ def run(loaded, args):
     bsz, mask_id = drafter.cfg.block_size, drafter.cfg.mask_token_id
     stops = stop_token_ids(tok, target)
 
-    holdout = args.holdout or results_path(loaded, "data", cfg.dataset_name, "holdout.jsonl")
+    holdout = args.holdout or paths.dataset(cfg.results_dir, cfg.dataset_name) / "holdout.jsonl"
     sets = {"holdout": L.read_holdout(holdout, ev.num_prompts)}
     for f in ev.prompt_files:
         path = inside(f, REPO, cfg.results_dir)

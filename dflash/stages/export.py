@@ -9,7 +9,10 @@ log = logging.getLogger("dflash.export")
 def add_arguments(p):
     p.add_argument("--run-dir", default=None, help="run folder (default: <results_dir>/runs/<run_name>)")
     p.add_argument("--checkpoint", default=None, help="checkpoint folder (default: the run's newest)")
+    p.add_argument("--data", default=None, help="dataset folder, for the model card (default: <results_dir>/data/<dataset_name>)")
     p.add_argument("--out", default=None, help="output folder (default: <run-dir>/drafter)")
+    p.add_argument("--same-config", action="store_true",
+                   help="refuse a run trained with another config, e.g. by hand with --set (the workflow passes it)")
     p.add_argument("--dtype", choices=["keep", "float32", "bfloat16"], default="keep",
                    help="cast the weights (default: as trained)")
 
@@ -21,17 +24,20 @@ def run(loaded, args):
     import torch
     from transformers import AutoConfig
 
+    from dflash import paths
     from dflash.atomic import atomic_dir, read_json
-    from dflash.config import results_path
     from dflash.errors import UserError
     from dflash.evaluate import loading as L
     from dflash.evaluate.modelcard import model_card
     from dflash.model import save_drafter
+    from dflash.stages import check_run_config
     from dflash.train.checkpoint import load_drafter
 
     cfg = loaded.cfg
-    run_dir = Path(args.run_dir) if args.run_dir else results_path(loaded, "runs", cfg.run_name)
+    run_dir = Path(args.run_dir) if args.run_dir else paths.run(cfg.results_dir, cfg.run_name)
     out = Path(args.out) if args.out else run_dir / "drafter"
+    if args.same_config and not args.checkpoint:
+        check_run_config(loaded, run_dir)
     ckpt = Path(args.checkpoint) if args.checkpoint else L.newest_checkpoint(run_dir)
     tpath = Path(cfg.target.path)
     if not (tpath / "config.json").is_file():
@@ -48,7 +54,7 @@ def run(loaded, args):
 
     summary = _read(run_dir / "summary.json")
     acceptance = _read(run_dir / "acceptance.json")
-    manifest = _read(results_path(loaded, "data", cfg.dataset_name, "manifest.json"))
+    manifest = _read(Path(args.data or paths.dataset(cfg.results_dir, cfg.dataset_name)) / "manifest.json")
     with atomic_dir(out) as tmp:
         save_drafter(drafter, tmp / "weights", dtype=dtype)
         for f in (tmp / "weights").iterdir():

@@ -26,9 +26,9 @@ def latest_of(data: dict, run_name: str) -> dict | None:
 
 def run(loaded, args):
     from dflash.atomic import atomic_write_json
-    from dflash.config import results_path
+    from dflash import paths
 
-    path = Path(args.regressions or results_path(loaded, "report", "regressions.json"))
+    path = Path(args.regressions or paths.report(loaded.cfg.results_dir) / "regressions.json")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as e:
@@ -42,7 +42,7 @@ def run(loaded, args):
         print(f"dflash gate: regression: {latest.get('sentence')} (report.fail_on_regression is true; "
               f"the report stays in {path.parent})", file=sys.stderr)
         return 3
-    out = args.out or results_path(loaded, "report", "gate.json")
+    out = args.out or paths.report(loaded.cfg.results_dir) / "gate.json"
     atomic_write_json(out, {"run_id": latest.get("run_id") if latest else None, "verdict": verdict,
                             "fail_on_regression": fail, "passed": True})
     log.info("gate passed: %s", latest.get("sentence") if latest else "no runs in the history")

@@ -14,10 +14,10 @@ def add_arguments(p):
 
 
 def run(loaded, args):
-    from dflash.config import results_path
+    from dflash import paths
     from dflash.report import build
     from dflash.report.regress import Settings
 
-    build(args.runs_dir or results_path(loaded, "runs"), args.out or results_path(loaded, "report"),
-          Settings.from_config(loaded.cfg))
+    results = loaded.cfg.results_dir
+    build(args.runs_dir or paths.runs(results), args.out or paths.report(results), Settings.from_config(loaded.cfg))
     return 0

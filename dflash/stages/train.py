@@ -6,6 +6,8 @@ log = logging.getLogger("dflash.train")
 
 
 def add_arguments(p):
+    p.add_argument("--data", default=None, help="dataset folder (default: <results_dir>/data/<dataset_name>)")
+    p.add_argument("--run-dir", default=None, help="run folder (default: <results_dir>/runs/<run_name>)")
     p.add_argument("--no-progress", action="store_true", help="no live progress bar")
 
 
@@ -24,7 +26,7 @@ def run(loaded, args):
     from dflash.train.runtime import threads
     from dflash.train.telemetry import GpuSampler
 
-    ctx = prepare(loaded, run_dir=getattr(args, "run_dir", None), data_dir=getattr(args, "data_dir", None))
+    ctx = prepare(loaded, run_dir=args.run_dir, data_dir=args.data)
     if ctx.placement.runtime == "distributed":
         from dflash.train.runtime import distributed
         return distributed.launch(loaded, args, ctx.run_dir)

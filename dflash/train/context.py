@@ -9,7 +9,8 @@ from pathlib import Path
 
 from dflash import fingerprint
 from dflash.atomic import read_json
-from dflash.config import REPO, results_path
+from dflash import paths
+from dflash.config import REPO
 from dflash.errors import UserError
 from dflash.train import placement as P
 
@@ -59,11 +60,11 @@ def prepare(loaded, need_data: bool = True, run_dir=None, data_dir=None) -> RunC
     tok = load_tokenizer(cfg.target)
     mask_id = cfg.drafter.mask_token_id if cfg.drafter.mask_token_id is not None else mask_token_id(tok)
     dconf = DrafterConfig.from_target(tconf, cfg.drafter, mask_id)
-    data_dir = Path(data_dir) if data_dir else results_path(loaded, "data", cfg.dataset_name)
+    data_dir = Path(data_dir or paths.dataset(cfg.results_dir, cfg.dataset_name))
     if need_data and not (data_dir / "manifest.json").is_file():
         raise UserError(f"{data_dir}/manifest.json: dataset not found (run the data stage first)")
     return RunContext(
-        loaded, placement, backend, Path(run_dir) if run_dir else results_path(loaded, "runs", cfg.run_name),
+        loaded, placement, backend, Path(run_dir or paths.run(cfg.results_dir, cfg.run_name)),
         data_dir, tconf, dconf,
         cfg.train.gamma if cfg.train.gamma is not None else default_gamma(dconf.block_size),
         fingerprint.collect(), cfg.train.compile and backend != "eager",

@@ -7,10 +7,10 @@ rule bench_h200:
     resources:
         gpu=1,
     log:
-        f"{RESULTS}/logs/bench_h200.log",
+        LOGS / "bench_h200.log",
     benchmark:
-        f"{RESULTS}/benchmarks/bench_h200.jsonl"
+        BENCH / "bench_h200.jsonl"
     conda:
         ENV
     shell:
-        "python bench/h200.py --out bench/out > {log} 2>&1"
+        "python bench/h200.py --out bench/out > {log:q} 2>&1"

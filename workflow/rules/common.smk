@@ -1,35 +1,74 @@
-# Shared helpers for the rules: paths derived from the validated config, nothing else.
+# What the rules share: the config (read strictly, validated as the stages validate it), the paths of
+# dflash/paths.py, the interpreter, and the per-rule config sections that are the rules' rerun triggers.
 import json
 import os
+import platform
 
 from snakemake.exceptions import WorkflowError
 
+from dflash import fingerprint, paths
+from dflash.config import ConfigError, for_workflow
+
 if len(workflow.overwrite_configfiles) > 1:
     raise WorkflowError("give one --configfile: the stages read that single YAML")
-# relative to the working directory, so `snakemake --configfile config/x.yaml` and a profile that names the same
-# file give the same input path (an absolute/relative difference would rerun every stage)
+# The stages read this file themselves (plus --config values as --set). It is neither an input nor a param:
+# a copy with the same content reruns nothing; a changed key reruns the rules whose params hold its section.
 CONFIG_FILE = (os.path.relpath(workflow.overwrite_configfiles[0]) if workflow.overwrite_configfiles
                else "config/config.yaml")
+try:
+    _resolved, _sets = for_workflow(CONFIG_FILE, workflow.config_settings.config)
+except ConfigError as e:
+    raise WorkflowError(f"config error: {e}") from None
+config.clear()
+config.update(_resolved)
+
+# Rules call `python`: the interpreter Snakemake runs in (its folder first on PATH, inherited by every job), or
+# under --sdm conda the rule's environment (activated inside the job, so it comes first).
+envvars:
+    "PATH",
+
+
+_inherited = os.environ["PATH"]
+os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), _inherited])
+
+
+def config_args(wildcards, input):
+    """How a stage reads the config: the file and the --config values as --set. Declared as a function of the
+    input, so it is no rerun trigger: what triggers a rule is its `config` param (the sections it depends on)."""
+    return ["--config", CONFIG_FILE] + [a for s in _sets for a in ("--set", s)]
+
+
+ENV = "../../envs/dflash.yaml"
+
 RESULTS = config["results_dir"]
 RUN = config["run_name"]
 DATASET = config["dataset_name"]
-ENV = "../../envs/dflash.yaml"
-
-
-def section(name):
-    """A config section as a stable string: a rule whose section changes reruns (params trigger)."""
-    return json.dumps(config.get(name, {}), sort_keys=True)
-
-
-ALL_TARGETS = [f"{RESULTS}/env/fingerprint.json"]
-
-
-def device_slug(spec):
-    """'cuda:3' / '3' -> 'cuda3'; 'cpu' -> 'cpu' (file names of results/compile/<device>.json)."""
-    s = str(spec)
-    return f"cuda{s}" if s.isdigit() else s.replace(":", "")
-
-
-DRAFTER_DEVICES = sorted({device_slug(d) for d in config["train"]["drafters"]})
-TRAIN_GPUS = len({device_slug(d) for d in config["train"]["targets"] + config["train"]["drafters"]} - {"cpu"})
 TARGET_DIR = config["target"]["path"]
+LOGS = paths.logs(RESULTS)
+BENCH = paths.benchmarks(RESULTS)
+DRAFTER_DEVICES = sorted({paths.device_slug(d) for d in config["train"]["drafters"]})
+TRAIN_GPUS = len({paths.device_slug(d) for d in config["train"]["targets"] + config["train"]["drafters"]} - {"cpu"})
+
+
+def section(*keys):
+    """Config sections as one stable string (sorted keys): a rule whose sections change reruns (params)."""
+    return json.dumps({k: config[k] for k in keys}, sort_keys=True)
+
+
+# train keys that shape no compiled graph (optimiser, schedule, logging, supervision): a change reruns train
+# onward, not the warm-up
+TRAIN_ONLY = ("steps", "lr", "betas", "weight_decay", "warmup_ratio", "min_lr_ratio", "grad_clip", "grad_accum",
+              "checkpoint_every", "log_every", "resume", "warmup_steps_excluded", "matmul_tflops", "ready_timeout_s",
+              "stall_timeout_s", "fail_at_step", "queue_size", "rendezvous", "check_every", "diverge_at_step",
+              "stop_timeout_s")
+
+
+def warmup_section():
+    train = {k: v for k, v in config["train"].items() if k not in TRAIN_ONLY}
+    return json.dumps({"train": train, **{k: config[k] for k in ("drafter", "target", "seed")}}, sort_keys=True)
+
+
+def env_key():
+    """What the environment fingerprint hashes, read without importing torch: a change reruns env onward."""
+    return json.dumps({"python": platform.python_version(), "gpu": fingerprint.gpu_info(),
+                       "packages": {p: fingerprint.package_version(p) for p in fingerprint.PACKAGES}}, sort_keys=True)

@@ -1,31 +1,23 @@
-# Rules of stage 'data': thin shell lines calling python -m dflash data; each appends its outputs to ALL_TARGETS.
-import os
-
-DATA_DIR = f"{RESULTS}/data/{DATASET}"
-
+# Stage 'data': expand the sources into tokenised, bucketed Arrow shards. Local source files are inputs, so an
+# edited source reruns data onward; hub datasets are not tracked.
 
 rule data:
     input:
-        # only the sections that shape the data rerun it (params); the target folder's own changes do too
-        config=ancient(CONFIG_FILE),
         target=TARGET_DIR,
+        sources=lambda wildcards: [s["path"] for s in config["data"]["sources"] if s["kind"] != "hub"],
     output:
-        f"{DATA_DIR}/manifest.json",
+        manifest=paths.dataset(RESULTS, DATASET) / "manifest.json",
     params:
-        out=lambda wildcards, output: os.path.dirname(output[0]),
-        data=section("data"),
+        stage_config=config_args,
+        out=lambda wildcards, output: os.path.dirname(output.manifest),
+        config=section("data", "target", "seed"),
         block_size=config["drafter"]["block_size"],
-        seed=config["seed"],
     threads: 1
     log:
-        f"{RESULTS}/logs/data-{DATASET}.log",
+        LOGS / f"data-{DATASET}.log",
     benchmark:
-        f"{RESULTS}/benchmarks/data-{DATASET}.jsonl"
+        BENCH / f"data-{DATASET}.jsonl"
     conda:
         ENV
     shell:
-        "python -m dflash data --config {input.config} --out {params.out} --threads {threads} --no-progress"
-        " > {log} 2>&1"
-
-
-ALL_TARGETS.append(f"{DATA_DIR}/manifest.json")
+        "python -m dflash data {params.stage_config:q} --out {params.out:q} --threads {threads} --log {log:q}"

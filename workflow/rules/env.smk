@@ -1,14 +1,18 @@
+# Stage 'env': the environment fingerprint. It reruns when the pins or the installed packages change; the
+# rules whose output it decides (warmup, train) take it as input.
 rule env:
     input:
-        config=ancient(CONFIG_FILE),
         pins="envs/requirements.txt",
     output:
-        f"{RESULTS}/env/fingerprint.json",
+        paths.fingerprint(RESULTS),
+    params:
+        stage_config=config_args,
+        env=env_key(),
     log:
-        f"{RESULTS}/logs/env.log",
+        LOGS / "env.log",
     benchmark:
-        f"{RESULTS}/benchmarks/env.jsonl"
+        BENCH / "env.jsonl"
     conda:
         ENV
     shell:
-        "python -m dflash env --config {input.config} --out {output} > {log} 2>&1"
+        "python -m dflash env {params.stage_config:q} --out {output:q} --log {log:q}"

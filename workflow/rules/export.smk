@@ -1,23 +1,23 @@
-# Stage 'export': the trained drafter in the reference inference format (+ README.md model card) under
-# results/runs/<run>/drafter/. One thin shell line; the logic lives in dflash/stages/export.py.
+# Stage 'export': the trained drafter in the reference inference format (+ README.md model card).
 rule export:
     input:
-        config=ancient(CONFIG_FILE),
-        summary=f"{RESULTS}/runs/{RUN}/summary.json",
-        acceptance=f"{RESULTS}/runs/{RUN}/acceptance.json",  # the model card states tau
+        summary=rules.train.output.summary,
+        acceptance=rules.evaluate.output[0],  # the model card states tau
+        data=rules.data.output.manifest,
         target=TARGET_DIR,
     output:
-        directory(f"{RESULTS}/runs/{RUN}/drafter"),
+        directory(paths.run(RESULTS, RUN) / "drafter"),
     params:
-        drafter=section("drafter"),
+        stage_config=config_args,
+        run_dir=lambda wildcards, input: os.path.dirname(input.summary),
+        data=lambda wildcards, input: os.path.dirname(input.data),
+        config=section("drafter", "target"),
     log:
-        f"{RESULTS}/logs/export/{RUN}.log",
+        LOGS / "export" / f"{RUN}.log",
     benchmark:
-        f"{RESULTS}/benchmarks/export/{RUN}.jsonl"
+        BENCH / "export" / f"{RUN}.jsonl"
     conda:
         ENV
     shell:
-        "python -m dflash export --config {input.config} --out {output} > {log} 2>&1"
-
-
-ALL_TARGETS.append(f"{RESULTS}/runs/{RUN}/drafter")
+        "python -m dflash export {params.stage_config:q} --run-dir {params.run_dir:q} --data {params.data:q} --same-config"
+        " --out {output:q} --log {log:q}"

@@ -1,28 +1,20 @@
-# Rules of stage 'target': thin shell lines calling python -m dflash target; each appends its outputs to ALL_TARGETS.
-# build none: no rule; target.path must already hold a model folder (the data rule takes it as input).
-TARGET_DIR = config["target"]["path"]
-
+# Stage 'target': build the tiny (or random-weight) target into target.path. With build none there is no rule:
+# target.path must already hold a model folder (the data rule takes it as input).
 if config["target"]["build"] != "none":
 
     rule target:
-        input:
-            # edits elsewhere in the config file must not rebuild the target: only its sections (params) count
-            config=ancient(CONFIG_FILE),
         output:
             directory(TARGET_DIR),
         params:
-            target=section("target"),
-            corpus=json.dumps(config["data"]["builtin_corpus"]["max_conversations"]),
-            seed=config["seed"],
+            stage_config=config_args,
+            config=section("target", "seed"),
+            corpus=config["data"]["builtin_corpus"]["max_conversations"],
         threads: 1
         log:
-            f"{RESULTS}/logs/target.log",
+            LOGS / "target.log",
         benchmark:
-            f"{RESULTS}/benchmarks/target.jsonl"
+            BENCH / "target.jsonl"
         conda:
             ENV
         shell:
-            "python -m dflash target --config {input.config} --out {output} --threads {threads} --no-progress"
-            " > {log} 2>&1"
-
-    ALL_TARGETS.append(TARGET_DIR)
+            "python -m dflash target {params.stage_config:q} --out {output:q} --threads {threads} --log {log:q}"

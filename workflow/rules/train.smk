@@ -1,28 +1,26 @@
-# Training: the threads runtime in one process, or (runtime distributed) one process per GPU under torchrun,
-# launched by the stage itself.
+# Stage 'train': the threads runtime in one process, or (runtime distributed) one process per device under
+# torchrun, launched by the stage itself.
 rule train:
     input:
-        config=ancient(CONFIG_FILE),
-        env=f"{RESULTS}/env/fingerprint.json",
-        data=f"{RESULTS}/data/{DATASET}/manifest.json",
+        env=rules.env.output[0],
+        data=rules.data.output.manifest,
         target=TARGET_DIR,
-        warmup=expand(f"{RESULTS}/compile/{{device}}.json", device=DRAFTER_DEVICES),
+        warmup=expand(rules.warmup.output[0], device=DRAFTER_DEVICES),
     output:
-        summary=f"{RESULTS}/runs/{RUN}/summary.json",
-        metrics=f"{RESULTS}/runs/{RUN}/metrics.jsonl",
+        summary=paths.run(RESULTS, RUN) / "summary.json",
+        metrics=paths.run(RESULTS, RUN) / "metrics.jsonl",
     params:
-        drafter=section("drafter"),
-        train=section("train"),
+        stage_config=config_args,
+        data=lambda wildcards, input: os.path.dirname(input.data),
+        run_dir=lambda wildcards, output: os.path.dirname(output.summary),
+        config=section("drafter", "train", "target", "seed"),
     resources:
         gpu=TRAIN_GPUS,
     log:
-        f"{RESULTS}/logs/train/{RUN}.log",
+        LOGS / "train" / f"{RUN}.log",
     benchmark:
-        f"{RESULTS}/benchmarks/train/{RUN}.jsonl"
+        BENCH / "train" / f"{RUN}.jsonl"
     conda:
         ENV
     shell:
-        "python -m dflash train --config {input.config} --no-progress > {log} 2>&1"
-
-
-ALL_TARGETS.append(f"{RESULTS}/runs/{RUN}/summary.json")
+        "python -m dflash train {params.stage_config:q} --data {params.data:q} --run-dir {params.run_dir:q} --log {log:q}"

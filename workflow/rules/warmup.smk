@@ -1,25 +1,24 @@
-# One job per drafter device: compile every length bucket single-threaded into this environment's Inductor cache.
+# Stage 'warmup': one job per drafter device compiles every length bucket single-threaded into this
+# environment's Inductor cache.
 rule warmup:
     input:
-        config=ancient(CONFIG_FILE),
-        env=f"{RESULTS}/env/fingerprint.json",
-        data=f"{RESULTS}/data/{DATASET}/manifest.json",
+        env=rules.env.output[0],
+        data=rules.data.output.manifest,
         target=TARGET_DIR,
     output:
-        f"{RESULTS}/compile/{{device}}.json",
+        paths.compile_record(RESULTS, "{device}"),
     params:
-        drafter=section("drafter"),
-        train=section("train"),
+        stage_config=config_args,
+        data=lambda wildcards, input: os.path.dirname(input.data),
+        config=warmup_section(),
     resources:
         gpu=lambda wildcards: 0 if wildcards.device == "cpu" else 1,
     log:
-        f"{RESULTS}/logs/warmup/{{device}}.log",
+        LOGS / "warmup" / "{device}.log",
     benchmark:
-        f"{RESULTS}/benchmarks/warmup/{{device}}.jsonl"
+        BENCH / "warmup" / "{device}.jsonl"
     conda:
         ENV
     shell:
-        "python -m dflash warmup --config {input.config} --device {wildcards.device} --out {output} > {log} 2>&1"
-
-
-ALL_TARGETS += expand(f"{RESULTS}/compile/{{device}}.json", device=DRAFTER_DEVICES)
+        "python -m dflash warmup {params.stage_config:q} --device {wildcards.device:q} --data {params.data:q} --out {output:q}"
+        " --log {log:q}"

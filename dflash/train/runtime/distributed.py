@@ -65,9 +65,9 @@ def worker_args(loaded, args) -> list[str]:
     out = ["-m", "dflash", "train", "--config", str(loaded.source), "--no-progress"]
     for item in getattr(args, "set", None) or []:
         out += ["--set", item]
-    for flag in ("run_dir", "data_dir"):
-        if getattr(args, flag, None):
-            out += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    for attr, flag in (("run_dir", "--run-dir"), ("data", "--data")):
+        if getattr(args, attr, None):
+            out += [flag, str(getattr(args, attr))]
     return out
 
 
@@ -232,7 +232,7 @@ def worker_main(loaded, args) -> int:
         if fail and fail.get("step") == step:
             raise RuntimeError(f"{name}: injected failure at {'init' if step == 0 else f'step {step}'}")
 
-    ctx = prepare(loaded, run_dir=getattr(args, "run_dir", None), data_dir=getattr(args, "data_dir", None))
+    ctx = prepare(loaded, run_dir=getattr(args, "run_dir", None), data_dir=getattr(args, "data", None))
     ctx.placement = ctx.placement.__class__(ctx.placement.targets, ctx.placement.drafters, "distributed")
     atomic_write_json(ctx.run_dir / "ranks" / f"rank-{rank}.json",
                       {"rank": rank, "name": name, "device": str(device), "pid": os.getpid(), "backend": backend,

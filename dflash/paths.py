@@ -1,0 +1,49 @@
+"""Where each stage's inputs and outputs live by default, under `results_dir`.
+
+The Snakefile builds its rules' inputs and outputs from these functions and hands every stage its paths
+explicitly; a stage falls back to them only when run by hand (`python -m dflash <stage> --config X` without paths).
+Plain strings in, `Path` out, no imports beyond pathlib: the Snakefile imports this module.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def fingerprint(results: str) -> Path:
+    return Path(results, "env", "fingerprint.json")
+
+
+def dataset(results: str, dataset_name: str) -> Path:
+    """Arrow shards per bucket, holdout.jsonl and manifest.json."""
+    return Path(results, "data", dataset_name)
+
+
+def device_slug(spec) -> str:
+    """'cuda:3' / '3' -> 'cuda3'; 'cpu' -> 'cpu' (the file name of a device's warm-up record)."""
+    s = str(spec)
+    return f"cuda{s}" if s.isdigit() else s.replace(":", "")
+
+
+def compile_record(results: str, device) -> Path:
+    return Path(results, "compile", f"{device_slug(device)}.json")
+
+
+def runs(results: str) -> Path:
+    return Path(results, "runs")
+
+
+def run(results: str, run_name: str) -> Path:
+    """metrics.jsonl, summary.json, checkpoints/, acceptance.json, drafter/."""
+    return Path(results, "runs", run_name)
+
+
+def report(results: str) -> Path:
+    return Path(results, "report")
+
+
+def logs(results: str) -> Path:
+    return Path(results, "logs")
+
+
+def benchmarks(results: str) -> Path:
+    return Path(results, "benchmarks")
