@@ -208,3 +208,15 @@ def test_diverged_replicas_stop_the_run_named(tmp_path):
     assert s["status"] == "failed" and s["failure"]["kind"] == "diverged" and s["steps"] <= 4
     assert s["replicas_identical"] is False and s["throughput"]["ktok_per_s"] is None
     assert not (run_dir(cfg) / "checkpoints" / "step-000004").exists()   # a diverged state is never saved
+
+
+def test_a_run_that_cannot_fit_is_refused_before_the_first_step(tmp_path, monkeypatch, capsys):
+    """`train.num_anchors=1000` on the CPU demo was ended by the OOM killer (24 GB RSS, rc 137): the memory
+    estimate refuses it first, in one line naming the keys (here on a machine pretending to have 1 MiB free)."""
+    from dflash.train import memory
+    monkeypatch.setattr(memory, "capacity", lambda device: (2**20, "available RAM"))
+    cfg = prepared(tmp_path, num_anchors=1000)
+    assert main(["train", "--config", str(cfg), "--no-progress"]) != 0
+    text = capsys.readouterr().err
+    assert "train.num_anchors" in text and "train.batch_size" in text and "data.bucket_edges" in text
+    assert not (run_dir(cfg) / "checkpoints").exists()

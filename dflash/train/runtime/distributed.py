@@ -265,6 +265,10 @@ def worker_main(loaded, args) -> int:
         e, h = torch.empty(V, H, dtype=dtype, device=device), torch.empty(V, H, dtype=dtype, device=device)
         dist.recv(e, src=0)
         dist.recv(h, src=0)
+        from dflash.train import memory
+        longest = max(n for _, n in ctx.shapes)
+        memory.check(ctx.drafter_config, cfg.train, longest, device, ctx.backend,
+                     num_anchors=ctx.anchors_for(longest), compiled=ctx.compile)
         metrics = RunMetrics(ctx, progress=False) if r == 0 else None
         sync = DistSync(drafter_group, D)
         rep = Replica(ctx, r, D, device, build_drafter(ctx, e, h, device), sync, metrics, fail=maybe_fail)

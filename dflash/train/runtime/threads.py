@@ -263,7 +263,10 @@ def run(ctx, reader, metrics) -> int:
             owner = next((tw.model for tw in targets if tw.device == d and tw.model is not None), None)
             heads[d] = frozen_head(owner or next(tw.model for tw in targets if tw.model is not None), d)
 
-    # 2. replicas: identical weights; optimizer state restored from the newest good checkpoint if resuming
+    # 2. will it fit? one line naming the keys to change, before anything big is allocated
+    check_memory(ctx, targets)
+
+    # 3. replicas: identical weights; optimizer state restored from the newest good checkpoint if resuming
     sync = GradSync(D)
     replicas = []
     for r, d in enumerate(pl.drafters):
@@ -281,7 +284,7 @@ def run(ctx, reader, metrics) -> int:
         log.info("run already complete at step %d (checkpoint %s); nothing to train", start_step, latest)
         return 0
 
-    # 3. warm-up: every compile, single-threaded, before any worker thread starts; every replica (a compiled
+    # 4. warm-up: every compile, single-threaded, before any worker thread starts; every replica (a compiled
     #    graph may belong to one module)
     warm = []
     for rep in replicas:
@@ -292,7 +295,7 @@ def run(ctx, reader, metrics) -> int:
         compile_guard.forbid_recompiles()
     metrics.set_warmup(warm, time.perf_counter() - t0)
 
-    # 4. workers
+    # 5. workers
     end_index = data_index + (cfg.train.steps - start_step) * D * cfg.train.grad_accum
     feeder = Feeder(reader, data_index, end_index, work, shared, pin=any(d.type == "cuda" for d in pl.targets))
     drafters = [DrafterWorker(rep, inboxes[rep.rank], shared) for rep in replicas]
@@ -319,6 +322,20 @@ def run(ctx, reader, metrics) -> int:
         logging.shutdown()
         os._exit(code)
     return code
+
+
+def check_memory(ctx, targets):
+    """The memory estimate of every drafter device (its replicas plus the targets' weights already there)."""
+    from dflash.train import memory
+    longest = max(s for _, s in ctx.shapes)
+    for dev in dict.fromkeys(ctx.placement.drafters):
+        resident = 0
+        if dev.type == "cuda":
+            resident = sum(p.numel() * p.element_size() for tw in targets if tw.device == dev and tw.model
+                           for p in tw.model.parameters())
+        memory.check(ctx.drafter_config, ctx.cfg.train, longest, dev, ctx.backend,
+                     replicas=ctx.placement.drafters.count(dev), resident=resident,
+                     num_anchors=ctx.anchors_for(longest), compiled=ctx.compile)
 
 
 def _on_signal(shared: Shared, signum: int):
