@@ -167,7 +167,8 @@ def drafter_variants():
     from dflash import config as C
     from dflash.model import DrafterConfig
     from dflash.train import optim
-    from dflash.train.setup import Setup, build_drafter, micro_step, random_head
+    from dflash.train.context import RunContext
+    from dflash.train.step import build_drafter, micro_step, random_head
     from dflash.fingerprint import collect, compile_cache_dir
     from dflash.train.compile_guard import use_compile_cache
     use_compile_cache(compile_cache_dir(REPO / "results", collect()["hash"]))  # share the train stage's cache
@@ -183,7 +184,7 @@ def drafter_variants():
     out = {}
     for name in variants:
         backend, compiled = name.split("+")[0], name.endswith("+compile")
-        setup = Setup(loaded, None, backend, Path("/tmp"), Path("/tmp"), tconf, dcfg, 7.0, {}, compiled)
+        setup = RunContext(loaded, None, backend, Path("/tmp"), Path("/tmp"), tconf, dcfg, 7.0, {}, compiled)
         embed, head = random_head(setup, DEV, torch.bfloat16)
         model = build_drafter(setup, embed, head, DEV)
         opt, sched = optim.build([p for p in model.parameters() if p.requires_grad], loaded.cfg.train, DEV)
@@ -275,7 +276,8 @@ def e2e(out_dir: Path, steps: int, extra=()):
             (out_dir / f"summary-{name}.json").write_text(json.dumps(sm, indent=1))
             res[name].update({k: sm.get(k) for k in ("steps", "measured_steps", "throughput", "time_split_s",
                                                       "seconds_to_first_step", "loss",
-                                                      "devices", "compile", "replicas_identical", "status")})
+                                                      "devices", "compile", "replicas_identical", "replica_checksums",
+                                                      "status", "failure")})
             res[name]["compile"].pop("per_device", None)
     return res
 
