@@ -110,11 +110,13 @@ class Replica:
             s = loss_stats(out, m.tokens)
             stats = s if stats is None else stats + s
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        if self.sync.reduces_in_backward:
+        if self.sync.reduces_in_backward or self.n == 1:
+            # gradients already summed (DDP averaged them over n replicas): scale in place, no copies
             (stats,), stop = self.sync.reduce(self.rank, [stats], want_stop)
-            scale = self.n / stats[1].clamp(min=1e-12)  # DDP averaged the gradient sums over n replicas
+            scale = (self.n / stats[1].clamp(min=1e-12)).to(grads[0].dtype)
+            torch._foreach_mul_(grads, scale)
             for p, g in zip(self.params, grads):
-                p.grad = g.mul_(scale.to(g.dtype))
+                p.grad = g
         else:
             flat = torch._utils._flatten_dense_tensors(grads)
             (flat, stats), stop = self.sync.reduce(self.rank, [flat, stats], want_stop)
