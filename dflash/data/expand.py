@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import heapq
 import json
 import logging
 import random
@@ -87,7 +88,7 @@ def conversation_ids(tokenizer, messages, stop_strings=None):
 # ---- regeneration ------------------------------------------------------------------------------------------------
 
 def regenerate(model, tokenizer, prompts, max_new_tokens, temperature=0.0, batch_size=32, seed=0, progress=True,
-               stop_ids=None):
+               stop_ids=None, cache_implementation=None):
     """Batched generation with a KV cache and left padding. Returns responses (token ids up to, excluding, the first
     stop token) in the order of `prompts`, and {tokens, seconds, tokens_per_s}."""
     import torch
@@ -100,7 +101,8 @@ def regenerate(model, tokenizer, prompts, max_new_tokens, temperature=0.0, batch
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
     gen_cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=temperature > 0,
                                temperature=temperature if temperature > 0 else None, top_k=None, top_p=None,
-                               eos_token_id=stop_ids, pad_token_id=pad, use_cache=True)
+                               eos_token_id=stop_ids, pad_token_id=pad, use_cache=True,
+                               cache_implementation=cache_implementation)
     device = next(model.parameters()).device
     order = sorted(range(len(prompts)), key=lambda i: (-len(prompts[i]), i))
     out: list[list[int] | None] = [None] * len(prompts)
@@ -136,6 +138,21 @@ def _conv_hash(messages) -> str:
     return hashlib.sha256(json.dumps(messages, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
 
 
+def shard_of(conv_hash: str, shards: int) -> int:
+    """The shard a conversation belongs to: a function of its content only (the same for any run)."""
+    return int(conv_hash[:8], 16) % shards
+
+
+def _rank(seed, sid: str) -> str:
+    """A sample's place in the shards: a seeded hash of its id (the same for any number of data shards)."""
+    return hashlib.sha256(f"{seed}:{sid}".encode()).hexdigest()
+
+
+def _neg(hexdigest: str) -> int:
+    """For a max-heap of hex ranks (heapq is a min-heap)."""
+    return -int(hexdigest[:16], 16)
+
+
 def _first_assistant(messages) -> int:
     return next(i for i, m in enumerate(messages) if m["role"] == "assistant")
 
@@ -154,28 +171,25 @@ def _source_specs(dcfg) -> list[SourceSpec]:
     return specs
 
 
-def _read_source(spec: SourceSpec, dcfg, seed) -> list[Row]:
+def _read_source(spec: SourceSpec, dcfg, seed):
     if spec.kind == "builtin":
         from dflash.data import corpus
         convs = corpus.conversations(dcfg.builtin_corpus.max_conversations, seed=0)
-        return [Row("stdlib", i, c) for i, c in enumerate(convs)]
-    return list(read_rows(spec))
+        return (Row("stdlib", i, c) for i, c in enumerate(convs))
+    return read_rows(spec)
 
 
-def _weighted(rows: list[dict], weight: float, rng: random.Random) -> list[dict]:
-    n = len(rows)
-    m = int(round(weight * n))
-    if m == n:
-        return list(rows)
-    if m < n:
-        keep = sorted(rng.sample(range(n), m))
-        return [rows[i] for i in keep]
-    extra = [dict(rows[rng.randrange(n)]) for _ in range(m - n)]
-    seen = Counter()
-    for e in extra:
-        seen[e["id"]] += 1
-        e["id"] = f"{e['id']}#r{seen[e['id']]}"
-    return list(rows) + extra
+def _weighted(rows: list[dict], weight: float, seed) -> list[dict]:
+    """Each row floor(weight) times, plus once more with probability frac(weight) (a seeded hash of its id decides):
+    a per-row rule, so the result is the same however the rows are split into shards. Copies get `#rK` ids."""
+    whole, frac = int(weight), weight - int(weight)
+    out = []
+    for r in rows:
+        u = int(_rank(f"w{seed}", r["id"])[:8], 16) / 0x100000000
+        k = whole + (1 if u < frac else 0)
+        for j in range(k):
+            out.append(r if j == 0 else {**r, "id": f"{r['id']}#r{j}"})
+    return out
 
 
 def _check_config(cfg):
@@ -187,6 +201,10 @@ def _check_config(cfg):
                         f"({max(d.bucket_edges)}): every kept sample must fit a bucket")
 
 
+def min_supervised_tokens(cfg) -> int:
+    return max(1, int(-(-cfg.data.min_supervised_blocks * cfg.drafter.block_size // 1)))
+
+
 def _synthetic(cfg, tokenizer, vocab_size, stats, rejects):
     import numpy as np
     d = cfg.data
@@ -195,7 +213,7 @@ def _synthetic(cfg, tokenizer, vocab_size, stats, rejects):
     limit = min(len(tokenizer), vocab_size)
     allowed = np.array([t for t in range(limit) if t not in special], dtype=np.int64)
     rng = np.random.default_rng(cfg.seed)
-    min_sup = int(np.ceil(d.min_supervised_blocks * cfg.drafter.block_size))
+    min_sup = min_supervised_tokens(cfg)
     samples, holdout = [], []
     st = stats["synthetic"]
     for i in range(syn.num_samples):
@@ -222,146 +240,135 @@ def _synthetic(cfg, tokenizer, vocab_size, stats, rejects):
     return samples, holdout
 
 
-def expand(loaded, out_dir, progress: bool = True, threads: int | None = None) -> dict:
+def default_cache_dir(loaded) -> Path:
+    """Where finished regeneration chunks are kept across runs: <results_dir>/data/<dataset>.regen/<key>."""
+    from dflash.config import results_path
+    from dflash.data.regen import cache_key
+    return Path(results_path(loaded, "data", f"{loaded.cfg.dataset_name}.regen")) / cache_key(loaded.cfg)
+
+
+def expand(loaded, out_dir, progress: bool = True, threads: int | None = None, cache_dir=None) -> dict:
     """Run the whole expansion for a loaded config and write it into `out_dir` (the caller makes it atomic).
-    `threads`: torch CPU threads while it runs (restored after; None leaves torch's)."""
+    `threads`: torch CPU threads while it runs (restored after; None leaves torch's). `cache_dir`: finished
+    regeneration chunks (default `default_cache_dir`)."""
     from dflash.data.tiny_target import cpu_threads
     with cpu_threads(threads):
-        return _expand(loaded, out_dir, progress)
+        part = expand_part(loaded, 0, 1, cache_dir=cache_dir, progress=progress)
+        return finish(loaded, [part], out_dir)
 
 
-def _expand(loaded, out_dir, progress):
+def expand_part(loaded, shard: int, shards: int, cache_dir=None, progress: bool = True) -> dict:
+    """One shard of the expansion: every shard reads and deduplicates all sources (cheap; the same result in each),
+    then regenerates and tokenises only its conversations (`shard_of`). Returns the part: {"samples", "holdout",
+    "stats", "rejects", "weights", "regeneration", "sources", "seconds"}; read-level counts (rows, read rejects,
+    duplicates, holdout) are recorded by shard 0 only, so parts add up."""
     from transformers import AutoConfig
 
-    from dflash.target import load_target, load_tokenizer, mask_token_id, resolve_device
+    from dflash.target import load_tokenizer
 
     t_start = time.time()
     cfg = loaded.cfg
     d = cfg.data
     _check_config(cfg)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if not 0 <= shard < shards:
+        raise UserError(f"data shard {shard} of {shards}: expected 0 <= shard < shards")
     tokenizer = load_tokenizer(cfg.target)
     tconf = AutoConfig.from_pretrained(str(cfg.target.path), trust_remote_code=cfg.target.trust_remote_code)
     vocab_size = int(getattr(tconf, "vocab_size", len(tokenizer)))
-    block = cfg.drafter.block_size
-    min_sup = int(-(-d.min_supervised_blocks * block // 1))
+    min_sup = min_supervised_tokens(cfg)
     stats: dict[str, dict] = defaultdict(lambda: {"rows": 0, "kept": 0, "samples": 0, "holdout": 0, "truncated": 0})
     rejects: dict[str, Counter] = defaultdict(Counter)
     regen = {"enabled": False, "tokens": 0, "seconds": 0.0, "tokens_per_s": 0.0}
     weights = {}
+    first = shard == 0
 
     if d.synthetic.enabled:
         stats["synthetic"]
-        samples, holdout = _synthetic(cfg, tokenizer, vocab_size, stats, rejects)
+        samples, holdout = _synthetic(cfg, tokenizer, vocab_size, stats, rejects) if first else ([], [])
         weights["synthetic"] = 1.0
-        if not samples:
+        if first and not samples:
             raise UserError(f"source 'synthetic': all {stats['synthetic']['rows']} samples rejected "
                             f"({dict(rejects['synthetic'])})")
+        specs = []
     else:
         specs = _source_specs(d)
         if not specs:
             raise UserError("data: no sources (data.sources is empty and data.builtin_corpus.enabled is false)")
-        # 1. read + normalise + deduplicate
-        convs = []                   # {"id", "source", "messages"}
-        seen: dict[str, str] = {}
+        # 1. read + normalise + deduplicate (streamed: of the other shards' conversations only a 16-byte hash stays)
+        mine = []                    # {"id", "source", "messages", "hash"} of this shard
+        hold: list = []              # heap of (-rank, conversation): the `holdout` lowest seeded ranks, any shard
+        seen: set[bytes] = set()
+        read_rejects: dict[str, Counter] = defaultdict(Counter)
+        read_stats: dict[str, dict] = defaultdict(lambda: {"rows": 0, "valid": 0})
         for spec in specs:
             weights[spec.name] = spec.weight
-            st = stats[spec.name]
-            rows = _read_source(spec, d, cfg.seed)
-            if not rows:
-                raise UserError(f"source '{spec.name}': {spec.path} has no rows")
-            for row in rows:
+            st = read_stats[spec.name]
+            for row in _read_source(spec, d, cfg.seed):
                 st["rows"] += 1
                 if row.reject:
-                    rejects[spec.name][row.reject] += 1
+                    read_rejects[spec.name][row.reject] += 1
                     continue
                 msgs = normalise(row.value, spec.format)
                 if isinstance(msgs, str):
-                    rejects[spec.name][msgs] += 1
+                    read_rejects[spec.name][msgs] += 1
                     continue
                 h = _conv_hash(msgs)
-                if h in seen:
-                    rejects[spec.name]["duplicate"] += 1
+                hb = bytes.fromhex(h[:32])
+                if hb in seen:
+                    read_rejects[spec.name]["duplicate"] += 1
                     continue
-                seen[h] = spec.name
+                seen.add(hb)
+                st["valid"] += 1
                 rid = row.value.get("id") if spec.kind == "builtin" else None
-                convs.append({"id": rid or f"{spec.name}-{row.index}", "source": spec.name, "messages": msgs})
-            if not any(c["source"] == spec.name for c in convs):
+                c = {"id": rid or f"{spec.name}-{row.index}", "source": spec.name, "messages": msgs, "hash": h}
+                if d.holdout:
+                    item = (_neg(_rank(f"h{cfg.seed}", h)), h, c)
+                    (heapq.heappush if len(hold) < d.holdout else heapq.heappushpop)(hold, item)
+                if shard_of(h, shards) == shard:
+                    mine.append(c)
+            if not st["rows"]:
+                raise UserError(f"source '{spec.name}': {spec.path} has no rows")
+            if not st["valid"]:
                 raise UserError(f"source '{spec.name}' ({spec.path}): all {st['rows']} rows rejected "
-                                f"({', '.join(f'{k}: {v}' for k, v in rejects[spec.name].most_common())})")
-        # 2. holdout
-        if d.holdout >= len(convs):
-            raise UserError(f"data.holdout ({d.holdout}) leaves no training conversations (only {len(convs)} valid)")
-        hold_idx = set(random.Random(cfg.seed).sample(range(len(convs)), d.holdout))
+                                f"({', '.join(f'{k}: {v}' for k, v in read_rejects[spec.name].most_common())})")
+        valid = len(seen)
+        del seen
+        # 2. holdout: the conversations of lowest seeded rank (the same in every shard), written by shard 0
+        if d.holdout >= valid:
+            raise UserError(f"data.holdout ({d.holdout}) leaves no training conversations (only {valid} valid)")
+        held = {h for _, h, _ in hold}
         holdout = []
-        train_convs = []
-        for i, c in enumerate(convs):
-            if i in hold_idx:
+        if first:
+            for _, _, c in sorted(hold, key=lambda x: x[1]):
                 a = _first_assistant(c["messages"])
                 holdout.append({"id": c["id"], "source": c["source"],
                                 "prompt_ids": prompt_ids(tokenizer, c["messages"][:a]),
-                                "reference_ids": tokenizer(c["messages"][a]["content"], add_special_tokens=False)["input_ids"]})
+                                "reference_ids": tokenizer(c["messages"][a]["content"],
+                                                           add_special_tokens=False)["input_ids"]})
                 stats[c["source"]]["holdout"] += 1
-            else:
-                train_convs.append(c)
-        # 3. regeneration, one round per assistant turn (later turns see the regenerated earlier ones)
-        if d.regenerate.enabled:
-            device = resolve_device(d.regenerate.device)
-            model = load_target(cfg.target, device=device, seed=cfg.seed)
-            regen.update(enabled=True, device=device, max_new_tokens=d.regenerate.max_new_tokens,
-                         temperature=d.regenerate.temperature)
-            pending = {i: [m for m in c["messages"]] for i, c in enumerate(train_convs)}
-            done: dict[int, list] = {i: [] for i in pending}
-            failed: dict[int, str] = {}
-            rnd = 0
-            while pending:
-                rnd += 1
-                todo, prompts = [], []
-                for i, msgs in list(pending.items()):
-                    a = next((k for k, m in enumerate(msgs) if m["role"] == "assistant"), None)
-                    if a is None:
-                        del pending[i]
-                        continue
-                    p = prompt_ids(tokenizer, done[i] + msgs[:a])
-                    if len(p) >= d.max_length:
-                        if not any(m["role"] == "assistant" for m in done[i]):
-                            failed[i] = "prompt_too_long"
-                        del pending[i]
-                        continue
-                    done[i].extend(msgs[:a])
-                    pending[i] = msgs[a:]
-                    todo.append(i)
-                    prompts.append(p)
-                if not todo:
-                    break
-                log.info("regeneration round %d: %d prompts", rnd, len(todo))
-                resp, st = regenerate(model, tokenizer, prompts, d.regenerate.max_new_tokens, d.regenerate.temperature,
-                                      d.regenerate.batch_size, seed=cfg.seed + rnd, progress=progress)
-                regen["tokens"] += st["tokens"]
-                regen["seconds"] += st["seconds"]
-                for i, r in zip(todo, resp):
-                    text = tokenizer.decode(r, skip_special_tokens=True)
-                    pending[i] = pending[i][1:]            # drop the original assistant turn
-                    if not text.strip():
-                        if not any(m["role"] == "assistant" for m in done[i]):
-                            failed[i] = "empty_response"
-                        del pending[i]
-                        continue
-                    done[i].append({"role": "assistant", "content": text})
-            regen["seconds"] = round(regen["seconds"], 3)
-            regen["tokens_per_s"] = round(regen["tokens"] / max(regen["seconds"], 1e-9), 1)
-            new = []
-            for i, c in enumerate(train_convs):
-                if i in failed:
-                    rejects[c["source"]][failed[i]] += 1
-                    continue
-                msgs = done[i]
-                while msgs and msgs[-1]["role"] != "assistant":
-                    msgs = msgs[:-1]
-                new.append({**c, "messages": msgs})
-            train_convs = new
-            del model
+        train_convs = [c for c in mine if c["hash"] not in held]
+        del mine, hold
+        if first:
+            for name, st in read_stats.items():
+                stats[name]["rows"] = st["rows"]
+                rejects[name].update(read_rejects[name])
+        for spec in specs:
+            stats[spec.name]
+        # 3. regeneration (resumable: finished chunks are kept in the cache folder, keyed by conversation)
+        if d.regenerate.enabled and train_convs:
+            from dflash.data.regen import regenerate_conversations
+            cache_dir = Path(cache_dir) if cache_dir else default_cache_dir(loaded)
+            new_msgs, regen = regenerate_conversations(train_convs, tokenizer, cfg, cache_dir, progress=progress)
+            kept = []
+            for c in train_convs:
+                r = new_msgs[c["hash"]]
+                if isinstance(r, str):
+                    rejects[c["source"]][r] += 1
+                else:
+                    kept.append({**c, "messages": r})
+            train_convs = kept
+        elif d.regenerate.enabled:
+            regen.update(enabled=True, engine=d.regenerate.engine)
         # 4. tokenise, mask, truncate, filter
         stop_strings = _stop_strings(tokenizer)
         per_source: dict[str, list] = defaultdict(list)
@@ -377,30 +384,109 @@ def _expand(loaded, out_dir, progress):
                     continue
                 ids, mask = ids[:d.max_length], mask[:d.max_length]
                 stats[c["source"]]["truncated"] += 1
-            if sum(mask) < max(1, min_sup):
+            if sum(mask) < min_sup:
                 rejects[c["source"]]["too_few_supervised"] += 1
                 continue
             per_source[c["source"]].append({"id": c["id"], "source": c["source"], "input_ids": ids,
                                             "loss_mask": mask, "length": len(ids)})
-        # 5. per-source checks and weights
+        # 5. weights
         samples = []
-        wrng = random.Random(cfg.seed + 1)
         for spec in specs:
             kept = per_source.get(spec.name, [])
             stats[spec.name]["kept"] = len(kept)
-            if not kept and not stats[spec.name]["holdout"]:
-                raise UserError(f"source '{spec.name}' ({spec.path}): all {stats[spec.name]['rows']} rows rejected "
-                                f"({', '.join(f'{k}: {v}' for k, v in rejects[spec.name].most_common())})")
-            samples.extend(_weighted(kept, spec.weight, wrng))
+            samples.extend(_weighted(kept, spec.weight, cfg.seed))
     if d.synthetic.enabled:
         stats["synthetic"]["kept"] = len(samples)
     for s in samples:
         stats[s["source"]]["samples"] += 1
+    return {"shard": shard, "shards": shards, "samples": samples, "holdout": holdout,
+            "stats": {k: dict(v) for k, v in stats.items()}, "rejects": {k: dict(v) for k, v in rejects.items()},
+            "weights": weights, "regeneration": regen, "sources": [s.name for s in specs] or ["synthetic"],
+            "paths": {s.name: s.path for s in specs}, "seconds": round(time.time() - t_start, 3)}
+
+
+def write_part(part: dict, out_dir) -> None:
+    """A part on disk (the scatter job's output): samples as a datasets folder, everything else in part.json."""
+    from datasets import Dataset
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = part["samples"]
+    Dataset.from_dict({c: [r[c] for r in rows] for c in shards.COLUMNS}, features=shards.features()) \
+        .save_to_disk(str(out_dir / "samples"))
+    shards.write_holdout(out_dir / "holdout.jsonl", part["holdout"])
+    from dflash.atomic import atomic_write_json
+    atomic_write_json(out_dir / "part.json", {k: v for k, v in part.items() if k not in ("samples", "holdout")})
+
+
+def read_part(folder) -> dict:
+    from datasets import load_from_disk
+    folder = Path(folder)
+    if not (folder / "part.json").is_file():
+        raise UserError(f"{folder}: not a data part (no part.json): run `python -m dflash data --shard I/N` first")
+    part = json.loads((folder / "part.json").read_text())
+    part["samples"] = load_from_disk(str(folder / "samples")).to_list()
+    part["holdout"] = shards.read_holdout(folder)
+    return part
+
+
+def finish(loaded, parts: list[dict], out_dir) -> dict:
+    """The gather: merge the parts' counts, write the length buckets, holdout.jsonl and the manifest into `out_dir`.
+    The content (and its hash) is the same for any number of parts: samples are ordered by a seeded hash of their
+    id and every per-row decision is a function of the row."""
+    from transformers import AutoConfig
+
+    from dflash.target import load_tokenizer, mask_token_id
+
+    t_start = time.time()
+    cfg = loaded.cfg
+    d = cfg.data
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shards_n = {p["shards"] for p in parts}
+    if len(shards_n) != 1 or sorted(p["shard"] for p in parts) != list(range(shards_n.pop())):
+        raise UserError(f"data gather: parts {sorted((p['shard'], p['shards']) for p in parts)} are not one complete "
+                        f"set of shards (same data.shards, every shard once)")
+    names = parts[0]["sources"]
+    stats = {n: {"rows": 0, "kept": 0, "samples": 0, "holdout": 0, "truncated": 0} for n in names}
+    rejects: dict[str, Counter] = {n: Counter() for n in names}
+    for p in parts:
+        for n, st in p["stats"].items():
+            for k, v in st.items():
+                stats[n][k] += v
+        for n, rj in p["rejects"].items():
+            rejects[n].update(rj)
+    regens = [p["regeneration"] for p in parts]
+    regen = dict(regens[0])
+    if regen.get("enabled"):
+        for k in ("tokens", "conversations", "cached"):
+            regen[k] = sum(r.get(k, 0) for r in regens)
+        regen["seconds"] = round(max(r.get("seconds", 0.0) for r in regens), 3)    # shards run side by side
+        regen["tokens_per_s"] = round(regen["tokens"] / max(regen["seconds"], 1e-9), 1)
+    paths = parts[0].get("paths", {})
+    for n in names:
+        if not stats[n]["kept"] and not stats[n]["holdout"]:
+            raise UserError(f"source '{n}' ({paths.get(n, n)}): all {stats[n]['rows']} rows rejected "
+                            f"({', '.join(f'{k}: {v}' for k, v in rejects[n].most_common())})")
+    samples = [s for p in parts for s in p["samples"]]
+    holdout = [h for p in parts for h in p["holdout"]]
     if not samples:
         raise UserError("data: no training samples left after filtering and weighting")
+    samples.sort(key=lambda s: _rank(cfg.seed, s["id"]))
+    holdout.sort(key=lambda s: s["id"])
+    min_sup = min_supervised_tokens(cfg)
+    few = sum(r.get("too_few_supervised", 0) for r in rejects.values())
+    rows = sum(st["rows"] for st in stats.values())
+    if few:
+        log.warning("%d of %d rows rejected as too_few_supervised: fewer than %d supervised (assistant) tokens = "
+                    "data.min_supervised_blocks %s x drafter.block_size %d; lower data.min_supervised_blocks to keep "
+                    "them (a row needs supervised tokens past its anchors to train a block)%s", few, rows, min_sup,
+                    d.min_supervised_blocks, cfg.drafter.block_size,
+                    f"; regenerated responses are cut at data.regenerate.max_new_tokens "
+                    f"{d.regenerate.max_new_tokens}" if regen.get("enabled") else "")
 
-    # 6. deterministic order, shards, holdout, manifest
-    random.Random(cfg.seed + 2).shuffle(samples)
+    tokenizer = load_tokenizer(cfg.target)
+    tconf = AutoConfig.from_pretrained(str(cfg.target.path), trust_remote_code=cfg.target.trust_remote_code)
+    vocab_size = int(getattr(tconf, "vocab_size", len(tokenizer)))
     buckets = shards.write_buckets(samples, out_dir, d.bucket_edges, d.shard_rows)
     shards.write_holdout(out_dir / "holdout.jsonl", holdout)
     lengths = [s["length"] for s in samples]
@@ -414,7 +500,7 @@ def _expand(loaded, out_dir, progress):
         "buckets": {str(e): n for e, n in sorted(buckets.items())},
         "length_histogram": shards.length_histogram(lengths, d.max_length),
         "sources": {name: {"rows": st["rows"], "kept": st["kept"], "samples": st["samples"], "holdout": st["holdout"],
-                           "truncated": st["truncated"], "weight": weights.get(name, 1.0),
+                           "truncated": st["truncated"], "weight": parts[0]["weights"].get(name, 1.0),
                            "rejected": dict(sorted(rejects[name].items()))}
                     for name, st in stats.items()},
         "holdout": len(holdout),
@@ -422,13 +508,20 @@ def _expand(loaded, out_dir, progress):
         "max_length": d.max_length,
         "truncation": d.truncation,
         "min_supervised_tokens": min_sup,
-        "block_size": block,
+        "filters": {"too_few_supervised": {"rejected": few, "min_supervised_tokens": min_sup,
+                                           "keys": {"data.min_supervised_blocks": d.min_supervised_blocks,
+                                                    "drafter.block_size": cfg.drafter.block_size}},
+                    "too_long": {"rejected": sum(r.get("too_long", 0) for r in rejects.values()),
+                                 "keys": {"data.max_length": d.max_length, "data.truncation": d.truncation}}},
+        "block_size": cfg.drafter.block_size,
         "synthetic": bool(d.synthetic.enabled),
+        "data_shards": len(parts),
+        "files": shards.file_hashes(out_dir),
         "tokenizer": {"size": len(tokenizer), "vocab_size": vocab_size, "pad_token_id": tokenizer.pad_token_id,
                       "eos_token_id": tokenizer.eos_token_id, "mask_token_id": mask_token_id(tokenizer, vocab_size)},
         "target_path": str(cfg.target.path),
         "seed": cfg.seed,
-        "seconds": round(time.time() - t_start, 3),
+        "seconds": round(max(p["seconds"] for p in parts) + time.time() - t_start, 3),
         "created_at": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
     from dflash.atomic import atomic_write_json

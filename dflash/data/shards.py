@@ -59,6 +59,40 @@ def write_buckets(samples: list[dict], root, edges, shard_rows: int) -> dict[int
     return counts
 
 
+def file_hashes(root) -> dict[str, str]:
+    """{path relative to root: sha256} of every file under root/train: what the reader checks before training."""
+    import hashlib
+    root = Path(root)
+    out = {}
+    for f in sorted((root / "train").rglob("*")):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                out[f.relative_to(root).as_posix()] = hashlib.file_digest(fh, "sha256").hexdigest()
+    return out
+
+
+def verify_bucket(root, folder, files: dict[str, str]) -> None:
+    """Check every file of one bucket folder against the manifest's hashes; a UserError names the first bad shard."""
+    import hashlib
+    from dflash.errors import UserError
+    root, folder = Path(root), Path(folder)
+    rel = folder.relative_to(root).as_posix() + "/"
+    want = {k: v for k, v in files.items() if k.startswith(rel)}
+    have = {f.relative_to(root).as_posix() for f in folder.rglob("*") if f.is_file()}
+    for extra in sorted(have - set(want)):
+        raise UserError(f"{root / extra}: shard not in the dataset manifest (the dataset folder was changed after "
+                        f"the data stage; rerun it)")
+    for name, digest in sorted(want.items()):
+        path = root / name
+        if not path.is_file():
+            raise UserError(f"{path}: shard missing (listed in {root / 'manifest.json'}; rerun the data stage)")
+        with open(path, "rb") as fh:
+            got = hashlib.file_digest(fh, "sha256").hexdigest()
+        if got != digest:
+            raise UserError(f"{path}: shard corrupted (sha256 {got[:16]}... differs from the manifest's "
+                            f"{digest[:16]}...); rerun the data stage to rebuild it")
+
+
 def content_hash(samples: list[dict], holdout: list[dict]) -> str:
     """Hash of the kept content only (ids, sources and token sequences; order-independent): 16 hex."""
     h = hashlib.sha256()

@@ -5,6 +5,7 @@ the bucket edge (the shapes the warm-up compiled). Resuming at index i reproduce
 """
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +13,10 @@ from pathlib import Path
 import torch
 
 from dflash.atomic import read_json
+from dflash.data.shards import verify_bucket
 from dflash.errors import UserError
+
+log = logging.getLogger("dflash.train")
 
 
 @dataclass
@@ -42,9 +46,18 @@ class ShardReader:
         self.manifest = read_json(manifest)
         self.batch_size, self.seed, self.pad_id = batch_size, seed, pad_id
         self.buckets: dict[int, "datasets.Dataset"] = {}
+        files = self.manifest.get("files")
+        if files is None:
+            log.warning("%s has no shard hashes (made by an older data stage): shards not verified; rerun the data "
+                        "stage to add them", manifest)
         for folder in sorted((self.data_dir / "train").glob("bucket-*")):
             edge = int(folder.name.split("-")[1])
-            ds = datasets.load_from_disk(str(folder))
+            if files is not None:
+                verify_bucket(self.data_dir, folder, files)     # once per shard per run: sha256 of each file
+            try:
+                ds = datasets.load_from_disk(str(folder))
+            except Exception as e:
+                raise UserError(f"{folder}: cannot open the shards: {type(e).__name__}: {e}") from None
             if len(ds) >= batch_size:
                 self.buckets[edge] = ds
         if not self.buckets:
@@ -70,14 +83,36 @@ class ShardReader:
 
     def batch(self, index: int) -> Batch:
         edge, rows = self._plan(index // self.batches_per_epoch)[index % self.batches_per_epoch]
-        data = self.buckets[edge][rows]
-        ids = torch.full((len(rows), edge), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), edge), dtype=torch.bool)
-        lengths = torch.tensor([len(x) for x in data["input_ids"]], dtype=torch.long)
-        for r, (tok, lm) in enumerate(zip(data["input_ids"], data["loss_mask"])):
-            ids[r, :len(tok)] = torch.as_tensor(tok, dtype=torch.long)
-            mask[r, :len(lm)] = torch.as_tensor(lm, dtype=torch.bool)
+        try:
+            data = self.buckets[edge][rows]
+            ids = torch.full((len(rows), edge), self.pad_id, dtype=torch.long)
+            mask = torch.zeros((len(rows), edge), dtype=torch.bool)
+            lengths = torch.tensor([len(x) for x in data["input_ids"]], dtype=torch.long)
+            for r, (tok, lm) in enumerate(zip(data["input_ids"], data["loss_mask"])):
+                if len(tok) > edge or len(tok) != len(lm):
+                    raise ValueError(f"row of length {len(tok)} (mask {len(lm)}) in the bucket of edge {edge}")
+                ids[r, :len(tok)] = torch.as_tensor(tok, dtype=torch.long)
+                mask[r, :len(lm)] = torch.as_tensor(lm, dtype=torch.bool)
+        except Exception as e:
+            raise UserError(f"{self._where(edge, rows)}: cannot decode the row: {type(e).__name__}: {e} "
+                            f"(rerun the data stage)") from None
         return Batch(index, ids, mask, lengths, list(data["id"]))
+
+    def _where(self, edge: int, rows: list[int]) -> str:
+        """'<shard file> rows a..b' for a failing batch: the file holding its first row (by per-file row counts)."""
+        import pyarrow as pa
+        ds, first = self.buckets[edge], min(rows)
+        start = 0
+        for f in ds.cache_files:
+            try:
+                with pa.memory_map(f["filename"]) as src:
+                    n = pa.ipc.open_stream(src).read_all().num_rows
+            except Exception:
+                return f"{f['filename']} (unreadable; batch rows {sorted(rows)[:4]}...)"
+            if first < start + n:
+                return f"{f['filename']} row {first - start}"
+            start += n
+        return f"{self.data_dir / 'train' / f'bucket-{edge:05d}'} row {first}"
 
     def shapes(self) -> list[tuple[int, int]]:
         """Every (batch, length) shape the stream can produce: what the warm-up must compile."""
