@@ -358,7 +358,8 @@ def expand_part(loaded, shard: int, shards: int, cache_dir=None, progress: bool 
         if d.regenerate.enabled and train_convs:
             from dflash.data.regen import regenerate_conversations
             cache_dir = Path(cache_dir) if cache_dir else default_cache_dir(loaded)
-            new_msgs, regen = regenerate_conversations(train_convs, tokenizer, cfg, cache_dir, progress=progress)
+            new_msgs, regen = regenerate_conversations(train_convs, tokenizer, cfg, cache_dir, progress=progress,
+                                                       shard=shard)
             kept = []
             for c in train_convs:
                 r = new_msgs[c["hash"]]

@@ -129,7 +129,7 @@ class OpenAIEngine:
         import httpx
         r = self.r
         body = {"model": self.model_name, "prompt": prompt, "max_tokens": r.max_new_tokens,
-                "temperature": r.temperature, "seed": seed, "n": 1, "stream": False}
+                "temperature": r.temperature, "seed": seed, "stream": False}
         url = f"{base}/completions"
         for attempt in range(r.retries + 1):
             try:
@@ -154,13 +154,22 @@ class OpenAIEngine:
                         f"(is it up? data.regenerate.servers)")
 
 
-def make_engine(cfg, device_hint=None):
-    """The configured engine; `hf` loads the target onto data.regenerate.device."""
+def make_engine(cfg, shard: int = 0):
+    """The configured engine. `hf` loads the target onto data.regenerate.device (`auto` with several data shards:
+    shard I on GPU I mod the GPUs visible, so N shards on one node use N GPUs). `openai`: shard I starts its
+    requests at server I, so shards spread over the servers."""
     r = cfg.data.regenerate
     if r.engine == "openai":
-        return OpenAIEngine(r, str(cfg.target.path))
+        eng = OpenAIEngine(r, str(cfg.target.path))
+        k = shard % len(eng.servers)
+        eng.servers = eng.servers[k:] + eng.servers[:k]
+        return eng
+    import torch
+
     from dflash.target import load_target, load_tokenizer, resolve_device
-    device = resolve_device(device_hint or r.device)
+    device = resolve_device(r.device)
+    if r.device == "auto" and device == "cuda" and torch.cuda.device_count() > 1:
+        device = f"cuda:{shard % torch.cuda.device_count()}"
     return HFEngine(load_target(cfg.target, device=device, seed=cfg.seed), load_tokenizer(cfg.target), r)
 
 
@@ -217,7 +226,7 @@ def _regenerate_chunk(engine, tokenizer, chunk, max_length, seed, render):
     return entries, tokens
 
 
-def regenerate_conversations(convs, tokenizer, cfg, cache_dir, progress=True, engine=None):
+def regenerate_conversations(convs, tokenizer, cfg, cache_dir, progress=True, engine=None, shard: int = 0):
     """Regenerate `convs` ([{"hash", "messages"}]) through the cache in `cache_dir`; returns
     ({hash: messages list or reject reason str}, stats)."""
     from tqdm import tqdm
@@ -234,7 +243,7 @@ def regenerate_conversations(convs, tokenizer, cfg, cache_dir, progress=True, en
     if todo:
         log.info("regeneration (%s): %d conversations, %d already in %s", r.engine, len(todo), stats["cached"],
                  cache_dir)
-        engine = engine or make_engine(cfg)
+        engine = engine or make_engine(cfg, shard)
         if r.engine == "hf":
             stats["device"] = str(next(engine.model.parameters()).device)
         t0 = time.time()
