@@ -70,7 +70,8 @@ def open_source(path, spec_name: str = "?"):
         except ImportError:
             raise UserError(f"source '{spec_name}': {path} is zstd-compressed; install the `zstandard` package "
                             f"(pinned in envs/requirements.txt)") from None
-        return zstandard.open(path, "rb")
+        import io
+        return io.BufferedReader(zstandard.open(path, "rb"))     # the zstd reader has no readline of its own
     return open(path, "rb")
 
 

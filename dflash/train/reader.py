@@ -35,6 +35,11 @@ class Batch:
         return Batch(self.index, self.input_ids.pin_memory(), self.loss_mask.pin_memory(), self.lengths, self.ids)
 
 
+def _check_row(tok, lm, edge: int) -> None:
+    if len(tok) > edge or len(tok) != len(lm):
+        raise ValueError(f"{len(tok)} tokens and {len(lm)} mask values in the bucket of length {edge}")
+
+
 class ShardReader:
     def __init__(self, data_dir: str | Path, batch_size: int, seed: int = 0, pad_id: int = 0):
         import datasets
@@ -89,30 +94,39 @@ class ShardReader:
             mask = torch.zeros((len(rows), edge), dtype=torch.bool)
             lengths = torch.tensor([len(x) for x in data["input_ids"]], dtype=torch.long)
             for r, (tok, lm) in enumerate(zip(data["input_ids"], data["loss_mask"])):
-                if len(tok) > edge or len(tok) != len(lm):
-                    raise ValueError(f"row of length {len(tok)} (mask {len(lm)}) in the bucket of edge {edge}")
+                _check_row(tok, lm, edge)
                 ids[r, :len(tok)] = torch.as_tensor(tok, dtype=torch.long)
                 mask[r, :len(lm)] = torch.as_tensor(lm, dtype=torch.bool)
         except Exception as e:
-            raise UserError(f"{self._where(edge, rows)}: cannot decode the row: {type(e).__name__}: {e} "
+            row, err = self._bad_row(edge, rows, e)
+            raise UserError(f"{self._where(edge, row)}: cannot decode the row: {type(err).__name__}: {err} "
                             f"(rerun the data stage)") from None
         return Batch(index, ids, mask, lengths, list(data["id"]))
 
-    def _where(self, edge: int, rows: list[int]) -> str:
-        """'<shard file> rows a..b' for a failing batch: the file holding its first row (by per-file row counts)."""
+    def _bad_row(self, edge: int, rows: list[int], err: Exception) -> tuple[int, Exception]:
+        """The first row of a failed batch that fails alone (the error path only), and its error."""
+        for r in sorted(rows):
+            try:
+                x = self.buckets[edge][r]
+                _check_row(x["input_ids"], x["loss_mask"], edge)
+            except Exception as e:
+                return r, e
+        return min(rows), err
+
+    def _where(self, edge: int, row: int) -> str:
+        """'<shard file> row k': the file holding bucket row `row` (by per-file row counts), or the unreadable one."""
         import pyarrow as pa
-        ds, first = self.buckets[edge], min(rows)
         start = 0
-        for f in ds.cache_files:
+        for f in self.buckets[edge].cache_files:
             try:
                 with pa.memory_map(f["filename"]) as src:
                     n = pa.ipc.open_stream(src).read_all().num_rows
             except Exception:
-                return f"{f['filename']} (unreadable; batch rows {sorted(rows)[:4]}...)"
-            if first < start + n:
-                return f"{f['filename']} row {first - start}"
+                return f"{f['filename']} (unreadable)"
+            if row < start + n:
+                return f"{f['filename']} row {row - start}"
             start += n
-        return f"{self.data_dir / 'train' / f'bucket-{edge:05d}'} row {first}"
+        return f"{self.data_dir / 'train' / f'bucket-{edge:05d}'} row {row}"
 
     def shapes(self) -> list[tuple[int, int]]:
         """Every (batch, length) shape the stream can produce: what the warm-up must compile."""
