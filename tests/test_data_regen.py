@@ -228,3 +228,32 @@ def test_snakemake_scatters_into_shards_and_gathers(tmp_path):
     assert "--gather" in out and "part-0-of-3" in out.split("--gather")[1]
     part = out[out.index("rule data_part:"):]
     assert "gpu=1" in part.split("shell:")[0] or "gpu=1" in part.split("python -m")[0]
+
+
+def test_static_cache_and_auto_batch_give_the_greedy_turns_of_the_dynamic_cache(talking_target):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash.data.expand import prompt_ids, regenerate
+    tok = AutoTokenizer.from_pretrained(str(talking_target))
+    model = AutoModelForCausalLM.from_pretrained(str(talking_target)).eval()
+    prompts = [prompt_ids(tok, r["messages"][:1]) for r in good_rows(7)]
+    ref, st = regenerate(model, tok, prompts, 12, batch_size=3, progress=False)
+    static, st2 = regenerate(model, tok, prompts, 12, batch_size=3, progress=False, cache_implementation="static")
+    auto, st3 = regenerate(model, tok, prompts, 12, batch_size=0, progress=False)
+    assert static == ref == auto and st2["tokens"] == st["tokens"] > 7 * 3
+    assert st3["batch_size"] == 32                                    # CPU: no GPU memory to size it from
+
+
+def test_bench_regen_runs_tiny(tmp_path):
+    out = tmp_path / "regen.json"
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent), OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, str(Path(__file__).parent.parent / "bench" / "regen.py"), "--tiny", "--out",
+                        str(out)], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rep = json.loads(out.read_text())
+    assert rep["device"] == "cpu" and rep["torch"] and rep["date"] and rep["config"]["prompts"] == 16
+    res = {x["variant"]: x for x in rep["results"]}
+    assert set(res) == {"dynamic-4", "static-4-eager"}
+    for x in res.values():
+        assert x["tokens"] == 16 * 8 and x["tokens_per_s"] > 0 and x["batch_size"] == 4
+    assert rep["best"]["variant"] in res

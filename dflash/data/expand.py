@@ -87,10 +87,32 @@ def conversation_ids(tokenizer, messages, stop_strings=None):
 
 # ---- regeneration ------------------------------------------------------------------------------------------------
 
+def auto_batch_size(model, width: int, max_new_tokens: int, memory_fraction: float = 0.6, cap: int = 1024) -> int:
+    """Sequences per generate call that fit `memory_fraction` of the free GPU memory: the KV cache of
+    width + max_new_tokens positions (every layer's K and V) plus the last-position logits; 32 on CPU."""
+    import torch
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        return 32
+    c = model.config
+    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    elem = next(model.parameters()).element_size()
+    per_seq = 2 * c.num_hidden_layers * heads * head_dim * elem * (width + max_new_tokens) + 8 * c.vocab_size
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(max(1, min(cap, memory_fraction * free // per_seq)))
+
+
 def regenerate(model, tokenizer, prompts, max_new_tokens, temperature=0.0, batch_size=32, seed=0, progress=True,
-               stop_ids=None, cache_implementation=None):
-    """Batched generation with a KV cache and left padding. Returns responses (token ids up to, excluding, the first
-    stop token) in the order of `prompts`, and {tokens, seconds, tokens_per_s}."""
+               stop_ids=None, cache_implementation=None, compile=True, pad_multiple=None, ignore_eos=False):
+    """Batched generation with a KV cache and left padding, prompts sorted by length (longest first). Returns
+    responses (token ids up to, excluding, the first stop token) in the order of `prompts`, and {tokens, seconds,
+    tokens_per_s, batch_size}.
+
+    batch_size 0 sizes batches from free GPU memory (`auto_batch_size`). cache_implementation "static" keeps every
+    shape fixed: prompt widths are rounded up to `pad_multiple` (default 64) and the last batch is filled, so on GPU
+    transformers compiles the decode step once per width (CUDA graphs) instead of running it eagerly; `compile`
+    False keeps it eager. `ignore_eos` generates exactly max_new_tokens (benchmarks)."""
     import torch
     from tqdm import tqdm
     from transformers import GenerationConfig
@@ -99,25 +121,31 @@ def regenerate(model, tokenizer, prompts, max_new_tokens, temperature=0.0, batch
 
     stop_ids = stop_token_ids(tokenizer, model) if stop_ids is None else list(stop_ids)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+    static = cache_implementation == "static"
+    pad_multiple = pad_multiple or (64 if static else 1)
     gen_cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=temperature > 0,
                                temperature=temperature if temperature > 0 else None, top_k=None, top_p=None,
-                               eos_token_id=stop_ids, pad_token_id=pad, use_cache=True,
-                               cache_implementation=cache_implementation)
+                               eos_token_id=None if ignore_eos else stop_ids, pad_token_id=pad, use_cache=True,
+                               cache_implementation=cache_implementation, disable_compile=not compile)
     device = next(model.parameters()).device
     order = sorted(range(len(prompts)), key=lambda i: (-len(prompts[i]), i))
+    if not batch_size:
+        batch_size = auto_batch_size(model, -(-len(prompts[order[0]]) // pad_multiple) * pad_multiple, max_new_tokens)
+        log.info("regeneration batch size %d (from free GPU memory)", batch_size)
     out: list[list[int] | None] = [None] * len(prompts)
     tokens = 0
     torch.manual_seed(seed)
     t0 = time.time()
     batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
     bar = tqdm(batches, desc="regenerate", unit="batch", disable=not progress, mininterval=2.0)
-    stop = set(stop_ids)
+    stop = set() if ignore_eos else set(stop_ids)
     with torch.inference_mode():
         for batch in bar:
-            width = max(len(prompts[i]) for i in batch)
-            ids = torch.full((len(batch), width), pad, dtype=torch.long)
-            att = torch.zeros((len(batch), width), dtype=torch.long)
-            for r, i in enumerate(batch):
+            rows = batch + [batch[-1]] * (batch_size - len(batch)) if static else batch   # fixed batch shape
+            width = -(-max(len(prompts[i]) for i in rows) // pad_multiple) * pad_multiple
+            ids = torch.full((len(rows), width), pad, dtype=torch.long)
+            att = torch.zeros((len(rows), width), dtype=torch.long)
+            for r, i in enumerate(rows):
                 p = prompts[i]
                 ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
                 att[r, width - len(p):] = 1
@@ -129,7 +157,8 @@ def regenerate(model, tokenizer, prompts, max_new_tokens, temperature=0.0, batch
                 tokens += (cut + 1) if cut is not None else len(seq)
             bar.set_postfix(tok_s=f"{tokens / max(time.time() - t0, 1e-9):.0f}")
     seconds = time.time() - t0
-    return out, {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / max(seconds, 1e-9), 1)}
+    return out, {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
+                 "batch_size": batch_size}
 
 
 # ---- the stage ---------------------------------------------------------------------------------------------------

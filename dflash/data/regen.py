@@ -81,7 +81,7 @@ class HFEngine:
         r = self.r
         resp, st = regenerate(self.model, self.tokenizer, [ids for _, ids in prompts], r.max_new_tokens,
                               r.temperature, r.batch_size, seed=seed, progress=False,
-                              cache_implementation=r.cache_implementation)
+                              cache_implementation=r.cache_implementation, compile=r.compile)
         return [self.tokenizer.decode(x, skip_special_tokens=True) for x in resp], st["tokens"]
 
 
