@@ -277,20 +277,90 @@ def default_cache_dir(loaded) -> Path:
 
 
 def expand(loaded, out_dir, progress: bool = True, threads: int | None = None, cache_dir=None) -> dict:
-    """Run the whole expansion for a loaded config and write it into `out_dir` (the caller makes it atomic).
-    `threads`: torch CPU threads while it runs (restored after; None leaves torch's). `cache_dir`: finished
-    regeneration chunks (default `default_cache_dir`)."""
+    """Run the whole expansion for a loaded config and write it into `out_dir` (the caller makes it atomic):
+    one part (shard 0 of 1) made in `out_dir/.part`, then gathered. `threads`: torch CPU threads while it runs
+    (restored after; None leaves torch's). `cache_dir`: finished regeneration chunks (default `default_cache_dir`)."""
+    import shutil
+
     from dflash.data.tiny_target import cpu_threads
     with cpu_threads(threads):
-        part = expand_part(loaded, 0, 1, cache_dir=cache_dir, progress=progress)
-        return finish(loaded, [part], out_dir)
+        work = Path(out_dir) / ".part"
+        try:
+            part = expand_part(loaded, 0, 1, work, cache_dir=cache_dir, progress=progress)
+            return finish(loaded, [part], out_dir)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
 
 
-def expand_part(loaded, shard: int, shards: int, cache_dir=None, progress: bool = True) -> dict:
-    """One shard of the expansion: every shard reads and deduplicates all sources (cheap; the same result in each),
-    then regenerates and tokenises only its conversations (`shard_of`). Returns the part: {"samples", "holdout",
-    "stats", "rejects", "weights", "regeneration", "sources", "seconds"}; read-level counts (rows, read rejects,
-    duplicates, holdout) are recorded by shard 0 only, so parts add up."""
+class _Spill:
+    """Conversations streamed to a JSONL file and read back (bounded memory between the passes)."""
+
+    def __init__(self, path):
+        self.path, self.n = Path(path), 0
+        self.f = open(self.path, "w")
+
+    def add(self, row: dict):
+        self.f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        self.n += 1
+
+    def close(self):
+        self.f.close()
+
+    def __iter__(self):
+        with open(self.path) as f:
+            for line in f:
+                yield json.loads(line)
+
+
+def _num_proc(d) -> int:
+    import os
+    return d.num_proc or os.cpu_count() or 1
+
+
+def _tokenise_batch(batch, tokenizer, stop_strings, max_length, truncation, min_sup):
+    """datasets.map function: conversations -> input_ids, loss_mask, length, reject ('' when kept), truncated."""
+    out = {k: [] for k in ("id", "source", "input_ids", "loss_mask", "length", "reject", "truncated")}
+    for sid, src, msgs in zip(batch["id"], batch["source"], batch["messages"]):
+        r = conversation_ids(tokenizer, json.loads(msgs), stop_strings)
+        reject, trunc, ids, mask = "", False, [], []
+        if isinstance(r, str):
+            reject = r
+        else:
+            ids, mask = r
+            if len(ids) > max_length:
+                if truncation == "drop":
+                    reject = "too_long"
+                else:
+                    ids, mask, trunc = ids[:max_length], mask[:max_length], True
+            if not reject and sum(mask) < min_sup:
+                reject = "too_few_supervised"
+        if reject:
+            ids, mask = [], []
+        for k, v in (("id", sid), ("source", src), ("input_ids", ids), ("loss_mask", mask), ("length", len(ids)),
+                     ("reject", reject), ("truncated", trunc)):
+            out[k].append(v)
+    return out
+
+
+def _weight_batch(batch, weights, seed):
+    """datasets.map function: each row repeated as `_weighted` says (the row count changes)."""
+    rows = [dict(zip(batch, vals)) for vals in zip(*batch.values())]
+    out = []
+    for r in rows:
+        out.extend(_weighted([r], weights[r["source"]], seed))
+    return {k: [r[k] for r in out] for k in batch}
+
+
+def expand_part(loaded, shard: int, nshards: int, part_dir, cache_dir=None, progress: bool = True) -> dict:
+    """One shard of the expansion, written into `part_dir` (samples/ datasets folder, holdout.jsonl, part.json).
+
+    Every shard reads and deduplicates all sources (cheap; the same result in each), then regenerates and tokenises
+    only its conversations (`shard_of`). Streamed: the shard's conversations go to a spill file, regeneration works
+    chunk by chunk, tokenising is a `datasets.map` over Arrow on disk (data.num_proc processes); what stays in memory
+    is a 16-byte hash per conversation (deduplication) and the holdout. Read-level counts (rows, read rejects,
+    duplicates, holdout) are recorded by shard 0 only, so parts add up. Returns `read_part(part_dir)`."""
+    import datasets
+    from datasets import Dataset, Features, Value
     from transformers import AutoConfig
 
     from dflash.target import load_tokenizer
@@ -299,8 +369,11 @@ def expand_part(loaded, shard: int, shards: int, cache_dir=None, progress: bool 
     cfg = loaded.cfg
     d = cfg.data
     _check_config(cfg)
-    if not 0 <= shard < shards:
-        raise UserError(f"data shard {shard} of {shards}: expected 0 <= shard < shards")
+    if not 0 <= shard < nshards:
+        raise UserError(f"data shard {shard} of {nshards}: expected 0 <= shard < shards")
+    part_dir = Path(part_dir)
+    work = part_dir / ".work"
+    work.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(cfg.target)
     tconf = AutoConfig.from_pretrained(str(cfg.target.path), trust_remote_code=cfg.target.trust_remote_code)
     vocab_size = int(getattr(tconf, "vocab_size", len(tokenizer)))
@@ -310,159 +383,182 @@ def expand_part(loaded, shard: int, shards: int, cache_dir=None, progress: bool 
     regen = {"enabled": False, "tokens": 0, "seconds": 0.0, "tokens_per_s": 0.0}
     weights = {}
     first = shard == 0
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        if d.synthetic.enabled:
+            stats["synthetic"]
+            samples, holdout = _synthetic(cfg, tokenizer, vocab_size, stats, rejects) if first else ([], [])
+            weights["synthetic"] = 1.0
+            if first and not samples:
+                raise UserError(f"source 'synthetic': all {stats['synthetic']['rows']} samples rejected "
+                                f"({dict(rejects['synthetic'])})")
+            specs = []
+            stats["synthetic"]["kept"] = len(samples)
+            ds = Dataset.from_dict({c: [r[c] for r in samples] for c in shards.COLUMNS}, features=shards.features())
+        else:
+            specs = _source_specs(d)
+            if not specs:
+                raise UserError("data: no sources (data.sources is empty and data.builtin_corpus.enabled is false)")
+            holdout, ds = _expand_sources(loaded, specs, shard, nshards, work, cache_dir, tokenizer, min_sup, stats,
+                                          rejects, weights, regen, progress)
+        for src in ds.select_columns(["source"]).iter(batch_size=8192):
+            for name, n in Counter(src["source"]).items():
+                stats[name]["samples"] += n
+        ds.save_to_disk(str(part_dir / "samples"))
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
+    shards.write_holdout(part_dir / "holdout.jsonl", holdout)
+    meta = {"shard": shard, "shards": nshards, "stats": {k: dict(v) for k, v in stats.items()},
+            "rejects": {k: dict(v) for k, v in rejects.items()}, "weights": weights, "regeneration": regen,
+            "sources": [s.name for s in specs] or ["synthetic"], "paths": {s.name: s.path for s in specs},
+            "seconds": round(time.time() - t_start, 3)}
+    from dflash.atomic import atomic_write_json
+    atomic_write_json(part_dir / "part.json", meta)
+    import shutil
+    shutil.rmtree(work, ignore_errors=True)
+    return read_part(part_dir)
 
-    if d.synthetic.enabled:
-        stats["synthetic"]
-        samples, holdout = _synthetic(cfg, tokenizer, vocab_size, stats, rejects) if first else ([], [])
-        weights["synthetic"] = 1.0
-        if first and not samples:
-            raise UserError(f"source 'synthetic': all {stats['synthetic']['rows']} samples rejected "
-                            f"({dict(rejects['synthetic'])})")
-        specs = []
-    else:
-        specs = _source_specs(d)
-        if not specs:
-            raise UserError("data: no sources (data.sources is empty and data.builtin_corpus.enabled is false)")
-        # 1. read + normalise + deduplicate (streamed: of the other shards' conversations only a 16-byte hash stays)
-        mine = []                    # {"id", "source", "messages", "hash"} of this shard
-        hold: list = []              # heap of (-rank, conversation): the `holdout` lowest seeded ranks, any shard
-        seen: set[bytes] = set()
-        read_rejects: dict[str, Counter] = defaultdict(Counter)
-        read_stats: dict[str, dict] = defaultdict(lambda: {"rows": 0, "valid": 0})
-        for spec in specs:
-            weights[spec.name] = spec.weight
-            st = read_stats[spec.name]
-            for row in _read_source(spec, d, cfg.seed):
-                st["rows"] += 1
-                if row.reject:
-                    read_rejects[spec.name][row.reject] += 1
-                    continue
-                msgs = normalise(row.value, spec.format)
-                if isinstance(msgs, str):
-                    read_rejects[spec.name][msgs] += 1
-                    continue
-                h = _conv_hash(msgs)
-                hb = bytes.fromhex(h[:32])
-                if hb in seen:
-                    read_rejects[spec.name]["duplicate"] += 1
-                    continue
-                seen.add(hb)
-                st["valid"] += 1
-                rid = row.value.get("id") if spec.kind == "builtin" else None
-                c = {"id": rid or f"{spec.name}-{row.index}", "source": spec.name, "messages": msgs, "hash": h}
-                if d.holdout:
-                    item = (_neg(_rank(f"h{cfg.seed}", h)), h, c)
-                    (heapq.heappush if len(hold) < d.holdout else heapq.heappushpop)(hold, item)
-                if shard_of(h, shards) == shard:
-                    mine.append(c)
-            if not st["rows"]:
-                raise UserError(f"source '{spec.name}': {spec.path} has no rows")
-            if not st["valid"]:
-                raise UserError(f"source '{spec.name}' ({spec.path}): all {st['rows']} rows rejected "
-                                f"({', '.join(f'{k}: {v}' for k, v in read_rejects[spec.name].most_common())})")
-        valid = len(seen)
-        del seen
-        # 2. holdout: the conversations of lowest seeded rank (the same in every shard), written by shard 0
-        if d.holdout >= valid:
-            raise UserError(f"data.holdout ({d.holdout}) leaves no training conversations (only {valid} valid)")
-        held = {h for _, h, _ in hold}
-        holdout = []
-        if first:
-            for _, _, c in sorted(hold, key=lambda x: x[1]):
-                a = _first_assistant(c["messages"])
-                holdout.append({"id": c["id"], "source": c["source"],
-                                "prompt_ids": prompt_ids(tokenizer, c["messages"][:a]),
-                                "reference_ids": tokenizer(c["messages"][a]["content"],
-                                                           add_special_tokens=False)["input_ids"]})
-                stats[c["source"]]["holdout"] += 1
-        train_convs = [c for c in mine if c["hash"] not in held]
-        del mine, hold
-        if first:
-            for name, st in read_stats.items():
-                stats[name]["rows"] = st["rows"]
-                rejects[name].update(read_rejects[name])
-        for spec in specs:
-            stats[spec.name]
-        # 3. regeneration (resumable: finished chunks are kept in the cache folder, keyed by conversation)
-        if d.regenerate.enabled and train_convs:
-            from dflash.data.regen import regenerate_conversations
-            cache_dir = Path(cache_dir) if cache_dir else default_cache_dir(loaded)
-            new_msgs, regen = regenerate_conversations(train_convs, tokenizer, cfg, cache_dir, progress=progress,
-                                                       shard=shard)
-            kept = []
-            for c in train_convs:
-                r = new_msgs[c["hash"]]
-                if isinstance(r, str):
-                    rejects[c["source"]][r] += 1
-                else:
-                    kept.append({**c, "messages": r})
-            train_convs = kept
-        elif d.regenerate.enabled:
-            regen.update(enabled=True, engine=d.regenerate.engine)
-        # 4. tokenise, mask, truncate, filter
-        stop_strings = _stop_strings(tokenizer)
-        per_source: dict[str, list] = defaultdict(list)
-        for c in train_convs:
-            r = conversation_ids(tokenizer, c["messages"], stop_strings)
+
+def _expand_sources(loaded, specs, shard, nshards, work, cache_dir, tokenizer, min_sup, stats, rejects, weights,
+                    regen, progress):
+    """The conversation path of `expand_part`: returns (holdout rows, samples Dataset)."""
+    from datasets import Dataset, Features, Value
+
+    cfg = loaded.cfg
+    d = cfg.data
+    first = shard == 0
+    # 1. read + normalise + deduplicate; this shard's conversations go to a spill file
+    spill = _Spill(work / "convs.jsonl")
+    hold: list = []              # heap of (-rank, hash, conversation): the `holdout` lowest seeded ranks, any shard
+    seen: set[bytes] = set()
+    read_rejects: dict[str, Counter] = defaultdict(Counter)
+    read_stats: dict[str, dict] = defaultdict(lambda: {"rows": 0, "valid": 0})
+    for spec in specs:
+        weights[spec.name] = spec.weight
+        st = read_stats[spec.name]
+        for row in _read_source(spec, d, cfg.seed):
+            st["rows"] += 1
+            if row.reject:
+                read_rejects[spec.name][row.reject] += 1
+                continue
+            msgs = normalise(row.value, spec.format)
+            if isinstance(msgs, str):
+                read_rejects[spec.name][msgs] += 1
+                continue
+            h = _conv_hash(msgs)
+            hb = bytes.fromhex(h[:32])
+            if hb in seen:
+                read_rejects[spec.name]["duplicate"] += 1
+                continue
+            seen.add(hb)
+            st["valid"] += 1
+            rid = row.value.get("id") if spec.kind == "builtin" else None
+            c = {"id": rid or f"{spec.name}-{row.index}", "source": spec.name, "hash": h, "messages": msgs}
+            if d.holdout:
+                item = (_neg(_rank(f"h{cfg.seed}", h)), h, c)
+                (heapq.heappush if len(hold) < d.holdout else heapq.heappushpop)(hold, item)
+            if shard_of(h, nshards) == shard:
+                spill.add(c)
+        if not st["rows"]:
+            raise UserError(f"source '{spec.name}': {spec.path} has no rows")
+        if not st["valid"]:
+            raise UserError(f"source '{spec.name}' ({spec.path}): all {st['rows']} rows rejected "
+                            f"({', '.join(f'{k}: {v}' for k, v in read_rejects[spec.name].most_common())})")
+    spill.close()
+    valid = len(seen)
+    del seen
+    # 2. holdout: the conversations of lowest seeded rank (the same in every shard), written by shard 0
+    if d.holdout >= valid:
+        raise UserError(f"data.holdout ({d.holdout}) leaves no training conversations (only {valid} valid)")
+    held = {h for _, h, _ in hold}
+    holdout = []
+    if first:
+        for _, _, c in sorted(hold, key=lambda x: x[1]):
+            a = _first_assistant(c["messages"])
+            holdout.append({"id": c["id"], "source": c["source"], "prompt_ids": prompt_ids(tokenizer, c["messages"][:a]),
+                            "reference_ids": tokenizer(c["messages"][a]["content"], add_special_tokens=False)["input_ids"]})
+            stats[c["source"]]["holdout"] += 1
+        for name, st in read_stats.items():
+            stats[name]["rows"] = st["rows"]
+            rejects[name].update(read_rejects[name])
+    for spec in specs:
+        stats[spec.name]
+    del hold
+    # 3. regeneration (resumable: finished chunks are kept in the cache folder, keyed by conversation)
+    train = _Spill(work / "train.jsonl")
+    convs = (c for c in spill if c["hash"] not in held)
+    if d.regenerate.enabled:
+        from dflash.data.regen import regenerate_stream
+        cache_dir = Path(cache_dir) if cache_dir else default_cache_dir(loaded)
+        for c, r in regenerate_stream(convs, spill.n, tokenizer, cfg, cache_dir, regen,
+                                      progress=progress, shard=shard):
             if isinstance(r, str):
                 rejects[c["source"]][r] += 1
-                continue
-            ids, mask = r
-            if len(ids) > d.max_length:
-                if d.truncation == "drop":
-                    rejects[c["source"]]["too_long"] += 1
-                    continue
-                ids, mask = ids[:d.max_length], mask[:d.max_length]
-                stats[c["source"]]["truncated"] += 1
-            if sum(mask) < min_sup:
-                rejects[c["source"]]["too_few_supervised"] += 1
-                continue
-            per_source[c["source"]].append({"id": c["id"], "source": c["source"], "input_ids": ids,
-                                            "loss_mask": mask, "length": len(ids)})
-        # 5. weights
-        samples = []
-        for spec in specs:
-            kept = per_source.get(spec.name, [])
-            stats[spec.name]["kept"] = len(kept)
-            samples.extend(_weighted(kept, spec.weight, cfg.seed))
-    if d.synthetic.enabled:
-        stats["synthetic"]["kept"] = len(samples)
-    for s in samples:
-        stats[s["source"]]["samples"] += 1
-    return {"shard": shard, "shards": shards, "samples": samples, "holdout": holdout,
-            "stats": {k: dict(v) for k, v in stats.items()}, "rejects": {k: dict(v) for k, v in rejects.items()},
-            "weights": weights, "regeneration": regen, "sources": [s.name for s in specs] or ["synthetic"],
-            "paths": {s.name: s.path for s in specs}, "seconds": round(time.time() - t_start, 3)}
-
-
-def write_part(part: dict, out_dir) -> None:
-    """A part on disk (the scatter job's output): samples as a datasets folder, everything else in part.json."""
-    from datasets import Dataset
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    rows = part["samples"]
-    Dataset.from_dict({c: [r[c] for r in rows] for c in shards.COLUMNS}, features=shards.features()) \
-        .save_to_disk(str(out_dir / "samples"))
-    shards.write_holdout(out_dir / "holdout.jsonl", part["holdout"])
-    from dflash.atomic import atomic_write_json
-    atomic_write_json(out_dir / "part.json", {k: v for k, v in part.items() if k not in ("samples", "holdout")})
+            else:
+                train.add({"id": c["id"], "source": c["source"], "messages": json.dumps(r, ensure_ascii=False)})
+    else:
+        for c in convs:
+            train.add({"id": c["id"], "source": c["source"], "messages": json.dumps(c["messages"], ensure_ascii=False)})
+    train.close()
+    # 4. tokenise, mask, truncate, filter: datasets.map over Arrow on disk, data.num_proc processes
+    feats = Features({"id": Value("string"), "source": Value("string"), "messages": Value("string")})
+    if train.n:
+        ds = Dataset.from_json(str(train.path), features=feats, cache_dir=str(work / "hf"))
+    else:
+        ds = Dataset.from_dict({"id": [], "source": [], "messages": []}, features=feats)
+    nproc = min(_num_proc(d), max(1, train.n // 256)) if train.n else None
+    out_feats = Features({**shards.features(), "reject": Value("string"), "truncated": Value("bool")})
+    ds = ds.map(_tokenise_batch, batched=True, batch_size=256, num_proc=nproc if nproc and nproc > 1 else None,
+                remove_columns=["messages"], features=out_feats, desc="tokenise",
+                cache_file_name=str(work / "tokenised.arrow"),
+                fn_kwargs={"tokenizer": tokenizer, "stop_strings": _stop_strings(tokenizer), "max_length": d.max_length,
+                           "truncation": d.truncation, "min_sup": min_sup})
+    kept_per = Counter()
+    for b in ds.select_columns(["source", "reject", "truncated"]).iter(batch_size=8192):
+        for src, rj, tr in zip(b["source"], b["reject"], b["truncated"]):
+            if rj:
+                rejects[src][rj] += 1
+            else:
+                kept_per[src] += 1
+                stats[src]["truncated"] += int(tr)
+    for spec in specs:
+        stats[spec.name]["kept"] = kept_per[spec.name]
+    ds = ds.filter(lambda rj: [not x for x in rj], input_columns="reject", batched=True, batch_size=8192,
+                   cache_file_name=str(work / "kept.arrow"))
+    ds = ds.remove_columns(["reject", "truncated"])
+    # 5. weights: a per-row rule (`_weighted`), so any split into shards gives the same rows
+    if any(w != 1.0 for w in weights.values()) and len(ds):
+        ds = ds.map(_weight_batch, batched=True, batch_size=1024, fn_kwargs={"weights": weights, "seed": cfg.seed},
+                    features=shards.features(), cache_file_name=str(work / "weighted.arrow"))
+    return holdout, ds
 
 
 def read_part(folder) -> dict:
+    """A part folder: part.json's fields, "samples" (a memory-mapped datasets.Dataset) and "holdout" (rows)."""
     from datasets import load_from_disk
     folder = Path(folder)
     if not (folder / "part.json").is_file():
         raise UserError(f"{folder}: not a data part (no part.json): run `python -m dflash data --shard I/N` first")
     part = json.loads((folder / "part.json").read_text())
-    part["samples"] = load_from_disk(str(folder / "samples")).to_list()
+    part["samples"] = load_from_disk(str(folder / "samples"))
     part["holdout"] = shards.read_holdout(folder)
     return part
+
+
+def _rank_batch(ids, seed):
+    return {"rank": [int(_rank(seed, i)[:15], 16) for i in ids]}
 
 
 def finish(loaded, parts: list[dict], out_dir) -> dict:
     """The gather: merge the parts' counts, write the length buckets, holdout.jsonl and the manifest into `out_dir`.
     The content (and its hash) is the same for any number of parts: samples are ordered by a seeded hash of their
-    id and every per-row decision is a function of the row."""
+    id and every per-row decision is a function of the row. Streamed: Arrow on disk, sorted through an index."""
+    import shutil
+
+    import datasets
+    from datasets import concatenate_datasets
     from transformers import AutoConfig
 
     from dflash.target import load_tokenizer, mask_token_id
@@ -497,12 +593,7 @@ def finish(loaded, parts: list[dict], out_dir) -> dict:
         if not stats[n]["kept"] and not stats[n]["holdout"]:
             raise UserError(f"source '{n}' ({paths.get(n, n)}): all {stats[n]['rows']} rows rejected "
                             f"({', '.join(f'{k}: {v}' for k, v in rejects[n].most_common())})")
-    samples = [s for p in parts for s in p["samples"]]
-    holdout = [h for p in parts for h in p["holdout"]]
-    if not samples:
-        raise UserError("data: no training samples left after filtering and weighting")
-    samples.sort(key=lambda s: _rank(cfg.seed, s["id"]))
-    holdout.sort(key=lambda s: s["id"])
+    holdout = sorted((h for p in parts for h in p["holdout"]), key=lambda s: s["id"])
     min_sup = min_supervised_tokens(cfg)
     few = sum(r.get("too_few_supervised", 0) for r in rejects.values())
     rows = sum(st["rows"] for st in stats.values())
@@ -517,15 +608,37 @@ def finish(loaded, parts: list[dict], out_dir) -> dict:
     tokenizer = load_tokenizer(cfg.target)
     tconf = AutoConfig.from_pretrained(str(cfg.target.path), trust_remote_code=cfg.target.trust_remote_code)
     vocab_size = int(getattr(tconf, "vocab_size", len(tokenizer)))
-    buckets = shards.write_buckets(samples, out_dir, d.bucket_edges, d.shard_rows)
+    work = out_dir / ".gather"
+    work.mkdir(exist_ok=True)
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        ds = concatenate_datasets([p["samples"] for p in parts])
+        if not len(ds):
+            raise UserError("data: no training samples left after filtering and weighting")
+        ds = ds.map(_rank_batch, batched=True, batch_size=8192, input_columns="id", fn_kwargs={"seed": cfg.seed},
+                    cache_file_name=str(work / "ranked.arrow"))
+        ds = ds.sort(["rank", "id"], indices_cache_file_name=str(work / "order.arrow"))
+        buckets = shards.write_buckets_ds(ds.remove_columns(["rank"]), out_dir, d.bucket_edges, d.shard_rows, work)
+        lengths, total, supervised = [], 0, 0
+        for b in ds.select_columns(["length", "loss_mask"]).iter(batch_size=4096):
+            lengths.extend(b["length"])
+            total += sum(b["length"])
+            supervised += sum(sum(m) for m in b["loss_mask"])
+        chash = shards.content_hash_ds(ds.sort("id", indices_cache_file_name=str(work / "by-id.arrow")), holdout)
+        num_samples = len(ds)
+        del ds
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
+        shutil.rmtree(work, ignore_errors=True)
     shards.write_holdout(out_dir / "holdout.jsonl", holdout)
-    lengths = [s["length"] for s in samples]
     manifest = {
         "dataset": cfg.dataset_name,
-        "content_hash": shards.content_hash(samples, holdout),
-        "num_samples": len(samples),
-        "total_tokens": int(sum(lengths)),
-        "supervised_tokens": int(sum(sum(s["loss_mask"]) for s in samples)),
+        "content_hash": chash,
+        "num_samples": num_samples,
+        "total_tokens": int(total),
+        "supervised_tokens": int(supervised),
         "bucket_edges": sorted(int(e) for e in d.bucket_edges),
         "buckets": {str(e): n for e, n in sorted(buckets.items())},
         "length_histogram": shards.length_histogram(lengths, d.max_length),

@@ -2,8 +2,8 @@
 OpenAI-compatible server: vLLM, SGLang, `transformers serve`), and a cache of finished chunks keyed by conversation.
 
 Public:
-- `regenerate_conversations(convs, tokenizer, cfg, cache_dir, progress=True)` -> ({conv_hash: messages | reason}, stats)
-  `convs`: [{"hash", "messages"}]. Every turn is generated from the locally rendered chat template (the same text
+- `regenerate_stream(convs, total, tokenizer, cfg, cache_dir, stats, progress=True)` -> yields (conv, messages | reason)
+  for an iterable of {"hash", "messages", ...}, in order. Every turn is generated from the locally rendered chat template (the same text
   for both engines); the responses come back as text and the caller re-tokenises the whole conversation, so
   training sees the same tokens whichever engine made them.
 - `HFEngine(model, tokenizer, rcfg)`, `OpenAIEngine(rcfg, model_name)`: `.generate(prompts, seed)` -> (texts, tokens)
@@ -55,10 +55,7 @@ def load_cache(folder: Path) -> dict[str, dict]:
     """{conv_hash: entry} of every finished chunk (a torn file cannot exist: chunks are written atomically)."""
     out = {}
     for f in sorted(Path(folder).glob("chunk-*.jsonl")):
-        for line in f.read_text().splitlines():
-            if line.strip():
-                e = json.loads(line)
-                out[e["hash"]] = e
+        out.update(load_cache_file(f))
     return out
 
 
@@ -226,45 +223,99 @@ def _regenerate_chunk(engine, tokenizer, chunk, max_length, seed, render):
     return entries, tokens
 
 
-def regenerate_conversations(convs, tokenizer, cfg, cache_dir, progress=True, engine=None, shard: int = 0):
-    """Regenerate `convs` ([{"hash", "messages"}]) through the cache in `cache_dir`; returns
-    ({hash: messages list or reject reason str}, stats)."""
+class CacheIndex:
+    """Which chunk file holds each finished conversation (16-byte keys: the index stays small), and the entries of
+    one chunk file at a time, read on demand."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.where: dict[bytes, str] = {}
+        for f in sorted(self.folder.glob("chunk-*.jsonl")):
+            with open(f) as fh:
+                for line in fh:
+                    if line.strip():
+                        self.where[bytes.fromhex(json.loads(line)["hash"][:32])] = f.name
+        self._file, self._entries = None, {}
+
+    def __contains__(self, h: str) -> bool:
+        return bytes.fromhex(h[:32]) in self.where
+
+    def get(self, h: str) -> dict:
+        name = self.where[bytes.fromhex(h[:32])]
+        if name != self._file:
+            self._file, self._entries = name, load_cache_file(self.folder / name)
+        return self._entries[h]
+
+    def add(self, name: str, entries: list[dict]):
+        for e in entries:
+            self.where[bytes.fromhex(e["hash"][:32])] = name
+        self._file, self._entries = name, {e["hash"]: e for e in entries}
+
+
+def load_cache_file(path) -> dict[str, dict]:
+    return {e["hash"]: e for e in (json.loads(x) for x in Path(path).read_text().splitlines() if x.strip())}
+
+
+def regenerate_stream(convs, total: int, tokenizer, cfg, cache_dir, stats: dict, progress=True, engine=None,
+                      shard: int = 0):
+    """Yield (conversation, messages list or reject reason str) for an iterable of {"hash", "messages", ...},
+    `chunk_size` at a time: a chunk's conversations found in the cache come from it, the others are regenerated
+    (the engine starts at the first miss) and the chunk is written before anything of it is yielded. `stats` is
+    filled in place (tokens, seconds, cached...)."""
     from tqdm import tqdm
 
     from dflash.data.expand import _render
     r = cfg.data.regenerate
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    cached = load_cache(cache_dir)
-    todo = [c for c in convs if c["hash"] not in cached]
-    stats = {"enabled": True, "engine": r.engine, "max_new_tokens": r.max_new_tokens, "temperature": r.temperature,
-             "conversations": len(convs), "cached": len(convs) - len(todo), "tokens": 0, "seconds": 0.0,
-             "tokens_per_s": 0.0, "cache": str(cache_dir)}
-    if todo:
-        log.info("regeneration (%s): %d conversations, %d already in %s", r.engine, len(todo), stats["cached"],
-                 cache_dir)
-        engine = engine or make_engine(cfg, shard)
-        if r.engine == "hf":
-            stats["device"] = str(next(engine.model.parameters()).device)
-        t0 = time.time()
-        chunks = [todo[i:i + r.chunk_size] for i in range(0, len(todo), r.chunk_size)]
-        bar = tqdm(chunks, desc=f"regenerate ({r.engine})", unit="chunk", disable=not progress, mininterval=2.0)
-        render = lambda m: _render(tokenizer, m, add_generation_prompt=True)    # noqa: E731
-        for chunk in bar:
-            seed = cfg.seed + int(chunk[0]["hash"][:8], 16) if r.temperature > 0 else cfg.seed
-            entries, n = _regenerate_chunk(engine, tokenizer, chunk, cfg.data.max_length, seed, render)
-            write_chunk(cache_dir, entries)
-            cached.update({e["hash"]: e for e in entries})
+    index = CacheIndex(cache_dir)
+    stats.update({"enabled": True, "engine": r.engine, "max_new_tokens": r.max_new_tokens,
+                  "temperature": r.temperature, "conversations": 0, "cached": 0, "tokens": 0, "seconds": 0.0,
+                  "tokens_per_s": 0.0, "cache": str(cache_dir)})
+    log.info("regeneration (%s): %d conversations, %d finished ones in %s", r.engine, total, len(index.where),
+             cache_dir)
+    render = lambda m: _render(tokenizer, m, add_generation_prompt=True)    # noqa: E731
+    bar = tqdm(total=total, desc=f"regenerate ({r.engine})", unit="conv", disable=not progress, mininterval=2.0)
+    t_gen = 0.0
+    last_log = time.time()
+
+    def process(chunk):
+        nonlocal engine, t_gen, last_log
+        todo = [c for c in chunk if c["hash"] not in index]
+        stats["conversations"] += len(chunk)
+        stats["cached"] += len(chunk) - len(todo)
+        fresh = {}
+        if todo:
+            if engine is None:
+                engine = make_engine(cfg, shard)
+                if r.engine == "hf":
+                    stats["device"] = str(next(engine.model.parameters()).device)
+            t0 = time.time()
+            seed = cfg.seed + int(todo[0]["hash"][:8], 16) if r.temperature > 0 else cfg.seed
+            entries, n = _regenerate_chunk(engine, tokenizer, todo, cfg.data.max_length, seed, render)
+            name = write_chunk(cache_dir, entries).name
+            index.add(name, entries)
+            fresh = {e["hash"]: e for e in entries}
             stats["tokens"] += n
-            bar.set_postfix(tok_s=f"{stats['tokens'] / max(time.time() - t0, 1e-9):.0f}")
-            if not progress:
-                log.info("regenerated %d/%d conversations, %d tokens, %.0f tok/s",
-                         sum(1 for c in todo if c["hash"] in cached), len(todo), stats["tokens"],
-                         stats["tokens"] / max(time.time() - t0, 1e-9))
-        stats["seconds"] = round(time.time() - t0, 3)
-        stats["tokens_per_s"] = round(stats["tokens"] / max(stats["seconds"], 1e-9), 1)
-    out = {}
+            t_gen += time.time() - t0
+        bar.update(len(chunk))
+        bar.set_postfix(tok_s=f"{stats['tokens'] / max(t_gen, 1e-9):.0f}")
+        if not progress and time.time() - last_log > 30:
+            last_log = time.time()
+            log.info("regenerated %d/%d conversations (%d from the cache), %d tokens, %.0f tok/s",
+                     stats["conversations"], total, stats["cached"], stats["tokens"], stats["tokens"] / max(t_gen, 1e-9))
+        for c in chunk:
+            e = fresh.get(c["hash"]) or index.get(c["hash"])
+            yield c, (e["reject"] if "reject" in e else e["messages"])
+
+    chunk = []
     for c in convs:
-        e = cached[c["hash"]]
-        out[c["hash"]] = e["reject"] if "reject" in e else e["messages"]
-    return out, stats
+        chunk.append(c)
+        if len(chunk) == r.chunk_size:
+            yield from process(chunk)
+            chunk = []
+    if chunk:
+        yield from process(chunk)
+    bar.close()
+    stats["seconds"] = round(t_gen, 3)
+    stats["tokens_per_s"] = round(stats["tokens"] / max(t_gen, 1e-9), 1)

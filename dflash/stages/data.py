@@ -51,8 +51,7 @@ def run(loaded, args):
             raise UserError("--shard needs --out (the part folder)")
         inside(args.out, loaded.cfg.results_dir, REPO)
         with cpu_threads(args.threads), atomic_dir(args.out) as tmp:
-            part = E.expand_part(loaded, i, n, cache_dir=args.cache, progress=not args.no_progress)
-            E.write_part(part, tmp)
+            part = E.expand_part(loaded, i, n, tmp, cache_dir=args.cache, progress=not args.no_progress)
         log.info("data part %d/%d: %d samples, %d holdout, regenerated %d tokens (%d conversations cached) -> %s",
                  i, n, len(part["samples"]), len(part["holdout"]), part["regeneration"].get("tokens", 0),
                  part["regeneration"].get("cached", 0), args.out)
