@@ -257,3 +257,12 @@ def test_bench_regen_runs_tiny(tmp_path):
     for x in res.values():
         assert x["tokens"] == 16 * 8 and x["tokens_per_s"] > 0 and x["batch_size"] == 4
     assert rep["best"]["variant"] in res
+
+
+@needs_serve
+def test_a_refused_request_is_one_line_naming_the_server(tmp_path, talking_target, server):
+    """transformers serve takes text prompts only: token ids (for vLLM/SGLang) get HTTP 400, not retried."""
+    src = write_jsonl(tmp_path / "a.jsonl", good_rows(3))
+    with pytest.raises(UserError, match=rf"regeneration server {server.url}: HTTP 400.*not retried.*prompt_ids = True"):
+        expand(cfg(tmp_path, talking_target, src, engine="openai", servers=[server.url], prompt_ids=True),
+               tmp_path / "o", progress=False, cache_dir=tmp_path / "c")

@@ -83,7 +83,8 @@ class HFEngine:
 
 
 class OpenAIEngine:
-    """POST /completions to OpenAI-compatible servers with the locally rendered prompt; `concurrency` requests in
+    """POST /completions to OpenAI-compatible servers with the locally rendered prompt (its text, or its token ids
+    with `prompt_ids`: vLLM and SGLang take either, `transformers serve` text only); `concurrency` requests in
     flight per server; timeouts, connection errors, 429 and 5xx are retried with exponential backoff, and a server
     that stays down ends the stage with one line naming it."""
 
@@ -103,8 +104,8 @@ class OpenAIEngine:
         import httpx
         r = self.r
         queue: asyncio.Queue = asyncio.Queue()
-        for i, p in enumerate(prompts):
-            queue.put_nowait((i, p[0]))
+        for i, (text, ids) in enumerate(prompts):
+            queue.put_nowait((i, list(ids) if r.prompt_ids else text))
         texts: list[str | None] = [None] * len(prompts)
         tokens = [0]
         limits = httpx.Limits(max_connections=r.concurrency * len(self.servers))
@@ -122,7 +123,7 @@ class OpenAIEngine:
                     t.cancel()
         return texts, tokens[0]
 
-    async def _one(self, client, base: str, prompt: str, seed: int):
+    async def _one(self, client, base: str, prompt, seed: int):
         import httpx
         r = self.r
         body = {"model": self.model_name, "prompt": prompt, "max_tokens": r.max_new_tokens,
@@ -138,7 +139,7 @@ class OpenAIEngine:
                 why = f"HTTP {resp.status_code}: {resp.text[:200]!r}"
                 if resp.status_code not in self.RETRY_STATUS:
                     raise UserError(f"regeneration server {base}: {why} (not retried; check data.regenerate.model "
-                                    f"= {self.model_name!r})")
+                                    f"= {self.model_name!r} and prompt_ids = {r.prompt_ids})")
             except httpx.TransportError as e:    # timeouts, refused or dropped connections
                 why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             except (KeyError, IndexError, ValueError) as e:
