@@ -1,5 +1,6 @@
 """Scale of the non-generating data stage: N synthetic conversations (no regeneration) through `python -m dflash data`,
-peak memory (max RSS of the stage and its worker processes) and conversations per second.
+peak memory of the stage and its worker processes together (RSS, and RSS less file-backed pages: the heap; the
+memory-mapped Arrow files are page cache the kernel can reclaim), sampled every 0.2 s, and conversations per second.
 
     python bench/data_scale.py --target results/target/tiny --sizes 50000,200000 --out /tmp/data_scale.json
 
@@ -13,7 +14,6 @@ import argparse
 import json
 import os
 import random
-import resource
 import subprocess
 import sys
 import tempfile
@@ -49,20 +49,35 @@ def run(target: str, n: int, num_proc: int, work: Path) -> dict:
                     "num_proc": num_proc, "max_length": 1024, "bucket_edges": [256, 512, 768, 1024],
                     "min_supervised_blocks": 1, "sources": [{"name": "synthetic", "path": str(src)}]}}
     (work / f"c-{n}.yaml").write_text(yaml.safe_dump(cfg))
-    # a fresh process per size, measured alone: RUSAGE_CHILDREN's max RSS is the largest of the finished children
-    code = ("import resource, subprocess, sys, json, time; t=time.time(); "
-            "r=subprocess.run(sys.argv[1:]); "
-            "print(json.dumps({'rc': r.returncode, 'seconds': time.time()-t, "
-            "'max_rss_mb': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss/1024}))")
+    # a fresh process per size; its tree (the stage and its datasets.map workers) sampled every 0.2 s: RSS, and
+    # RSS less file-backed/shared pages (anonymous: the heap; memory-mapped Arrow files are page cache, reclaimable)
+    import psutil
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-c", code, sys.executable, "-m", "dflash", "data", "--config",
-                          str(work / f"c-{n}.yaml"), "--no-progress"], capture_output=True, text=True, env=env)
-    res = json.loads(out.stdout.strip().splitlines()[-1])
-    if res["rc"]:
-        raise SystemExit(f"data stage failed for {n}: {out.stderr[-3000:]}")
+    t0 = time.time()
+    proc = subprocess.Popen([sys.executable, "-m", "dflash", "data", "--config", str(work / f"c-{n}.yaml"),
+                             "--no-progress"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    peak_rss = peak_anon = 0
+    root = psutil.Process(proc.pid)
+    while proc.poll() is None:
+        rss = anon = 0
+        try:
+            for q in [root, *root.children(recursive=True)]:
+                mi = q.memory_info()
+                rss += mi.rss
+                anon += mi.rss - mi.shared
+        except psutil.Error:
+            pass
+        peak_rss, peak_anon = max(peak_rss, rss), max(peak_anon, anon)
+        time.sleep(0.2)
+    seconds = time.time() - t0
+    err = proc.stderr.read()
+    if proc.returncode:
+        raise SystemExit(f"data stage failed for {n}: {err[-3000:]}")
+    res = {"seconds": seconds, "max_rss_mb": peak_rss / 2**20, "max_anon_mb": peak_anon / 2**20}
     m = json.loads((work / f"results-{n}" / "data" / f"scale-{n}" / "manifest.json").read_text())
     return {"conversations": n, "seconds": round(res["seconds"], 1), "conversations_per_s": round(n / res["seconds"], 1),
-            "peak_rss_mb": round(res["max_rss_mb"], 1), "samples": m["num_samples"], "tokens": m["total_tokens"],
+            "peak_rss_mb": round(res["max_rss_mb"], 1), "peak_anon_mb": round(res["max_anon_mb"], 1),
+            "samples": m["num_samples"], "tokens": m["total_tokens"],
             "num_proc": num_proc, "content_hash": m["content_hash"]}
 
 

@@ -312,6 +312,13 @@ class _Spill:
                 yield json.loads(line)
 
 
+def _spill_rows(path):
+    """Rows of a spill file, for Dataset.from_generator (streamed into Arrow, 1000 rows at a time)."""
+    with open(path) as f:
+        for line in f:
+            yield json.loads(line)
+
+
 def _num_proc(d) -> int:
     import os
     return d.num_proc or os.cpu_count() or 1
@@ -505,7 +512,8 @@ def _expand_sources(loaded, specs, shard, nshards, work, cache_dir, tokenizer, m
     # 4. tokenise, mask, truncate, filter: datasets.map over Arrow on disk, data.num_proc processes
     feats = Features({"id": Value("string"), "source": Value("string"), "messages": Value("string")})
     if train.n:
-        ds = Dataset.from_json(str(train.path), features=feats, cache_dir=str(work / "hf"))
+        ds = Dataset.from_generator(_spill_rows, features=feats, gen_kwargs={"path": str(train.path)},
+                                    cache_dir=str(work / "hf"), writer_batch_size=1000)
     else:
         ds = Dataset.from_dict({"id": [], "source": [], "messages": []}, features=feats)
     nproc = min(_num_proc(d), max(1, train.n // 256)) if train.n else None
@@ -558,6 +566,7 @@ def finish(loaded, parts: list[dict], out_dir) -> dict:
     import shutil
 
     import datasets
+    import pyarrow.compute as pc
     from datasets import concatenate_datasets
     from transformers import AutoConfig
 
@@ -618,16 +627,23 @@ def finish(loaded, parts: list[dict], out_dir) -> dict:
             raise UserError("data: no training samples left after filtering and weighting")
         ds = ds.map(_rank_batch, batched=True, batch_size=8192, input_columns="id", fn_kwargs={"seed": cfg.seed},
                     cache_file_name=str(work / "ranked.arrow"))
-        ds = ds.sort(["rank", "id"], indices_cache_file_name=str(work / "order.arrow"))
-        buckets = shards.write_buckets_ds(ds.remove_columns(["rank"]), out_dir, d.bucket_edges, d.shard_rows, work)
+        # orders from the small key columns only (Dataset.sort on an indexed dataset would load every column)
+        keys = ds.data.table.select(["rank", "id"])
+        order = lambda *cols: pc.sort_indices(keys, sort_keys=[(c, "ascending") for c in cols]).to_numpy() \
+            .astype("int64")     # noqa: E731 (datasets' select wants signed indices)
+        by_rank, by_id = order("rank", "id"), order("id")
+        del keys
+        ds = ds.remove_columns(["rank"])
+        ordered = ds.select(by_rank, indices_cache_file_name=str(work / "order.arrow"))
+        buckets = shards.write_buckets_ds(ordered, out_dir, d.bucket_edges, d.shard_rows, work)
         lengths, total, supervised = [], 0, 0
         for b in ds.select_columns(["length", "loss_mask"]).iter(batch_size=4096):
             lengths.extend(b["length"])
             total += sum(b["length"])
             supervised += sum(sum(m) for m in b["loss_mask"])
-        chash = shards.content_hash_ds(ds.sort("id", indices_cache_file_name=str(work / "by-id.arrow")), holdout)
+        chash = shards.content_hash_ds(ds.select(by_id, indices_cache_file_name=str(work / "by-id.arrow")), holdout)
         num_samples = len(ds)
-        del ds
+        del ds, ordered
     finally:
         if bars:
             datasets.enable_progress_bars()

@@ -34,20 +34,23 @@ log = logging.getLogger("dflash.data")
 # ---- the cache --------------------------------------------------------------------------------------------------
 
 def _target_identity(path) -> dict:
-    """What identifies the target's weights cheaply: config.json's text and each weight file's size and mtime."""
+    """What identifies the target cheaply: its config, tokenizer config and chat template, each weight file's size
+    and mtime."""
     path = Path(path)
     files = sorted(p for pat in ("*.safetensors", "*.bin") for p in path.glob(pat))
-    cfg = (path / "config.json").read_text() if (path / "config.json").is_file() else ""
-    return {"config": hashlib.sha256(cfg.encode()).hexdigest()[:16],
+    text = "".join((path / f).read_text() for f in ("config.json", "tokenizer_config.json", "chat_template.jinja",
+                                                     "generation_config.json") if (path / f).is_file())
+    return {"config": hashlib.sha256(text.encode()).hexdigest()[:16],
             "weights": [(p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in files]}
 
 
 def cache_key(cfg) -> str:
-    """Responses depend on the target, the generation settings and the seed; never on the engine or the shard."""
+    """Responses depend on the target (config, template, weights; a `build: random` target's weights on the seed),
+    the generation settings and the seed; never on the engine or the shard."""
     r = cfg.data.regenerate
     key = {"target": _target_identity(cfg.target.path), "max_new_tokens": r.max_new_tokens,
            "temperature": r.temperature, "max_length": cfg.data.max_length,
-           "seed": cfg.seed if r.temperature > 0 else None}
+           "seed": cfg.seed}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
