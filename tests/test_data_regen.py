@@ -266,3 +266,29 @@ def test_a_refused_request_is_one_line_naming_the_server(tmp_path, talking_targe
     with pytest.raises(UserError, match=rf"regeneration server {server.url}: HTTP 400.*not retried.*prompt_ids = True"):
         expand(cfg(tmp_path, talking_target, src, engine="openai", servers=[server.url], prompt_ids=True),
                tmp_path / "o", progress=False, cache_dir=tmp_path / "c")
+
+
+def test_snakemake_runs_two_data_shards_to_the_hash_of_one(tmp_path, talking_target):
+    """The real rules: 2 `data_part` jobs (each its log and benchmark, gpu=0 on CPU) and the gather, through
+    Snakemake with --resources gpu=0; the manifest's content hash is that of the one-process stage."""
+    import yaml
+    from test_workflow import snakemake
+    src = write_jsonl(tmp_path / "a.jsonl", good_rows(10))
+    res = tmp_path / "res"
+    data = {"builtin_corpus": {"enabled": False}, "holdout": 2, "min_supervised_blocks": 1, "max_length": 256,
+            "bucket_edges": [64, 128, 256], "sources": [{"name": "a", "path": src}], "shards": 2,
+            "regenerate": {**REGEN, "engine": "hf"}}
+    conf = {"results_dir": str(res), "target": {"path": str(talking_target), "build": "none"},
+            "drafter": {"block_size": 4}, "data": data}
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(conf))
+    r = snakemake(tmp_path, f"{res}/data/default/manifest.json", "--cores", "2", "--resources", "gpu=0",
+                  "--configfile", str(tmp_path / "s.yaml"))
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    m = json.loads((res / "data" / "default" / "manifest.json").read_text())
+    for i in range(2):
+        assert (res / "logs" / "data-default" / f"part-{i}.log").is_file()
+        assert (res / "benchmarks" / "data-default" / f"part-{i}.jsonl").is_file()
+    assert not (res / "data" / "default.parts" / "part-0-of-2").exists()          # temp: removed once gathered
+    one = expand(make_loaded(tmp_path / "one", talking_target, data["sources"], min_supervised_blocks=1, holdout=2,
+                             regenerate=REGEN), tmp_path / "one" / "out", progress=False)
+    assert m["data_shards"] == 2 and m["content_hash"] == one["content_hash"]

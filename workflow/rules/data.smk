@@ -23,7 +23,7 @@ if DATA_SHARDS > 1:
             config=ancient(CONFIG_FILE),
             target=TARGET_DIR,
         output:
-            directory(f"{RESULTS}/data/{DATASET}.parts/part-{{shard}}-of-{DATA_SHARDS}"),
+            temp(directory(f"{RESULTS}/data/{DATASET}.parts/part-{{shard}}-of-{DATA_SHARDS}")),   # removed once gathered
         params:
             data=section("data"),
             block_size=config["drafter"]["block_size"],
