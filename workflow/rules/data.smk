@@ -10,10 +10,7 @@ _regen = config["data"].get("regenerate", {})
 # a GPU per job only when it generates in-process on a GPU (openai: the servers hold the GPUs)
 DATA_GPU = int(_regen.get("enabled", True) and _regen.get("engine", "hf") == "hf"
                and str(_regen.get("device", "auto")) != "cpu")
-
-
-def data_parts(wildcards=None):
-    return [f"{RESULTS}/data/{DATASET}.parts/part-{i}-of-{DATA_SHARDS}" for i in range(DATA_SHARDS)]
+DATA_PARTS = [f"{RESULTS}/data/{DATASET}.parts/part-{i}-of-{DATA_SHARDS}" for i in range(DATA_SHARDS)]
 
 
 if DATA_SHARDS > 1:
@@ -25,6 +22,7 @@ if DATA_SHARDS > 1:
         output:
             temp(directory(f"{RESULTS}/data/{DATASET}.parts/part-{{shard}}-of-{DATA_SHARDS}")),   # removed once gathered
         params:
+            shards=DATA_SHARDS,
             data=section("data"),
             block_size=config["drafter"]["block_size"],
             seed=config["seed"],
@@ -40,14 +38,14 @@ if DATA_SHARDS > 1:
         conda:
             ENV
         shell:
-            "python -m dflash data --config {input.config} --shard {wildcards.shard}/" + str(DATA_SHARDS) +
-            " --out {output} --threads {threads} --no-progress > {log} 2>&1"
+            "python -m dflash data --config {input.config} --shard {wildcards.shard}/{params.shards} --out {output}"
+            " --threads {threads} --no-progress > {log} 2>&1"
 
     rule data:
         input:
             config=ancient(CONFIG_FILE),
             target=TARGET_DIR,
-            parts=data_parts,
+            parts=DATA_PARTS,
         output:
             f"{DATA_DIR}/manifest.json",
         params:
