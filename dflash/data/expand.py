@@ -1,12 +1,18 @@
 """Dataset expansion: sources -> normalised, deduplicated conversations -> (regenerated) -> tokenised with a loss
-mask -> filtered -> weighted -> holdout + length-bucketed shards + manifest.
+mask -> filtered -> weighted -> holdout + length-bucketed shards + manifest. Streamed (spill files, Arrow on disk):
+memory does not grow with the number of conversations beyond a 16-byte hash each (deduplication).
 
 Public:
 - `conversation_ids(tokenizer, messages, stop_strings=None)` -> (input_ids, loss_mask) or reject reason (str)
 - `prompt_ids(tokenizer, messages)` -> ids of the chat template up to and including the assistant generation prompt
-- `regenerate(model, tokenizer, prompts, max_new_tokens, temperature=0.0, batch_size=32, seed=0, progress=True)`
-  -> (responses: list[list[int]] without the stop token, stats dict)
-- `expand(loaded, out_dir, progress=True)` -> manifest dict; writes shards, holdout.jsonl and manifest.json
+- `regenerate(model, tokenizer, prompts, max_new_tokens, temperature=0.0, batch_size=32, seed=0, progress=True,
+  stop_ids=None, cache_implementation=None, compile=True, pad_multiple=None, ignore_eos=False)`
+  -> (responses: list[list[int]] without the stop token, stats dict); batch_size 0: `auto_batch_size`
+- `expand(loaded, out_dir, progress=True, threads=None, cache_dir=None)` -> manifest dict; writes shards,
+  holdout.jsonl and manifest.json (= `expand_part` of shard 0/1 + `finish`)
+- `expand_part(loaded, shard, nshards, part_dir, cache_dir=None, progress=True)` -> part (the scatter job)
+- `read_part(part_dir)` -> part; `finish(loaded, parts, out_dir)` -> manifest (the gather job)
+- `shard_of(conv_hash, nshards)`, `default_cache_dir(loaded)`, `min_supervised_tokens(cfg)`
 """
 from __future__ import annotations
 
