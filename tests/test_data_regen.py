@@ -6,7 +6,6 @@ turns are byte-level junk, often with partial UTF-8 sequences; both engines turn
 """
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess

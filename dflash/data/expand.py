@@ -21,7 +21,6 @@ import hashlib
 import heapq
 import json
 import logging
-import random
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
