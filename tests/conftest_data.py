@@ -101,3 +101,32 @@ ANSWERS = [
 def good_rows(n=6, fmt=openai, tag=""):
     return [fmt(f"What does function number {i}{tag} do?", ANSWERS[i % len(ANSWERS)] + f" (variant {i}{tag})")
             for i in range(n)]
+
+
+def build_talking_target() -> Path:
+    """The tiny target's tokenizer and config with seeded random weights of a large scale, saved as safetensors: a
+    target whose greedy turns are long and varied (the briefly trained tiny target answers every prompt with blank
+    lines), with wide logit gaps so greedy decoding does not hinge on float rounding. Servable by `transformers serve`."""
+    if "talking" not in _BUILT:
+        import shutil
+
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+        src = build_tiny_target()
+        path = Path(tempfile.mkdtemp(prefix="dflash-talking-target-")) / "talking"
+        shutil.copytree(src, path)
+        for f in path.glob("*.safetensors"):
+            f.unlink()
+        config = AutoConfig.from_pretrained(str(path))
+        config.initializer_range = 0.5
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.generation_config = AutoModelForCausalLM.from_pretrained(str(src)).generation_config
+        model.save_pretrained(path, safe_serialization=True)
+        _BUILT["talking"] = path
+    return _BUILT["talking"]
+
+
+@pytest.fixture(scope="session")
+def talking_target():
+    return build_talking_target()

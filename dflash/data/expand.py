@@ -1,20 +1,26 @@
 """Dataset expansion: sources -> normalised, deduplicated conversations -> (regenerated) -> tokenised with a loss
-mask -> filtered -> weighted -> holdout + length-bucketed shards + manifest.
+mask -> filtered -> weighted -> holdout + length-bucketed shards + manifest. Streamed (spill files, Arrow on disk):
+memory does not grow with the number of conversations beyond a 16-byte hash each (deduplication).
 
 Public:
 - `conversation_ids(tokenizer, messages, stop_strings=None)` -> (input_ids, loss_mask) or reject reason (str)
 - `prompt_ids(tokenizer, messages)` -> ids of the chat template up to and including the assistant generation prompt
-- `regenerate(model, tokenizer, prompts, max_new_tokens, temperature=0.0, batch_size=32, seed=0, progress=True)`
-  -> (responses: list[list[int]] without the stop token, stats dict)
-- `expand(loaded, out_dir, progress=True)` -> manifest dict; writes shards, holdout.jsonl and manifest.json
+- `regenerate(model, tokenizer, prompts, max_new_tokens, temperature=0.0, batch_size=32, seed=0, progress=True,
+  stop_ids=None, cache_implementation=None, compile=True, pad_multiple=None, ignore_eos=False)`
+  -> (responses: list[list[int]] without the stop token, stats dict); batch_size 0: `auto_batch_size`
+- `expand(loaded, out_dir, progress=True, threads=None, cache_dir=None)` -> manifest dict; writes shards,
+  holdout.jsonl and manifest.json (= `expand_part` of shard 0/1 + `finish`)
+- `expand_part(loaded, shard, nshards, part_dir, cache_dir=None, progress=True)` -> part (the scatter job)
+- `read_part(part_dir)` -> part; `finish(loaded, parts, out_dir)` -> manifest (the gather job)
+- `shard_of(conv_hash, nshards)`, `default_cache_dir(loaded)`, `min_supervised_tokens(cfg)`
 """
 from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import heapq
 import json
 import logging
-import random
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -86,10 +92,32 @@ def conversation_ids(tokenizer, messages, stop_strings=None):
 
 # ---- regeneration ------------------------------------------------------------------------------------------------
 
+def auto_batch_size(model, width: int, max_new_tokens: int, memory_fraction: float = 0.6, cap: int = 1024) -> int:
+    """Sequences per generate call that fit `memory_fraction` of the free GPU memory: the KV cache of
+    width + max_new_tokens positions (every layer's K and V) plus the last-position logits; 32 on CPU."""
+    import torch
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        return 32
+    c = model.config
+    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    elem = next(model.parameters()).element_size()
+    per_seq = 2 * c.num_hidden_layers * heads * head_dim * elem * (width + max_new_tokens) + 8 * c.vocab_size
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(max(1, min(cap, memory_fraction * free // per_seq)))
+
+
 def regenerate(model, tokenizer, prompts, max_new_tokens, temperature=0.0, batch_size=32, seed=0, progress=True,
-               stop_ids=None):
-    """Batched generation with a KV cache and left padding. Returns responses (token ids up to, excluding, the first
-    stop token) in the order of `prompts`, and {tokens, seconds, tokens_per_s}."""
+               stop_ids=None, cache_implementation=None, compile=True, pad_multiple=None, ignore_eos=False):
+    """Batched generation with a KV cache and left padding, prompts sorted by length (longest first). Returns
+    responses (token ids up to, excluding, the first stop token) in the order of `prompts`, and {tokens, seconds,
+    tokens_per_s, batch_size}.
+
+    batch_size 0 sizes batches from free GPU memory (`auto_batch_size`). cache_implementation "static" keeps every
+    shape fixed: prompt widths are rounded up to `pad_multiple` (default 64) and the last batch is filled, so on GPU
+    transformers compiles the decode step once per width (CUDA graphs) instead of running it eagerly; `compile`
+    False keeps it eager. `ignore_eos` generates exactly max_new_tokens (benchmarks)."""
     import torch
     from tqdm import tqdm
     from transformers import GenerationConfig
@@ -98,24 +126,31 @@ def regenerate(model, tokenizer, prompts, max_new_tokens, temperature=0.0, batch
 
     stop_ids = stop_token_ids(tokenizer, model) if stop_ids is None else list(stop_ids)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+    static = cache_implementation == "static"
+    pad_multiple = pad_multiple or (64 if static else 1)
     gen_cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=temperature > 0,
                                temperature=temperature if temperature > 0 else None, top_k=None, top_p=None,
-                               eos_token_id=stop_ids, pad_token_id=pad, use_cache=True)
+                               eos_token_id=None if ignore_eos else stop_ids, pad_token_id=pad, use_cache=True,
+                               cache_implementation=cache_implementation, disable_compile=not compile)
     device = next(model.parameters()).device
     order = sorted(range(len(prompts)), key=lambda i: (-len(prompts[i]), i))
+    if not batch_size:
+        batch_size = auto_batch_size(model, -(-len(prompts[order[0]]) // pad_multiple) * pad_multiple, max_new_tokens)
+        log.info("regeneration batch size %d (from free GPU memory)", batch_size)
     out: list[list[int] | None] = [None] * len(prompts)
     tokens = 0
     torch.manual_seed(seed)
     t0 = time.time()
     batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
     bar = tqdm(batches, desc="regenerate", unit="batch", disable=not progress, mininterval=2.0)
-    stop = set(stop_ids)
+    stop = set() if ignore_eos else set(stop_ids)
     with torch.inference_mode():
         for batch in bar:
-            width = max(len(prompts[i]) for i in batch)
-            ids = torch.full((len(batch), width), pad, dtype=torch.long)
-            att = torch.zeros((len(batch), width), dtype=torch.long)
-            for r, i in enumerate(batch):
+            rows = batch + [batch[-1]] * (batch_size - len(batch)) if static else batch   # fixed batch shape
+            width = -(-max(len(prompts[i]) for i in rows) // pad_multiple) * pad_multiple
+            ids = torch.full((len(rows), width), pad, dtype=torch.long)
+            att = torch.zeros((len(rows), width), dtype=torch.long)
+            for r, i in enumerate(rows):
                 p = prompts[i]
                 ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
                 att[r, width - len(p):] = 1
@@ -127,13 +162,29 @@ def regenerate(model, tokenizer, prompts, max_new_tokens, temperature=0.0, batch
                 tokens += (cut + 1) if cut is not None else len(seq)
             bar.set_postfix(tok_s=f"{tokens / max(time.time() - t0, 1e-9):.0f}")
     seconds = time.time() - t0
-    return out, {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / max(seconds, 1e-9), 1)}
+    return out, {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
+                 "batch_size": batch_size}
 
 
 # ---- the stage ---------------------------------------------------------------------------------------------------
 
 def _conv_hash(messages) -> str:
     return hashlib.sha256(json.dumps(messages, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+
+
+def shard_of(conv_hash: str, shards: int) -> int:
+    """The shard a conversation belongs to: a function of its content only (the same for any run)."""
+    return int(conv_hash[:8], 16) % shards
+
+
+def _rank(seed, sid: str) -> str:
+    """A sample's place in the shards: a seeded hash of its id (the same for any number of data shards)."""
+    return hashlib.sha256(f"{seed}:{sid}".encode()).hexdigest()
+
+
+def _neg(hexdigest: str) -> int:
+    """For a max-heap of hex ranks (heapq is a min-heap)."""
+    return -int(hexdigest[:16], 16)
 
 
 def _first_assistant(messages) -> int:
@@ -154,28 +205,25 @@ def _source_specs(dcfg) -> list[SourceSpec]:
     return specs
 
 
-def _read_source(spec: SourceSpec, dcfg, seed) -> list[Row]:
+def _read_source(spec: SourceSpec, dcfg, seed):
     if spec.kind == "builtin":
         from dflash.data import corpus
         convs = corpus.conversations(dcfg.builtin_corpus.max_conversations, seed=0)
-        return [Row("stdlib", i, c) for i, c in enumerate(convs)]
-    return list(read_rows(spec))
+        return (Row("stdlib", i, c) for i, c in enumerate(convs))
+    return read_rows(spec)
 
 
-def _weighted(rows: list[dict], weight: float, rng: random.Random) -> list[dict]:
-    n = len(rows)
-    m = int(round(weight * n))
-    if m == n:
-        return list(rows)
-    if m < n:
-        keep = sorted(rng.sample(range(n), m))
-        return [rows[i] for i in keep]
-    extra = [dict(rows[rng.randrange(n)]) for _ in range(m - n)]
-    seen = Counter()
-    for e in extra:
-        seen[e["id"]] += 1
-        e["id"] = f"{e['id']}#r{seen[e['id']]}"
-    return list(rows) + extra
+def _weighted(rows: list[dict], weight: float, seed) -> list[dict]:
+    """Each row floor(weight) times, plus once more with probability frac(weight) (a seeded hash of its id decides):
+    a per-row rule, so the result is the same however the rows are split into shards. Copies get `#rK` ids."""
+    whole, frac = int(weight), weight - int(weight)
+    out = []
+    for r in rows:
+        u = int(_rank(f"w{seed}", r["id"])[:8], 16) / 0x100000000
+        k = whole + (1 if u < frac else 0)
+        for j in range(k):
+            out.append(r if j == 0 else {**r, "id": f"{r['id']}#r{j}"})
+    return out
 
 
 def _check_config(cfg):
@@ -187,6 +235,10 @@ def _check_config(cfg):
                         f"({max(d.bucket_edges)}): every kept sample must fit a bucket")
 
 
+def min_supervised_tokens(cfg) -> int:
+    return max(1, int(-(-cfg.data.min_supervised_blocks * cfg.drafter.block_size // 1)))
+
+
 def _synthetic(cfg, tokenizer, vocab_size, stats, rejects):
     import numpy as np
     d = cfg.data
@@ -195,7 +247,7 @@ def _synthetic(cfg, tokenizer, vocab_size, stats, rejects):
     limit = min(len(tokenizer), vocab_size)
     allowed = np.array([t for t in range(limit) if t not in special], dtype=np.int64)
     rng = np.random.default_rng(cfg.seed)
-    min_sup = int(np.ceil(d.min_supervised_blocks * cfg.drafter.block_size))
+    min_sup = min_supervised_tokens(cfg)
     samples, holdout = [], []
     st = stats["synthetic"]
     for i in range(syn.num_samples):
@@ -222,199 +274,397 @@ def _synthetic(cfg, tokenizer, vocab_size, stats, rejects):
     return samples, holdout
 
 
-def expand(loaded, out_dir, progress: bool = True, threads: int | None = None) -> dict:
-    """Run the whole expansion for a loaded config and write it into `out_dir` (the caller makes it atomic).
-    `threads`: torch CPU threads while it runs (restored after; None leaves torch's)."""
+def default_cache_dir(loaded) -> Path:
+    """Where finished regeneration chunks are kept across runs: <results_dir>/data/<dataset>.regen/<key>."""
+    from dflash.config import results_path
+    from dflash.data.regen import cache_key
+    return Path(results_path(loaded, "data", f"{loaded.cfg.dataset_name}.regen")) / cache_key(loaded.cfg)
+
+
+def expand(loaded, out_dir, progress: bool = True, threads: int | None = None, cache_dir=None) -> dict:
+    """Run the whole expansion for a loaded config and write it into `out_dir` (the caller makes it atomic):
+    one part (shard 0 of 1) made in `out_dir/.part`, then gathered. `threads`: torch CPU threads while it runs
+    (restored after; None leaves torch's). `cache_dir`: finished regeneration chunks (default `default_cache_dir`)."""
+    import shutil
+
     from dflash.data.tiny_target import cpu_threads
     with cpu_threads(threads):
-        return _expand(loaded, out_dir, progress)
+        work = Path(out_dir) / ".part"
+        try:
+            part = expand_part(loaded, 0, 1, work, cache_dir=cache_dir, progress=progress)
+            return finish(loaded, [part], out_dir)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
 
 
-def _expand(loaded, out_dir, progress):
+class _Spill:
+    """Conversations streamed to a JSONL file and read back (bounded memory between the passes)."""
+
+    def __init__(self, path):
+        self.path, self.n = Path(path), 0
+        self.f = open(self.path, "w")
+
+    def add(self, row: dict):
+        self.f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        self.n += 1
+
+    def close(self):
+        self.f.close()
+
+    def __iter__(self):
+        with open(self.path) as f:
+            for line in f:
+                yield json.loads(line)
+
+
+def _spill_rows(path):
+    """Rows of a spill file, for Dataset.from_generator (streamed into Arrow, 1000 rows at a time)."""
+    with open(path) as f:
+        for line in f:
+            yield json.loads(line)
+
+
+def _num_proc(d) -> int:
+    import os
+    return d.num_proc or os.cpu_count() or 1
+
+
+def _tokenise_batch(batch, tokenizer, stop_strings, max_length, truncation, min_sup):
+    """datasets.map function: conversations -> input_ids, loss_mask, length, reject ('' when kept), truncated."""
+    out = {k: [] for k in ("id", "source", "input_ids", "loss_mask", "length", "reject", "truncated")}
+    for sid, src, msgs in zip(batch["id"], batch["source"], batch["messages"]):
+        r = conversation_ids(tokenizer, json.loads(msgs), stop_strings)
+        reject, trunc, ids, mask = "", False, [], []
+        if isinstance(r, str):
+            reject = r
+        else:
+            ids, mask = r
+            if len(ids) > max_length:
+                if truncation == "drop":
+                    reject = "too_long"
+                else:
+                    ids, mask, trunc = ids[:max_length], mask[:max_length], True
+            if not reject and sum(mask) < min_sup:
+                reject = "too_few_supervised"
+        if reject:
+            ids, mask = [], []
+        for k, v in (("id", sid), ("source", src), ("input_ids", ids), ("loss_mask", mask), ("length", len(ids)),
+                     ("reject", reject), ("truncated", trunc)):
+            out[k].append(v)
+    return out
+
+
+def _weight_batch(batch, weights, seed):
+    """datasets.map function: each row repeated as `_weighted` says (the row count changes)."""
+    rows = [dict(zip(batch, vals)) for vals in zip(*batch.values())]
+    out = []
+    for r in rows:
+        out.extend(_weighted([r], weights[r["source"]], seed))
+    return {k: [r[k] for r in out] for k in batch}
+
+
+def expand_part(loaded, shard: int, nshards: int, part_dir, cache_dir=None, progress: bool = True) -> dict:
+    """One shard of the expansion, written into `part_dir` (samples/ datasets folder, holdout.jsonl, part.json).
+
+    Every shard reads and deduplicates all sources (cheap; the same result in each), then regenerates and tokenises
+    only its conversations (`shard_of`). Streamed: the shard's conversations go to a spill file, regeneration works
+    chunk by chunk, tokenising is a `datasets.map` over Arrow on disk (data.num_proc processes); what stays in memory
+    is a 16-byte hash per conversation (deduplication) and the holdout. Read-level counts (rows, read rejects,
+    duplicates, holdout) are recorded by shard 0 only, so parts add up. Returns `read_part(part_dir)`."""
+    import datasets
+    from datasets import Dataset, Features, Value
     from transformers import AutoConfig
 
-    from dflash.target import load_target, load_tokenizer, mask_token_id, resolve_device
+    from dflash.target import load_tokenizer
 
     t_start = time.time()
     cfg = loaded.cfg
     d = cfg.data
     _check_config(cfg)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if not 0 <= shard < nshards:
+        raise UserError(f"data shard {shard} of {nshards}: expected 0 <= shard < shards")
+    part_dir = Path(part_dir)
+    work = part_dir / ".work"
+    work.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(cfg.target)
     tconf = AutoConfig.from_pretrained(str(cfg.target.path), trust_remote_code=cfg.target.trust_remote_code)
     vocab_size = int(getattr(tconf, "vocab_size", len(tokenizer)))
-    block = cfg.drafter.block_size
-    min_sup = int(-(-d.min_supervised_blocks * block // 1))
+    min_sup = min_supervised_tokens(cfg)
     stats: dict[str, dict] = defaultdict(lambda: {"rows": 0, "kept": 0, "samples": 0, "holdout": 0, "truncated": 0})
     rejects: dict[str, Counter] = defaultdict(Counter)
     regen = {"enabled": False, "tokens": 0, "seconds": 0.0, "tokens_per_s": 0.0}
     weights = {}
+    first = shard == 0
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        if d.synthetic.enabled:
+            stats["synthetic"]
+            samples, holdout = _synthetic(cfg, tokenizer, vocab_size, stats, rejects) if first else ([], [])
+            weights["synthetic"] = 1.0
+            if first and not samples:
+                raise UserError(f"source 'synthetic': all {stats['synthetic']['rows']} samples rejected "
+                                f"({dict(rejects['synthetic'])})")
+            specs = []
+            stats["synthetic"]["kept"] = len(samples)
+            ds = Dataset.from_dict({c: [r[c] for r in samples] for c in shards.COLUMNS}, features=shards.features())
+        else:
+            specs = _source_specs(d)
+            if not specs:
+                raise UserError("data: no sources (data.sources is empty and data.builtin_corpus.enabled is false)")
+            holdout, ds = _expand_sources(loaded, specs, shard, nshards, work, cache_dir, tokenizer, min_sup, stats,
+                                          rejects, weights, regen, progress)
+        for src in ds.select_columns(["source"]).iter(batch_size=8192):
+            for name, n in Counter(src["source"]).items():
+                stats[name]["samples"] += n
+        ds.save_to_disk(str(part_dir / "samples"))
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
+    shards.write_holdout(part_dir / "holdout.jsonl", holdout)
+    meta = {"shard": shard, "shards": nshards, "stats": {k: dict(v) for k, v in stats.items()},
+            "rejects": {k: dict(v) for k, v in rejects.items()}, "weights": weights, "regeneration": regen,
+            "sources": [s.name for s in specs] or ["synthetic"], "paths": {s.name: s.path for s in specs},
+            "seconds": round(time.time() - t_start, 3)}
+    from dflash.atomic import atomic_write_json
+    atomic_write_json(part_dir / "part.json", meta)
+    import shutil
+    shutil.rmtree(work, ignore_errors=True)
+    return read_part(part_dir)
 
-    if d.synthetic.enabled:
-        stats["synthetic"]
-        samples, holdout = _synthetic(cfg, tokenizer, vocab_size, stats, rejects)
-        weights["synthetic"] = 1.0
-        if not samples:
-            raise UserError(f"source 'synthetic': all {stats['synthetic']['rows']} samples rejected "
-                            f"({dict(rejects['synthetic'])})")
-    else:
-        specs = _source_specs(d)
-        if not specs:
-            raise UserError("data: no sources (data.sources is empty and data.builtin_corpus.enabled is false)")
-        # 1. read + normalise + deduplicate
-        convs = []                   # {"id", "source", "messages"}
-        seen: dict[str, str] = {}
-        for spec in specs:
-            weights[spec.name] = spec.weight
-            st = stats[spec.name]
-            rows = _read_source(spec, d, cfg.seed)
-            if not rows:
-                raise UserError(f"source '{spec.name}': {spec.path} has no rows")
-            for row in rows:
-                st["rows"] += 1
-                if row.reject:
-                    rejects[spec.name][row.reject] += 1
-                    continue
-                msgs = normalise(row.value, spec.format)
-                if isinstance(msgs, str):
-                    rejects[spec.name][msgs] += 1
-                    continue
-                h = _conv_hash(msgs)
-                if h in seen:
-                    rejects[spec.name]["duplicate"] += 1
-                    continue
-                seen[h] = spec.name
-                rid = row.value.get("id") if spec.kind == "builtin" else None
-                convs.append({"id": rid or f"{spec.name}-{row.index}", "source": spec.name, "messages": msgs})
-            if not any(c["source"] == spec.name for c in convs):
-                raise UserError(f"source '{spec.name}' ({spec.path}): all {st['rows']} rows rejected "
-                                f"({', '.join(f'{k}: {v}' for k, v in rejects[spec.name].most_common())})")
-        # 2. holdout
-        if d.holdout >= len(convs):
-            raise UserError(f"data.holdout ({d.holdout}) leaves no training conversations (only {len(convs)} valid)")
-        hold_idx = set(random.Random(cfg.seed).sample(range(len(convs)), d.holdout))
-        holdout = []
-        train_convs = []
-        for i, c in enumerate(convs):
-            if i in hold_idx:
-                a = _first_assistant(c["messages"])
-                holdout.append({"id": c["id"], "source": c["source"],
-                                "prompt_ids": prompt_ids(tokenizer, c["messages"][:a]),
-                                "reference_ids": tokenizer(c["messages"][a]["content"], add_special_tokens=False)["input_ids"]})
-                stats[c["source"]]["holdout"] += 1
-            else:
-                train_convs.append(c)
-        # 3. regeneration, one round per assistant turn (later turns see the regenerated earlier ones)
-        if d.regenerate.enabled:
-            device = resolve_device(d.regenerate.device)
-            model = load_target(cfg.target, device=device, seed=cfg.seed)
-            regen.update(enabled=True, device=device, max_new_tokens=d.regenerate.max_new_tokens,
-                         temperature=d.regenerate.temperature)
-            pending = {i: [m for m in c["messages"]] for i, c in enumerate(train_convs)}
-            done: dict[int, list] = {i: [] for i in pending}
-            failed: dict[int, str] = {}
-            rnd = 0
-            while pending:
-                rnd += 1
-                todo, prompts = [], []
-                for i, msgs in list(pending.items()):
-                    a = next((k for k, m in enumerate(msgs) if m["role"] == "assistant"), None)
-                    if a is None:
-                        del pending[i]
-                        continue
-                    p = prompt_ids(tokenizer, done[i] + msgs[:a])
-                    if len(p) >= d.max_length:
-                        if not any(m["role"] == "assistant" for m in done[i]):
-                            failed[i] = "prompt_too_long"
-                        del pending[i]
-                        continue
-                    done[i].extend(msgs[:a])
-                    pending[i] = msgs[a:]
-                    todo.append(i)
-                    prompts.append(p)
-                if not todo:
-                    break
-                log.info("regeneration round %d: %d prompts", rnd, len(todo))
-                resp, st = regenerate(model, tokenizer, prompts, d.regenerate.max_new_tokens, d.regenerate.temperature,
-                                      d.regenerate.batch_size, seed=cfg.seed + rnd, progress=progress)
-                regen["tokens"] += st["tokens"]
-                regen["seconds"] += st["seconds"]
-                for i, r in zip(todo, resp):
-                    text = tokenizer.decode(r, skip_special_tokens=True)
-                    pending[i] = pending[i][1:]            # drop the original assistant turn
-                    if not text.strip():
-                        if not any(m["role"] == "assistant" for m in done[i]):
-                            failed[i] = "empty_response"
-                        del pending[i]
-                        continue
-                    done[i].append({"role": "assistant", "content": text})
-            regen["seconds"] = round(regen["seconds"], 3)
-            regen["tokens_per_s"] = round(regen["tokens"] / max(regen["seconds"], 1e-9), 1)
-            new = []
-            for i, c in enumerate(train_convs):
-                if i in failed:
-                    rejects[c["source"]][failed[i]] += 1
-                    continue
-                msgs = done[i]
-                while msgs and msgs[-1]["role"] != "assistant":
-                    msgs = msgs[:-1]
-                new.append({**c, "messages": msgs})
-            train_convs = new
-            del model
-        # 4. tokenise, mask, truncate, filter
-        stop_strings = _stop_strings(tokenizer)
-        per_source: dict[str, list] = defaultdict(list)
-        for c in train_convs:
-            r = conversation_ids(tokenizer, c["messages"], stop_strings)
+
+def _expand_sources(loaded, specs, shard, nshards, work, cache_dir, tokenizer, min_sup, stats, rejects, weights,
+                    regen, progress):
+    """The conversation path of `expand_part`: returns (holdout rows, samples Dataset)."""
+    from datasets import Dataset, Features, Value
+
+    cfg = loaded.cfg
+    d = cfg.data
+    first = shard == 0
+    # 1. read + normalise + deduplicate; this shard's conversations go to a spill file
+    spill = _Spill(work / "convs.jsonl")
+    hold: list = []              # heap of (-rank, hash, conversation): the `holdout` lowest seeded ranks, any shard
+    seen: set[bytes] = set()
+    read_rejects: dict[str, Counter] = defaultdict(Counter)
+    read_stats: dict[str, dict] = defaultdict(lambda: {"rows": 0, "valid": 0})
+    for spec in specs:
+        weights[spec.name] = spec.weight
+        st = read_stats[spec.name]
+        for row in _read_source(spec, d, cfg.seed):
+            st["rows"] += 1
+            if row.reject:
+                read_rejects[spec.name][row.reject] += 1
+                continue
+            msgs = normalise(row.value, spec.format)
+            if isinstance(msgs, str):
+                read_rejects[spec.name][msgs] += 1
+                continue
+            h = _conv_hash(msgs)
+            hb = bytes.fromhex(h[:32])
+            if hb in seen:
+                read_rejects[spec.name]["duplicate"] += 1
+                continue
+            seen.add(hb)
+            st["valid"] += 1
+            rid = row.value.get("id") if spec.kind == "builtin" else None
+            c = {"id": rid or f"{spec.name}-{row.index}", "source": spec.name, "hash": h, "messages": msgs}
+            if d.holdout:
+                item = (_neg(_rank(f"h{cfg.seed}", h)), h, c)
+                (heapq.heappush if len(hold) < d.holdout else heapq.heappushpop)(hold, item)
+            if shard_of(h, nshards) == shard:
+                spill.add(c)
+        if not st["rows"]:
+            raise UserError(f"source '{spec.name}': {spec.path} has no rows")
+        if not st["valid"]:
+            raise UserError(f"source '{spec.name}' ({spec.path}): all {st['rows']} rows rejected "
+                            f"({', '.join(f'{k}: {v}' for k, v in read_rejects[spec.name].most_common())})")
+    spill.close()
+    valid = len(seen)
+    del seen
+    # 2. holdout: the conversations of lowest seeded rank (the same in every shard), written by shard 0
+    if d.holdout >= valid:
+        raise UserError(f"data.holdout ({d.holdout}) leaves no training conversations (only {valid} valid)")
+    held = {h for _, h, _ in hold}
+    holdout = []
+    if first:
+        for _, _, c in sorted(hold, key=lambda x: x[1]):
+            a = _first_assistant(c["messages"])
+            holdout.append({"id": c["id"], "source": c["source"], "prompt_ids": prompt_ids(tokenizer, c["messages"][:a]),
+                            "reference_ids": tokenizer(c["messages"][a]["content"], add_special_tokens=False)["input_ids"]})
+            stats[c["source"]]["holdout"] += 1
+        for name, st in read_stats.items():
+            stats[name]["rows"] = st["rows"]
+            rejects[name].update(read_rejects[name])
+    for spec in specs:
+        stats[spec.name]
+    del hold
+    # 3. regeneration (resumable: finished chunks are kept in the cache folder, keyed by conversation)
+    train = _Spill(work / "train.jsonl")
+    convs = (c for c in spill if c["hash"] not in held)
+    if d.regenerate.enabled:
+        from dflash.data.regen import regenerate_stream
+        cache_dir = Path(cache_dir) if cache_dir else default_cache_dir(loaded)
+        for c, r in regenerate_stream(convs, spill.n, tokenizer, cfg, cache_dir, regen,
+                                      progress=progress, shard=shard):
             if isinstance(r, str):
                 rejects[c["source"]][r] += 1
-                continue
-            ids, mask = r
-            if len(ids) > d.max_length:
-                if d.truncation == "drop":
-                    rejects[c["source"]]["too_long"] += 1
-                    continue
-                ids, mask = ids[:d.max_length], mask[:d.max_length]
-                stats[c["source"]]["truncated"] += 1
-            if sum(mask) < max(1, min_sup):
-                rejects[c["source"]]["too_few_supervised"] += 1
-                continue
-            per_source[c["source"]].append({"id": c["id"], "source": c["source"], "input_ids": ids,
-                                            "loss_mask": mask, "length": len(ids)})
-        # 5. per-source checks and weights
-        samples = []
-        wrng = random.Random(cfg.seed + 1)
-        for spec in specs:
-            kept = per_source.get(spec.name, [])
-            stats[spec.name]["kept"] = len(kept)
-            if not kept and not stats[spec.name]["holdout"]:
-                raise UserError(f"source '{spec.name}' ({spec.path}): all {stats[spec.name]['rows']} rows rejected "
-                                f"({', '.join(f'{k}: {v}' for k, v in rejects[spec.name].most_common())})")
-            samples.extend(_weighted(kept, spec.weight, wrng))
-    if d.synthetic.enabled:
-        stats["synthetic"]["kept"] = len(samples)
-    for s in samples:
-        stats[s["source"]]["samples"] += 1
-    if not samples:
-        raise UserError("data: no training samples left after filtering and weighting")
+            else:
+                train.add({"id": c["id"], "source": c["source"], "messages": json.dumps(r, ensure_ascii=False)})
+    else:
+        for c in convs:
+            train.add({"id": c["id"], "source": c["source"], "messages": json.dumps(c["messages"], ensure_ascii=False)})
+    train.close()
+    # 4. tokenise, mask, truncate, filter: datasets.map over Arrow on disk, data.num_proc processes
+    feats = Features({"id": Value("string"), "source": Value("string"), "messages": Value("string")})
+    if train.n:
+        ds = Dataset.from_generator(_spill_rows, features=feats, gen_kwargs={"path": str(train.path)},
+                                    cache_dir=str(work / "hf"), writer_batch_size=1000)
+    else:
+        ds = Dataset.from_dict({"id": [], "source": [], "messages": []}, features=feats)
+    nproc = min(_num_proc(d), max(1, train.n // 256)) if train.n else None
+    out_feats = Features({**shards.features(), "reject": Value("string"), "truncated": Value("bool")})
+    ds = ds.map(_tokenise_batch, batched=True, batch_size=256, num_proc=nproc if nproc and nproc > 1 else None,
+                remove_columns=["messages"], features=out_feats, desc="tokenise",
+                cache_file_name=str(work / "tokenised.arrow"),
+                fn_kwargs={"tokenizer": tokenizer, "stop_strings": _stop_strings(tokenizer), "max_length": d.max_length,
+                           "truncation": d.truncation, "min_sup": min_sup})
+    kept_per = Counter()
+    for b in ds.select_columns(["source", "reject", "truncated"]).iter(batch_size=8192):
+        for src, rj, tr in zip(b["source"], b["reject"], b["truncated"]):
+            if rj:
+                rejects[src][rj] += 1
+            else:
+                kept_per[src] += 1
+                stats[src]["truncated"] += int(tr)
+    for spec in specs:
+        stats[spec.name]["kept"] = kept_per[spec.name]
+    ds = ds.filter(lambda rj: [not x for x in rj], input_columns="reject", batched=True, batch_size=8192,
+                   cache_file_name=str(work / "kept.arrow"))
+    ds = ds.remove_columns(["reject", "truncated"])
+    # 5. weights: a per-row rule (`_weighted`), so any split into shards gives the same rows
+    if any(w != 1.0 for w in weights.values()) and len(ds):
+        ds = ds.map(_weight_batch, batched=True, batch_size=1024, fn_kwargs={"weights": weights, "seed": cfg.seed},
+                    features=shards.features(), cache_file_name=str(work / "weighted.arrow"))
+    return holdout, ds
 
-    # 6. deterministic order, shards, holdout, manifest
-    random.Random(cfg.seed + 2).shuffle(samples)
-    buckets = shards.write_buckets(samples, out_dir, d.bucket_edges, d.shard_rows)
+
+def read_part(folder) -> dict:
+    """A part folder: part.json's fields, "samples" (a memory-mapped datasets.Dataset) and "holdout" (rows)."""
+    from datasets import load_from_disk
+    folder = Path(folder)
+    if not (folder / "part.json").is_file():
+        raise UserError(f"{folder}: not a data part (no part.json): run `python -m dflash data --shard I/N` first")
+    part = json.loads((folder / "part.json").read_text())
+    part["samples"] = load_from_disk(str(folder / "samples"))
+    part["holdout"] = shards.read_holdout(folder)
+    return part
+
+
+def _rank_batch(ids, seed):
+    return {"rank": [int(_rank(seed, i)[:15], 16) for i in ids]}
+
+
+def finish(loaded, parts: list[dict], out_dir) -> dict:
+    """The gather: merge the parts' counts, write the length buckets, holdout.jsonl and the manifest into `out_dir`.
+    The content (and its hash) is the same for any number of parts: samples are ordered by a seeded hash of their
+    id and every per-row decision is a function of the row. Streamed: Arrow on disk, sorted through an index."""
+    import shutil
+
+    import datasets
+    import pyarrow.compute as pc
+    from datasets import concatenate_datasets
+    from transformers import AutoConfig
+
+    from dflash.target import load_tokenizer, mask_token_id
+
+    t_start = time.time()
+    cfg = loaded.cfg
+    d = cfg.data
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shards_n = {p["shards"] for p in parts}
+    if len(shards_n) != 1 or sorted(p["shard"] for p in parts) != list(range(shards_n.pop())):
+        raise UserError(f"data gather: parts {sorted((p['shard'], p['shards']) for p in parts)} are not one complete "
+                        f"set of shards (same data.shards, every shard once)")
+    names = parts[0]["sources"]
+    stats = {n: {"rows": 0, "kept": 0, "samples": 0, "holdout": 0, "truncated": 0} for n in names}
+    rejects: dict[str, Counter] = {n: Counter() for n in names}
+    for p in parts:
+        for n, st in p["stats"].items():
+            for k, v in st.items():
+                stats[n][k] += v
+        for n, rj in p["rejects"].items():
+            rejects[n].update(rj)
+    regens = [p["regeneration"] for p in parts]
+    regen = dict(regens[0])
+    if regen.get("enabled"):
+        for k in ("tokens", "conversations", "cached"):
+            regen[k] = sum(r.get(k, 0) for r in regens)
+        regen["seconds"] = round(max(r.get("seconds", 0.0) for r in regens), 3)    # shards run side by side
+        regen["tokens_per_s"] = round(regen["tokens"] / max(regen["seconds"], 1e-9), 1)
+    paths = parts[0].get("paths", {})
+    for n in names:
+        if not stats[n]["kept"] and not stats[n]["holdout"]:
+            raise UserError(f"source '{n}' ({paths.get(n, n)}): all {stats[n]['rows']} rows rejected "
+                            f"({', '.join(f'{k}: {v}' for k, v in rejects[n].most_common())})")
+    holdout = sorted((h for p in parts for h in p["holdout"]), key=lambda s: s["id"])
+    min_sup = min_supervised_tokens(cfg)
+    few = sum(r.get("too_few_supervised", 0) for r in rejects.values())
+    rows = sum(st["rows"] for st in stats.values())
+    if few:
+        log.warning("%d of %d rows rejected as too_few_supervised: fewer than %d supervised (assistant) tokens = "
+                    "data.min_supervised_blocks %s x drafter.block_size %d; lower data.min_supervised_blocks to keep "
+                    "them (a row needs supervised tokens past its anchors to train a block)%s", few, rows, min_sup,
+                    d.min_supervised_blocks, cfg.drafter.block_size,
+                    f"; regenerated responses are cut at data.regenerate.max_new_tokens "
+                    f"{d.regenerate.max_new_tokens}" if regen.get("enabled") else "")
+
+    tokenizer = load_tokenizer(cfg.target)
+    tconf = AutoConfig.from_pretrained(str(cfg.target.path), trust_remote_code=cfg.target.trust_remote_code)
+    vocab_size = int(getattr(tconf, "vocab_size", len(tokenizer)))
+    work = out_dir / ".gather"
+    work.mkdir(exist_ok=True)
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        ds = concatenate_datasets([p["samples"] for p in parts])
+        if not len(ds):
+            raise UserError("data: no training samples left after filtering and weighting")
+        ds = ds.map(_rank_batch, batched=True, batch_size=8192, input_columns="id", fn_kwargs={"seed": cfg.seed},
+                    cache_file_name=str(work / "ranked.arrow"))
+        # orders from the small key columns only (Dataset.sort on an indexed dataset would load every column)
+        keys = ds.data.table.select(["rank", "id"])
+        order = lambda *cols: pc.sort_indices(keys, sort_keys=[(c, "ascending") for c in cols]).to_numpy() \
+            .astype("int64")     # noqa: E731 (datasets' select wants signed indices)
+        by_rank, by_id = order("rank", "id"), order("id")
+        del keys
+        ds = ds.remove_columns(["rank"])
+        ordered = ds.select(by_rank, indices_cache_file_name=str(work / "order.arrow"))
+        buckets = shards.write_buckets_ds(ordered, out_dir, d.bucket_edges, d.shard_rows, work)
+        lengths, total, supervised = [], 0, 0
+        for b in ds.select_columns(["length", "loss_mask"]).iter(batch_size=4096):
+            lengths.extend(b["length"])
+            total += sum(b["length"])
+            supervised += sum(sum(m) for m in b["loss_mask"])
+        chash = shards.content_hash_ds(ds.select(by_id, indices_cache_file_name=str(work / "by-id.arrow")), holdout)
+        num_samples = len(ds)
+        del ds, ordered
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
+        shutil.rmtree(work, ignore_errors=True)
     shards.write_holdout(out_dir / "holdout.jsonl", holdout)
-    lengths = [s["length"] for s in samples]
     manifest = {
         "dataset": cfg.dataset_name,
-        "content_hash": shards.content_hash(samples, holdout),
-        "num_samples": len(samples),
-        "total_tokens": int(sum(lengths)),
-        "supervised_tokens": int(sum(sum(s["loss_mask"]) for s in samples)),
+        "content_hash": chash,
+        "num_samples": num_samples,
+        "total_tokens": int(total),
+        "supervised_tokens": int(supervised),
         "bucket_edges": sorted(int(e) for e in d.bucket_edges),
         "buckets": {str(e): n for e, n in sorted(buckets.items())},
         "length_histogram": shards.length_histogram(lengths, d.max_length),
         "sources": {name: {"rows": st["rows"], "kept": st["kept"], "samples": st["samples"], "holdout": st["holdout"],
-                           "truncated": st["truncated"], "weight": weights.get(name, 1.0),
+                           "truncated": st["truncated"], "weight": parts[0]["weights"].get(name, 1.0),
                            "rejected": dict(sorted(rejects[name].items()))}
                     for name, st in stats.items()},
         "holdout": len(holdout),
@@ -422,13 +672,20 @@ def _expand(loaded, out_dir, progress):
         "max_length": d.max_length,
         "truncation": d.truncation,
         "min_supervised_tokens": min_sup,
-        "block_size": block,
+        "filters": {"too_few_supervised": {"rejected": few, "min_supervised_tokens": min_sup,
+                                           "keys": {"data.min_supervised_blocks": d.min_supervised_blocks,
+                                                    "drafter.block_size": cfg.drafter.block_size}},
+                    "too_long": {"rejected": sum(r.get("too_long", 0) for r in rejects.values()),
+                                 "keys": {"data.max_length": d.max_length, "data.truncation": d.truncation}}},
+        "block_size": cfg.drafter.block_size,
         "synthetic": bool(d.synthetic.enabled),
+        "data_shards": len(parts),
+        "files": shards.file_hashes(out_dir),
         "tokenizer": {"size": len(tokenizer), "vocab_size": vocab_size, "pad_token_id": tokenizer.pad_token_id,
                       "eos_token_id": tokenizer.eos_token_id, "mask_token_id": mask_token_id(tokenizer, vocab_size)},
         "target_path": str(cfg.target.path),
         "seed": cfg.seed,
-        "seconds": round(time.time() - t_start, 3),
+        "seconds": round(max(p["seconds"] for p in parts) + time.time() - t_start, 3),
         "created_at": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
     from dflash.atomic import atomic_write_json

@@ -59,6 +59,74 @@ def write_buckets(samples: list[dict], root, edges, shard_rows: int) -> dict[int
     return counts
 
 
+def file_hashes(root) -> dict[str, str]:
+    """{path relative to root: sha256} of every file under root/train: what the reader checks before training."""
+    import hashlib
+    root = Path(root)
+    out = {}
+    for f in sorted((root / "train").rglob("*")):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                out[f.relative_to(root).as_posix()] = hashlib.file_digest(fh, "sha256").hexdigest()
+    return out
+
+
+def verify_bucket(root, folder, files: dict[str, str]) -> None:
+    """Check every file of one bucket folder against the manifest's hashes; a UserError names the first bad shard."""
+    import hashlib
+    from dflash.errors import UserError
+    root, folder = Path(root), Path(folder)
+    rel = folder.relative_to(root).as_posix() + "/"
+    want = {k: v for k, v in files.items() if k.startswith(rel)}
+    have = {f.relative_to(root).as_posix() for f in folder.rglob("*") if f.is_file()}
+    for extra in sorted(have - set(want)):
+        raise UserError(f"{root / extra}: shard not in the dataset manifest (the dataset folder was changed after "
+                        f"the data stage; rerun it)")
+    for name, digest in sorted(want.items()):
+        path = root / name
+        if not path.is_file():
+            raise UserError(f"{path}: shard missing (listed in {root / 'manifest.json'}; rerun the data stage)")
+        with open(path, "rb") as fh:
+            got = hashlib.file_digest(fh, "sha256").hexdigest()
+        if got != digest:
+            raise UserError(f"{path}: shard corrupted (sha256 {got[:16]}... differs from the manifest's "
+                            f"{digest[:16]}...); rerun the data stage to rebuild it")
+
+
+def write_buckets_ds(ds, root, edges, shard_rows: int, work) -> dict[int, int]:
+    """`write_buckets` for a datasets.Dataset (streamed from Arrow on disk, its order kept); {edge: count}."""
+    edges = sorted(edges)
+    counts = {}
+    lo = 0
+    for i, edge in enumerate(edges):
+        sub = ds.filter(lambda n, lo=lo, hi=edge: [lo < x <= hi for x in n], input_columns="length", batched=True,
+                        batch_size=8192, cache_file_name=str(Path(work) / f"bucket-{edge}.arrow"))
+        counts[edge] = len(sub)
+        if len(sub):
+            sub.save_to_disk(str(bucket_dir(root, edge)), num_shards=max(1, math.ceil(len(sub) / shard_rows)))
+        lo = edge
+    return counts
+
+
+def content_hash_ds(ds_by_id, holdout: list[dict]) -> str:
+    """`content_hash` of a datasets.Dataset already sorted by id (read in batches)."""
+    h = hashlib.sha256()
+    for b in ds_by_id.select_columns(["id", "source", "input_ids", "loss_mask"]).iter(batch_size=1024):
+        for sid, src, ids, mask in zip(b["id"], b["source"], b["input_ids"], b["loss_mask"]):
+            h.update(b"T" + sid.encode() + b"\0" + src.encode() + b"\0")
+            h.update(np.asarray(ids, dtype="<i4").tobytes() + b"\0")
+            h.update(np.asarray(mask, dtype="<i1").tobytes() + b"\0")
+    _hash_holdout(h, holdout)
+    return h.hexdigest()[:16]
+
+
+def _hash_holdout(h, holdout):
+    for s in sorted(holdout, key=lambda s: s["id"]):
+        h.update(b"H" + s["id"].encode() + b"\0" + s["source"].encode() + b"\0")
+        h.update(np.asarray(s["prompt_ids"], dtype="<i4").tobytes() + b"\0")
+        h.update(np.asarray(s["reference_ids"], dtype="<i4").tobytes() + b"\0")
+
+
 def content_hash(samples: list[dict], holdout: list[dict]) -> str:
     """Hash of the kept content only (ids, sources and token sequences; order-independent): 16 hex."""
     h = hashlib.sha256()

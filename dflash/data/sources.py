@@ -46,14 +46,48 @@ class SourceSpec:
         return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)})
 
 
+COMPRESSED = (".gz", ".zst", ".bz2")     # read through the matching decompressor (JSONL and JSON files)
+
+
+def _plain_name(name: str) -> str:
+    """The file name without a compression suffix: `a.jsonl.gz` -> `a.jsonl`."""
+    return name[:-len(s)] if (s := next((s for s in COMPRESSED if name.endswith(s)), None)) else name
+
+
+def open_source(path, spec_name: str = "?"):
+    """A binary file object that decompresses `.gz`, `.zst` and `.bz2` files (by suffix), else the plain file."""
+    path = Path(path)
+    name = path.name.lower()
+    if name.endswith(".gz"):
+        import gzip
+        return gzip.open(path, "rb")
+    if name.endswith(".bz2"):
+        import bz2
+        return bz2.open(path, "rb")
+    if name.endswith(".zst"):
+        try:
+            import zstandard
+        except ImportError:
+            raise UserError(f"source '{spec_name}': {path} is zstd-compressed; install the `zstandard` package "
+                            f"(pinned in envs/requirements.txt)") from None
+        import io
+        return io.BufferedReader(zstandard.open(path, "rb"))     # the zstd reader has no readline of its own
+    return open(path, "rb")
+
+
+def _read_error(spec: SourceSpec, e: Exception):
+    """A decompression or read failure, as a UserError naming the source and file."""
+    return UserError(f"source '{spec.name}': cannot read {spec.path}: {type(e).__name__}: {e}")
+
+
 def detect_kind(spec: SourceSpec) -> str:
     if spec.kind != "auto":
         return spec.kind
     p = Path(spec.path)
-    name = p.name.lower()
+    name = _plain_name(p.name.lower())
     if p.is_dir():
         return "disk"
-    if name.endswith((".jsonl", ".jsonl.gz", ".ndjson")):
+    if name.endswith((".jsonl", ".ndjson")):
         return "jsonl"
     if name.endswith(".json"):
         return "json"
@@ -76,8 +110,8 @@ def _jsonl(spec: SourceSpec) -> Iterator[Row]:
     if p.is_dir():
         raise UserError(f"source '{spec.name}': {spec.path} is a folder, not a JSONL file")
     index = 0
-    with open(p, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
+    with open_source(p, spec.name) as f:
+        for lineno, raw in _lines(spec, f):
             if not raw.strip():
                 continue                      # blank lines are not rows
             try:
@@ -96,10 +130,36 @@ def _jsonl(spec: SourceSpec) -> Iterator[Row]:
             index += 1
 
 
+def _lines(spec: SourceSpec, f):
+    """(line number, bytes) of a (decompressed) file; a corrupt compressed stream is a UserError naming the file."""
+    import zlib
+    lineno = 0
+    while True:
+        try:
+            raw = f.readline()
+        except (OSError, EOFError, ValueError, zlib.error) as e:   # gzip/bz2 raise OSError/EOFError; zstd ZstdError
+            raise _read_error(spec, e) from None
+        except Exception as e:
+            if type(e).__name__ == "ZstdError":
+                raise _read_error(spec, e) from None
+            raise
+        if not raw:
+            return
+        lineno += 1
+        yield lineno, raw
+
+
 def _json(spec: SourceSpec) -> Iterator[Row]:
     p = _need_file(spec)
     try:
-        data = json.loads(p.read_bytes().decode("utf-8"))
+        with open_source(p, spec.name) as f:
+            blob = f.read()
+    except UserError:
+        raise
+    except Exception as e:     # OSError/EOFError (gzip, bz2), ZstdError: a corrupt compressed file
+        raise _read_error(spec, e) from None
+    try:
+        data = json.loads(blob.decode("utf-8"))
     except UnicodeDecodeError as e:
         raise UserError(f"source '{spec.name}': {spec.path} is not valid UTF-8 ({e.reason} at byte {e.start})") from None
     except json.JSONDecodeError as e:

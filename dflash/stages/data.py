@@ -1,33 +1,80 @@
 """Stage `data`: expand sources into tokenised, length-bucketed Arrow shards, holdout.jsonl and manifest.json
-under results/data/<dataset_name>/, atomically (the folder is replaced in one rename)."""
+under results/data/<dataset_name>/, atomically (the folder is replaced in one rename).
+
+Three forms (the Snakemake rules use the last two when data.shards > 1):
+  python -m dflash data                       the whole expansion in one process
+  python -m dflash data --shard I/N --out P   scatter: shard I of N (reading, regeneration, tokenising) -> part P
+  python -m dflash data --gather P0 P1 ...    gather: the parts -> length buckets, holdout and the manifest
+Regenerated responses are kept in finished chunks under --cache (default <results_dir>/data/<dataset>.regen/<key>),
+so a rerun after a kill regenerates only what no chunk holds.
+"""
 import logging
 
 log = logging.getLogger("dflash.data")
 
 
 def add_arguments(p):
-    p.add_argument("--out", default=None, help="dataset folder (default: <results_dir>/data/<dataset_name>)")
+    p.add_argument("--out", default=None, help="dataset folder (default: <results_dir>/data/<dataset_name>); "
+                                               "with --shard, the part folder")
+    p.add_argument("--shard", default=None, metavar="I/N", help="make part I (0-based) of N: the scatter job")
+    p.add_argument("--gather", nargs="+", default=None, metavar="PART", help="part folders to gather into --out")
+    p.add_argument("--cache", default=None, help="folder of finished regeneration chunks (default: "
+                                                 "<results_dir>/data/<dataset_name>.regen/<key>)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads for CPU regeneration (default 1; 0 leaves torch's)")
+
+
+def _shard(text):
+    from dflash.errors import UserError
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise UserError(f"--shard {text!r}: expected I/N, e.g. 0/4") from None
+    if not (n >= 1 and 0 <= i < n):
+        raise UserError(f"--shard {text!r}: expected 0 <= I < N")
+    return i, n
 
 
 def run(loaded, args):
     from dflash import paths
     from dflash.atomic import atomic_dir
     from dflash.config import REPO, inside
-    from dflash.data.expand import expand
+    from dflash.data import expand as E
+    from dflash.data.tiny_target import cpu_threads
+    from dflash.errors import UserError
 
+    if args.shard and args.gather:
+        raise UserError("--shard and --gather: give one of them")
+    if args.shard:
+        i, n = _shard(args.shard)
+        if not args.out:
+            raise UserError("--shard needs --out (the part folder)")
+        inside(args.out, loaded.cfg.results_dir, REPO)
+        with cpu_threads(args.threads), atomic_dir(args.out) as tmp:
+            part = E.expand_part(loaded, i, n, tmp, cache_dir=args.cache, progress=not args.no_progress)
+        log.info("data part %d/%d: %d samples, %d holdout, regenerated %d tokens (%d conversations cached) -> %s",
+                 i, n, len(part["samples"]), len(part["holdout"]), part["regeneration"].get("tokens", 0),
+                 part["regeneration"].get("cached", 0), args.out)
+        return 0
     out = args.out or paths.dataset(loaded.cfg.results_dir, loaded.cfg.dataset_name)
     inside(out, loaded.cfg.results_dir, REPO)
-    with atomic_dir(out) as tmp:
-        m = expand(loaded, tmp, progress=not args.no_progress, threads=args.threads)
+    with cpu_threads(args.threads), atomic_dir(out) as tmp:
+        if args.gather:
+            m = E.finish(loaded, [E.read_part(p) for p in args.gather], tmp)
+        else:
+            m = E.expand(loaded, tmp, progress=not args.no_progress, cache_dir=args.cache)
     regen = m["regeneration"]
     log.info("dataset %s: %d samples, %d tokens (%d supervised), buckets %s, holdout %d, content %s%s, %.1fs -> %s",
              m["dataset"], m["num_samples"], m["total_tokens"], m["supervised_tokens"], m["buckets"], m["holdout"],
-             m["content_hash"], f", regenerated {regen['tokens']} tokens at {regen['tokens_per_s']} tok/s"
+             m["content_hash"], f", regenerated {regen['tokens']} tokens at {regen['tokens_per_s']} tok/s "
+             f"({regen.get('engine')}, {regen.get('cached', 0)} conversations from the cache)"
              if regen["enabled"] else "", m["seconds"], out)
     for name, s in m["sources"].items():
         log.info("  source %s: %d rows, %d kept, %d samples, rejected %s", name, s["rows"], s["kept"], s["samples"],
                  s["rejected"] or "none")
+    few = m["filters"]["too_few_supervised"]
+    if few["rejected"]:
+        log.info("  too_few_supervised: fewer than %d supervised tokens (%s)", few["min_supervised_tokens"],
+                 ", ".join(f"{k} {v}" for k, v in few["keys"].items()))
     return 0

@@ -5,6 +5,7 @@ the bucket edge (the shapes the warm-up compiled). Resuming at index i reproduce
 """
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +13,10 @@ from pathlib import Path
 import torch
 
 from dflash.atomic import read_json
+from dflash.data.shards import verify_bucket
 from dflash.errors import UserError
+
+log = logging.getLogger("dflash.train")
 
 
 @dataclass
@@ -31,6 +35,11 @@ class Batch:
         return Batch(self.index, self.input_ids.pin_memory(), self.loss_mask.pin_memory(), self.lengths, self.ids)
 
 
+def _check_row(tok, lm, edge: int) -> None:
+    if len(tok) > edge or len(tok) != len(lm):
+        raise ValueError(f"{len(tok)} tokens and {len(lm)} mask values in the bucket of length {edge}")
+
+
 class ShardReader:
     def __init__(self, data_dir: str | Path, batch_size: int, seed: int = 0, pad_id: int = 0):
         import datasets
@@ -42,9 +51,18 @@ class ShardReader:
         self.manifest = read_json(manifest)
         self.batch_size, self.seed, self.pad_id = batch_size, seed, pad_id
         self.buckets: dict[int, "datasets.Dataset"] = {}
+        files = self.manifest.get("files")
+        if files is None:
+            log.warning("%s has no shard hashes (made by an older data stage): shards not verified; rerun the data "
+                        "stage to add them", manifest)
         for folder in sorted((self.data_dir / "train").glob("bucket-*")):
             edge = int(folder.name.split("-")[1])
-            ds = datasets.load_from_disk(str(folder))
+            if files is not None:
+                verify_bucket(self.data_dir, folder, files)     # once per shard per run: sha256 of each file
+            try:
+                ds = datasets.load_from_disk(str(folder))
+            except Exception as e:
+                raise UserError(f"{folder}: cannot open the shards: {type(e).__name__}: {e}") from None
             if len(ds) >= batch_size:
                 self.buckets[edge] = ds
         if not self.buckets:
@@ -70,14 +88,45 @@ class ShardReader:
 
     def batch(self, index: int) -> Batch:
         edge, rows = self._plan(index // self.batches_per_epoch)[index % self.batches_per_epoch]
-        data = self.buckets[edge][rows]
-        ids = torch.full((len(rows), edge), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), edge), dtype=torch.bool)
-        lengths = torch.tensor([len(x) for x in data["input_ids"]], dtype=torch.long)
-        for r, (tok, lm) in enumerate(zip(data["input_ids"], data["loss_mask"])):
-            ids[r, :len(tok)] = torch.as_tensor(tok, dtype=torch.long)
-            mask[r, :len(lm)] = torch.as_tensor(lm, dtype=torch.bool)
+        try:
+            data = self.buckets[edge][rows]
+            ids = torch.full((len(rows), edge), self.pad_id, dtype=torch.long)
+            mask = torch.zeros((len(rows), edge), dtype=torch.bool)
+            lengths = torch.tensor([len(x) for x in data["input_ids"]], dtype=torch.long)
+            for r, (tok, lm) in enumerate(zip(data["input_ids"], data["loss_mask"])):
+                _check_row(tok, lm, edge)
+                ids[r, :len(tok)] = torch.as_tensor(tok, dtype=torch.long)
+                mask[r, :len(lm)] = torch.as_tensor(lm, dtype=torch.bool)
+        except Exception as e:
+            row, err = self._bad_row(edge, rows, e)
+            raise UserError(f"{self._where(edge, row)}: cannot decode the row: {type(err).__name__}: {err} "
+                            f"(rerun the data stage)") from None
         return Batch(index, ids, mask, lengths, list(data["id"]))
+
+    def _bad_row(self, edge: int, rows: list[int], err: Exception) -> tuple[int, Exception]:
+        """The first row of a failed batch that fails alone (the error path only), and its error."""
+        for r in sorted(rows):
+            try:
+                x = self.buckets[edge][r]
+                _check_row(x["input_ids"], x["loss_mask"], edge)
+            except Exception as e:
+                return r, e
+        return min(rows), err
+
+    def _where(self, edge: int, row: int) -> str:
+        """'<shard file> row k': the file holding bucket row `row` (by per-file row counts), or the unreadable one."""
+        import pyarrow as pa
+        start = 0
+        for f in self.buckets[edge].cache_files:
+            try:
+                with pa.memory_map(f["filename"]) as src:
+                    n = pa.ipc.open_stream(src).read_all().num_rows
+            except Exception:
+                return f"{f['filename']} (unreadable)"
+            if row < start + n:
+                return f"{f['filename']} row {row - start}"
+            start += n
+        return f"{self.data_dir / 'train' / f'bucket-{edge:05d}'} row {row}"
 
     def shapes(self) -> list[tuple[int, int]]:
         """Every (batch, length) shape the stream can produce: what the warm-up must compile."""

@@ -1,23 +1,87 @@
 # Stage 'data': expand the sources into tokenised, bucketed Arrow shards. Local source files are inputs, so an
 # edited source reruns data onward; hub datasets are not tracked.
+# data.shards = 1: one job. data.shards = N > 1: N scatter jobs `data_part` (reading, regeneration, tokenising of
+# shard I; each its own GPU with engine hf, or its share of the servers with engine openai) and one gather job
+# `data` (length buckets, holdout, manifest). The content hash is the same for any N.
+DATA_SHARDS = int(config["data"].get("shards", 1))
+_regen = config["data"].get("regenerate", {})
+# a GPU per job only when it generates in-process on a GPU (openai: the servers hold the GPUs)
+DATA_GPU = int(_regen.get("enabled", True) and _regen.get("engine", "hf") == "hf"
+               and str(_regen.get("device", "auto")) != "cpu")
+DATA_SOURCES = [s["path"] for s in config["data"]["sources"] if s["kind"] != "hub"]
+DATA_PARTS = [str(paths.dataset(RESULTS, DATASET)) + f".parts/part-{i}-of-{DATA_SHARDS}" for i in range(DATA_SHARDS)]
 
-rule data:
-    input:
-        target=TARGET_DIR,
-        sources=lambda wildcards: [s["path"] for s in config["data"]["sources"] if s["kind"] != "hub"],
-    output:
-        manifest=paths.dataset(RESULTS, DATASET) / "manifest.json",
-    params:
-        stage_config=config_args,
-        out=lambda wildcards, output: os.path.dirname(output.manifest),
-        config=section("data", "target", "seed"),
-        block_size=config["drafter"]["block_size"],
-    threads: 1
-    log:
-        LOGS / f"data-{DATASET}.log",
-    benchmark:
-        BENCH / f"data-{DATASET}.jsonl"
-    conda:
-        ENV
-    shell:
-        "python -m dflash data {params.stage_config:q} --out {params.out:q} --threads {threads} --log {log:q}"
+
+if DATA_SHARDS > 1:
+
+    rule data_part:
+        input:
+            target=TARGET_DIR,
+            sources=DATA_SOURCES,
+        output:
+            temp(directory(str(paths.dataset(RESULTS, DATASET)) + f".parts/part-{{shard}}-of-{DATA_SHARDS}")),
+        params:
+            stage_config=config_args,
+            shard=lambda wildcards: f"{wildcards.shard}/{DATA_SHARDS}",
+            config=section("data", "target", "seed"),
+            block_size=config["drafter"]["block_size"],
+        wildcard_constraints:
+            shard=r"\d+",
+        threads: 1
+        resources:
+            gpu=DATA_GPU,
+        log:
+            LOGS / f"data-{DATASET}" / "part-{shard}.log",
+        benchmark:
+            BENCH / f"data-{DATASET}" / "part-{shard}.jsonl"
+        conda:
+            ENV
+        shell:
+            "python -m dflash data {params.stage_config:q} --shard {params.shard:q} --out {output:q}"
+            " --threads {threads} --log {log:q}"
+
+    rule data:
+        input:
+            target=TARGET_DIR,
+            parts=DATA_PARTS,
+        output:
+            manifest=paths.dataset(RESULTS, DATASET) / "manifest.json",
+        params:
+            stage_config=config_args,
+            out=lambda wildcards, output: os.path.dirname(output.manifest),
+            config=section("data", "target", "seed"),
+            block_size=config["drafter"]["block_size"],
+        threads: 1
+        log:
+            LOGS / f"data-{DATASET}.log",
+        benchmark:
+            BENCH / f"data-{DATASET}.jsonl"
+        conda:
+            ENV
+        shell:
+            "python -m dflash data {params.stage_config:q} --gather {input.parts:q} --out {params.out:q} --log {log:q}"
+
+else:
+
+    rule data:
+        input:
+            target=TARGET_DIR,
+            sources=DATA_SOURCES,
+        output:
+            manifest=paths.dataset(RESULTS, DATASET) / "manifest.json",
+        params:
+            stage_config=config_args,
+            out=lambda wildcards, output: os.path.dirname(output.manifest),
+            config=section("data", "target", "seed"),
+            block_size=config["drafter"]["block_size"],
+        threads: 1
+        resources:
+            gpu=DATA_GPU,
+        log:
+            LOGS / f"data-{DATASET}.log",
+        benchmark:
+            BENCH / f"data-{DATASET}.jsonl"
+        conda:
+            ENV
+        shell:
+            "python -m dflash data {params.stage_config:q} --out {params.out:q} --threads {threads} --log {log:q}"

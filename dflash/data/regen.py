@@ -1,0 +1,325 @@
+"""Regeneration of assistant turns by the target, resumable: engines `hf` (in-process generate) and `openai` (any
+OpenAI-compatible server: vLLM, SGLang, `transformers serve`), and a cache of finished chunks keyed by conversation.
+
+Public:
+- `regenerate_stream(convs, total, tokenizer, cfg, cache_dir, stats, progress=True)` -> yields (conv, messages | reason)
+  for an iterable of {"hash", "messages", ...}, in order. Every turn is generated from the locally rendered chat template (the same text
+  for both engines); the responses come back as text and the caller re-tokenises the whole conversation, so
+  training sees the same tokens whichever engine made them.
+- `HFEngine(model, tokenizer, rcfg)`, `OpenAIEngine(rcfg, model_name)`: `.generate(prompts, seed)` -> (texts, tokens)
+  with `prompts` = [(text, ids)].
+- `cache_key(cfg)` -> the folder name that keys cached responses by everything that decides them.
+
+Resumability: conversations are processed in chunks of `data.regenerate.chunk_size`; a finished chunk is one JSONL
+file written atomically (`chunk-<hash>.jsonl`: one {"hash", "messages"} or {"hash", "reject"} per conversation).
+A rerun loads every chunk file and regenerates only the conversations none holds, so a `kill -9` costs at most
+the chunk in flight and a conversation is never regenerated twice. Shards share the folder.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import random
+import time
+from pathlib import Path
+
+from dflash.atomic import atomic_write_text
+from dflash.errors import UserError
+
+log = logging.getLogger("dflash.data")
+
+
+# ---- the cache --------------------------------------------------------------------------------------------------
+
+def _target_identity(path) -> dict:
+    """What identifies the target cheaply: its config, tokenizer config and chat template, each weight file's size
+    and mtime."""
+    path = Path(path)
+    files = sorted(p for pat in ("*.safetensors", "*.bin") for p in path.glob(pat))
+    text = "".join((path / f).read_text() for f in ("config.json", "tokenizer_config.json", "chat_template.jinja",
+                                                     "generation_config.json") if (path / f).is_file())
+    return {"config": hashlib.sha256(text.encode()).hexdigest()[:16],
+            "weights": [(p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in files]}
+
+
+def cache_key(cfg) -> str:
+    """Responses depend on the target (config, template, weights; a `build: random` target's weights on the seed),
+    the generation settings and the seed; never on the engine or the shard."""
+    r = cfg.data.regenerate
+    key = {"target": _target_identity(cfg.target.path), "max_new_tokens": r.max_new_tokens,
+           "temperature": r.temperature, "max_length": cfg.data.max_length,
+           "seed": cfg.seed}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def load_cache(folder: Path) -> dict[str, dict]:
+    """{conv_hash: entry} of every finished chunk (a torn file cannot exist: chunks are written atomically)."""
+    out = {}
+    for f in sorted(Path(folder).glob("chunk-*.jsonl")):
+        out.update(load_cache_file(f))
+    return out
+
+
+def write_chunk(folder: Path, entries: list[dict]) -> Path:
+    name = hashlib.sha256("".join(sorted(e["hash"] for e in entries)).encode()).hexdigest()[:16]
+    return atomic_write_text(Path(folder) / f"chunk-{name}.jsonl",
+                             "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in entries))
+
+
+# ---- engines ----------------------------------------------------------------------------------------------------
+
+class HFEngine:
+    """`model.generate` in-process: prompts sorted by length, left-padded batches (see expand.regenerate)."""
+
+    def __init__(self, model, tokenizer, rcfg):
+        self.model, self.tokenizer, self.r = model, tokenizer, rcfg
+
+    def generate(self, prompts, seed: int):
+        from dflash.data.expand import regenerate
+        r = self.r
+        resp, st = regenerate(self.model, self.tokenizer, [ids for _, ids in prompts], r.max_new_tokens,
+                              r.temperature, r.batch_size, seed=seed, progress=False,
+                              cache_implementation=r.cache_implementation, compile=r.compile)
+        return [self.tokenizer.decode(x, skip_special_tokens=True) for x in resp], st["tokens"]
+
+
+class OpenAIEngine:
+    """POST /completions to OpenAI-compatible servers with the locally rendered prompt (its text, or its token ids
+    with `prompt_ids`: vLLM and SGLang take either, `transformers serve` text only); `concurrency` requests in
+    flight per server; timeouts, connection errors, 429 and 5xx are retried with exponential backoff, and a server
+    that stays down ends the stage with one line naming it."""
+
+    RETRY_STATUS = {408, 409, 429, 500, 502, 503, 504}
+
+    def __init__(self, rcfg, model_name: str):
+        if not rcfg.servers:
+            raise UserError("data.regenerate.servers is empty: give the base URL of at least one OpenAI-compatible "
+                            "server (e.g. http://127.0.0.1:8000/v1) for engine openai")
+        self.r, self.model_name = rcfg, rcfg.model or model_name
+        self.servers = [s.rstrip("/") for s in rcfg.servers]
+
+    def generate(self, prompts, seed: int):
+        return asyncio.run(self._all(prompts, seed))
+
+    async def _all(self, prompts, seed):
+        import httpx
+        r = self.r
+        queue: asyncio.Queue = asyncio.Queue()
+        for i, (text, ids) in enumerate(prompts):
+            queue.put_nowait((i, list(ids) if r.prompt_ids else text))
+        texts: list[str | None] = [None] * len(prompts)
+        tokens = [0]
+        limits = httpx.Limits(max_connections=r.concurrency * len(self.servers))
+        async with httpx.AsyncClient(timeout=r.timeout_s, limits=limits) as client:
+            async def worker(base):
+                while not queue.empty():
+                    i, text = queue.get_nowait()
+                    texts[i], n = await self._one(client, base, text, seed)
+                    tokens[0] += n
+            tasks = [asyncio.create_task(worker(b)) for b in self.servers for _ in range(r.concurrency)]
+            try:
+                await asyncio.gather(*tasks)
+            finally:
+                for t in tasks:
+                    t.cancel()
+        return texts, tokens[0]
+
+    async def _one(self, client, base: str, prompt, seed: int):
+        import httpx
+        r = self.r
+        body = {"model": self.model_name, "prompt": prompt, "max_tokens": r.max_new_tokens,
+                "temperature": r.temperature, "seed": seed, "stream": False}
+        url = f"{base}/completions"
+        for attempt in range(r.retries + 1):
+            try:
+                resp = await client.post(url, json=body)
+                if resp.status_code == 200:
+                    out = resp.json()
+                    choice = out["choices"][0]
+                    return choice["text"], int((out.get("usage") or {}).get("completion_tokens") or 0)
+                why = f"HTTP {resp.status_code}: {resp.text[:200]!r}"
+                if resp.status_code not in self.RETRY_STATUS:
+                    raise UserError(f"regeneration server {base}: {why} (not retried; check data.regenerate.model "
+                                    f"= {self.model_name!r} and prompt_ids = {r.prompt_ids})")
+            except httpx.TransportError as e:    # timeouts, refused or dropped connections
+                why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            except (KeyError, IndexError, ValueError) as e:
+                raise UserError(f"regeneration server {base}: unexpected /completions answer ({e})") from None
+            if attempt < r.retries:
+                wait = min(r.backoff_s * 2 ** attempt, 60.0) * (0.5 + random.random() / 2)
+                log.warning("regeneration server %s: %s; retry %d/%d in %.1fs", base, why, attempt + 1, r.retries, wait)
+                await asyncio.sleep(wait)
+        raise UserError(f"regeneration server {base} still failing after {r.retries} retries: {why} "
+                        f"(is it up? data.regenerate.servers)")
+
+
+def make_engine(cfg, shard: int = 0):
+    """The configured engine. `hf` loads the target onto data.regenerate.device (`auto` with several data shards:
+    shard I on GPU I mod the GPUs visible, so N shards on one node use N GPUs). `openai`: shard I starts its
+    requests at server I, so shards spread over the servers."""
+    r = cfg.data.regenerate
+    if r.engine == "openai":
+        eng = OpenAIEngine(r, str(cfg.target.path))
+        k = shard % len(eng.servers)
+        eng.servers = eng.servers[k:] + eng.servers[:k]
+        return eng
+    import torch
+
+    from dflash.target import load_target, load_tokenizer, resolve_device
+    device = resolve_device(r.device)
+    if r.device == "auto" and device == "cuda" and torch.cuda.device_count() > 1:
+        device = f"cuda:{shard % torch.cuda.device_count()}"
+    return HFEngine(load_target(cfg.target, device=device, seed=cfg.seed), load_tokenizer(cfg.target), r)
+
+
+# ---- the rounds -------------------------------------------------------------------------------------------------
+
+def _regenerate_chunk(engine, tokenizer, chunk, max_length, seed, render):
+    """Regenerate every assistant turn of the conversations of one chunk, one round per turn (a later turn sees the
+    regenerated earlier ones). Returns ([entry], generated tokens)."""
+    from dflash.data.expand import prompt_ids
+    pending = {c["hash"]: list(c["messages"]) for c in chunk}
+    done: dict[str, list] = {h: [] for h in pending}
+    failed: dict[str, str] = {}
+    tokens = rnd = 0
+    while pending:
+        rnd += 1
+        todo, prompts = [], []
+        for h, msgs in list(pending.items()):
+            a = next((k for k, m in enumerate(msgs) if m["role"] == "assistant"), None)
+            if a is None:
+                del pending[h]
+                continue
+            ids = prompt_ids(tokenizer, done[h] + msgs[:a])
+            if len(ids) >= max_length:
+                if not any(m["role"] == "assistant" for m in done[h]):
+                    failed[h] = "prompt_too_long"
+                del pending[h]
+                continue
+            done[h].extend(msgs[:a])
+            pending[h] = msgs[a:]
+            todo.append(h)
+            prompts.append((render(done[h]), ids))
+        if not todo:
+            break
+        texts, n = engine.generate(prompts, seed + rnd)
+        tokens += n
+        for h, text in zip(todo, texts):
+            pending[h] = pending[h][1:]                    # drop the original assistant turn
+            if not text.strip():
+                if not any(m["role"] == "assistant" for m in done[h]):
+                    failed[h] = "empty_response"
+                del pending[h]
+                continue
+            done[h].append({"role": "assistant", "content": text})
+    entries = []
+    for c in chunk:
+        h = c["hash"]
+        if h in failed:
+            entries.append({"hash": h, "reject": failed[h]})
+            continue
+        msgs = done[h]
+        while msgs and msgs[-1]["role"] != "assistant":
+            msgs = msgs[:-1]
+        entries.append({"hash": h, "messages": msgs})
+    return entries, tokens
+
+
+class CacheIndex:
+    """Which chunk file holds each finished conversation (16-byte keys: the index stays small), and the entries of
+    one chunk file at a time, read on demand."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.where: dict[bytes, str] = {}
+        for f in sorted(self.folder.glob("chunk-*.jsonl")):
+            with open(f) as fh:
+                for line in fh:
+                    if line.strip():
+                        self.where[bytes.fromhex(json.loads(line)["hash"][:32])] = f.name
+        self._file, self._entries = None, {}
+
+    def __contains__(self, h: str) -> bool:
+        return bytes.fromhex(h[:32]) in self.where
+
+    def get(self, h: str) -> dict:
+        name = self.where[bytes.fromhex(h[:32])]
+        if name != self._file:
+            self._file, self._entries = name, load_cache_file(self.folder / name)
+        return self._entries[h]
+
+    def add(self, name: str, entries: list[dict]):
+        for e in entries:
+            self.where[bytes.fromhex(e["hash"][:32])] = name
+        self._file, self._entries = name, {e["hash"]: e for e in entries}
+
+
+def load_cache_file(path) -> dict[str, dict]:
+    return {e["hash"]: e for e in (json.loads(x) for x in Path(path).read_text().splitlines() if x.strip())}
+
+
+def regenerate_stream(convs, total: int, tokenizer, cfg, cache_dir, stats: dict, progress=True, engine=None,
+                      shard: int = 0):
+    """Yield (conversation, messages list or reject reason str) for an iterable of {"hash", "messages", ...},
+    `chunk_size` at a time: a chunk's conversations found in the cache come from it, the others are regenerated
+    (the engine starts at the first miss) and the chunk is written before anything of it is yielded. `stats` is
+    filled in place (tokens, seconds, cached...)."""
+    from tqdm import tqdm
+
+    from dflash.data.expand import _render
+    r = cfg.data.regenerate
+    cache_dir = Path(cache_dir)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    index = CacheIndex(cache_dir)
+    stats.update({"enabled": True, "engine": r.engine, "max_new_tokens": r.max_new_tokens,
+                  "temperature": r.temperature, "conversations": 0, "cached": 0, "tokens": 0, "seconds": 0.0,
+                  "tokens_per_s": 0.0, "cache": str(cache_dir)})
+    log.info("regeneration (%s): %d conversations, %d finished ones in %s", r.engine, total, len(index.where),
+             cache_dir)
+    render = lambda m: _render(tokenizer, m, add_generation_prompt=True)    # noqa: E731
+    bar = tqdm(total=total, desc=f"regenerate ({r.engine})", unit="conv", disable=not progress, mininterval=2.0)
+    t_gen = 0.0
+    last_log = time.time()
+
+    def process(chunk):
+        nonlocal engine, t_gen, last_log
+        todo = [c for c in chunk if c["hash"] not in index]
+        stats["conversations"] += len(chunk)
+        stats["cached"] += len(chunk) - len(todo)
+        fresh = {}
+        if todo:
+            if engine is None:
+                engine = make_engine(cfg, shard)
+                if r.engine == "hf":
+                    stats["device"] = str(next(engine.model.parameters()).device)
+            t0 = time.time()
+            seed = cfg.seed + int(todo[0]["hash"][:8], 16) if r.temperature > 0 else cfg.seed
+            entries, n = _regenerate_chunk(engine, tokenizer, todo, cfg.data.max_length, seed, render)
+            name = write_chunk(cache_dir, entries).name
+            index.add(name, entries)
+            fresh = {e["hash"]: e for e in entries}
+            stats["tokens"] += n
+            t_gen += time.time() - t0
+        bar.update(len(chunk))
+        bar.set_postfix(tok_s=f"{stats['tokens'] / max(t_gen, 1e-9):.0f}")
+        if not progress and time.time() - last_log > 30:
+            last_log = time.time()
+            log.info("regenerated %d/%d conversations (%d from the cache), %d tokens, %.0f tok/s",
+                     stats["conversations"], total, stats["cached"], stats["tokens"], stats["tokens"] / max(t_gen, 1e-9))
+        for c in chunk:
+            e = fresh.get(c["hash"]) or index.get(c["hash"])
+            yield c, (e["reject"] if "reject" in e else e["messages"])
+
+    chunk = []
+    for c in convs:
+        chunk.append(c)
+        if len(chunk) == r.chunk_size:
+            yield from process(chunk)
+            chunk = []
+    if chunk:
+        yield from process(chunk)
+    bar.close()
+    stats["seconds"] = round(t_gen, 3)
+    stats["tokens_per_s"] = round(stats["tokens"] / max(t_gen, 1e-9), 1)

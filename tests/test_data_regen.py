@@ -1,0 +1,293 @@
+"""Regeneration at scale: engine `openai` against a real `transformers serve` on 127.0.0.1, resumable chunks, shards.
+
+The target is `talking_target` (random weights of a large scale: long, varied greedy turns; wide logit gaps). Its
+turns are byte-level junk, often with partial UTF-8 sequences; both engines turn tokens into text the same way
+(skip special tokens, replacement characters), so the comparison covers that path too.
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest_data import good_rows, make_loaded, one_thread, talking_target, write_jsonl  # noqa: F401
+from dflash.data.expand import expand
+from dflash.data.regen import load_cache
+from dflash.errors import UserError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+SERVE = Path(sys.executable).with_name("transformers")
+needs_serve = pytest.mark.skipif(not SERVE.exists(),
+                                 reason="transformers CLI not installed")
+REGEN = {"enabled": True, "max_new_tokens": 16, "chunk_size": 4, "device": "cpu", "retries": 2, "backoff_s": 0.2,
+         "timeout_s": 30, "concurrency": 2}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`transformers serve <target>` on 127.0.0.1 (offline, CPU, float32, one thread)."""
+
+    def __init__(self, target, port=None):
+        self.target, self.port = str(target), port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        self.proc = None
+
+    def start(self):
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1",
+                   TRANSFORMERS_VERBOSITY="error")
+        self.proc = subprocess.Popen([str(SERVE), "serve", self.target, "--host", "127.0.0.1", "--port",
+                                     str(self.port), "--device", "cpu", "--dtype", "float32"],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                                    start_new_session=True)
+        import httpx
+        for _ in range(240):
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            assert self.proc.poll() is None, "transformers serve exited"
+            time.sleep(0.25)
+        raise AssertionError("transformers serve did not come up in 60 s")
+
+    def kill(self):
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(talking_target):
+    s = Server(talking_target).start()
+    yield s
+    s.kill()
+
+
+def cfg(tmp_path, target, src, **regen):
+    return make_loaded(tmp_path, target, [{"name": "a", "path": src}], min_supervised_blocks=1,
+                       regenerate={**REGEN, **regen})
+
+
+def texts(cache):
+    return {h: [m["content"] for m in e["messages"] if m["role"] == "assistant"] for h, e in load_cache(cache).items()}
+
+
+@needs_serve
+def test_openai_engine_equals_hf_token_for_token(tmp_path, talking_target, server):
+    src = write_jsonl(tmp_path / "a.jsonl", good_rows(10))
+    hf = expand(cfg(tmp_path, talking_target, src, engine="hf"), tmp_path / "hf", progress=False,
+                cache_dir=tmp_path / "c-hf")
+    oa = expand(cfg(tmp_path, talking_target, src, engine="openai", servers=[server.url]), tmp_path / "oa",
+                progress=False, cache_dir=tmp_path / "c-oa")
+    assert hf["regeneration"]["engine"] == "hf" and oa["regeneration"]["engine"] == "openai"
+    assert oa["regeneration"]["tokens"] == hf["regeneration"]["tokens"] > 0
+    t_hf, t_oa = texts(tmp_path / "c-hf"), texts(tmp_path / "c-oa")
+    assert len(t_hf) == 10 and t_hf == t_oa                     # the same turns, conversation by conversation
+    assert all(t and t[0].strip() and "variant" not in t[0] for t in t_hf.values())   # really regenerated
+    assert oa["content_hash"] == hf["content_hash"] and oa["num_samples"] == hf["num_samples"] == 10
+
+
+def run_stage(tmp_path, config: dict, *args):
+    import yaml
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump(config))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent.parent), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
+    return subprocess.Popen([sys.executable, "-m", "dflash", "data", "--config", str(p), "--no-progress", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def raw_config(tmp_path, target, src, **regen):
+    from conftest_data import target_section
+    return {"results_dir": str(tmp_path), "target": target_section(target), "drafter": {"block_size": 4},
+            "data": {"builtin_corpus": {"enabled": False}, "holdout": 2, "min_supervised_blocks": 1,
+                     "max_length": 256, "bucket_edges": [64, 128, 256], "sources": [{"name": "a", "path": src}],
+                     "regenerate": {**REGEN, **regen}}}
+
+
+def wait_for_chunks(cache: Path, n: int, proc, timeout=120):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if len(list(cache.glob("*/chunk-*.jsonl"))) >= n:
+            return
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.05)
+    raise AssertionError("no chunk written")
+
+
+@needs_serve
+def test_server_killed_mid_stage_then_rerun_resumes_to_the_same_hash(tmp_path, talking_target):
+    src = write_jsonl(tmp_path / "a.jsonl", good_rows(40))
+    # the reference: one uninterrupted run (engine hf; the test above holds the engines equal)
+    ref = expand(make_loaded(tmp_path / "ref", talking_target, [{"name": "a", "path": src}], min_supervised_blocks=1,
+                             holdout=2, regenerate={**REGEN, "max_new_tokens": 32, "chunk_size": 2}),
+                 tmp_path / "ref" / "out", progress=False)
+    srv = Server(talking_target).start()
+    try:
+        conf = raw_config(tmp_path, talking_target, src, engine="openai", servers=[srv.url], max_new_tokens=32,
+                          chunk_size=2, concurrency=1)
+        proc = run_stage(tmp_path, conf)
+        cache = tmp_path / "data" / "default.regen"
+        wait_for_chunks(cache, 1, proc)
+        srv.kill()
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        srv.kill()
+    assert proc.returncode == 1, out
+    assert f"regeneration server {srv.url}: ConnectError" in out and "retry 2/2" in out, out[-2000:]
+    assert f"regeneration server {srv.url} still failing after 2 retries" in out.splitlines()[-1], out[-2000:]
+    assert not (tmp_path / "data" / "default").exists()               # nothing half-written
+    kept = len(load_cache(next(cache.iterdir())))
+    assert 2 <= kept < 38
+    srv = Server(talking_target, srv.port).start()                     # the server is back: rerun
+    try:
+        proc = run_stage(tmp_path, conf)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        srv.kill()
+    assert proc.returncode == 0, out
+    m = json.loads((tmp_path / "data" / "default" / "manifest.json").read_text())
+    assert m["regeneration"]["cached"] == kept and m["regeneration"]["conversations"] == 38
+    assert m["content_hash"] == ref["content_hash"]
+
+
+def test_kill_9_of_the_stage_redoes_at_most_one_chunk(tmp_path, talking_target):
+    src = write_jsonl(tmp_path / "a.jsonl", good_rows(30))
+    conf = raw_config(tmp_path, talking_target, src, engine="hf", max_new_tokens=48, chunk_size=2)
+    proc = run_stage(tmp_path, conf)
+    cache = tmp_path / "data" / "default.regen"
+    wait_for_chunks(cache, 2, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done = len(load_cache(next(cache.iterdir())))
+    assert done >= 4
+    out, _ = run_stage(tmp_path, conf).communicate(timeout=300)
+    m = json.loads((tmp_path / "data" / "default" / "manifest.json").read_text())
+    assert m["regeneration"]["cached"] == done and m["regeneration"]["conversations"] == 28, out
+    # nothing regenerated twice: every finished conversation is in exactly one chunk file
+    hashes = [json.loads(line)["hash"] for f in next(cache.iterdir()).glob("chunk-*.jsonl")
+              for line in f.read_text().splitlines()]
+    assert len(hashes) == len(set(hashes)) == 28
+    ref = expand(make_loaded(tmp_path / "ref", talking_target, [{"name": "a", "path": src}], min_supervised_blocks=1,
+                             holdout=2, regenerate={**REGEN, "max_new_tokens": 48, "chunk_size": 5}),
+                 tmp_path / "ref" / "out", progress=False)
+    assert m["content_hash"] == ref["content_hash"]
+
+
+def test_two_shards_give_the_same_content_hash_as_one(tmp_path, talking_target):
+    from dflash.cli import main
+    import yaml
+    src = write_jsonl(tmp_path / "a.jsonl", good_rows(12) + good_rows(4, tag="x"))
+    conf = raw_config(tmp_path, talking_target, src, engine="hf")
+    conf["data"]["sources"][0]["weight"] = 1.5                       # per-row weighting, shard-independent
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump(conf))
+    one = expand(make_loaded(tmp_path / "one", talking_target, conf["data"]["sources"], min_supervised_blocks=1,
+                             holdout=2, regenerate=REGEN), tmp_path / "one" / "out", progress=False)
+    parts = [str(tmp_path / "data" / f"p{i}") for i in range(2)]
+    for i in range(2):
+        assert main(["data", "--config", str(p), "--no-progress", "--shard", f"{i}/2", "--out", parts[i]]) == 0
+    assert main(["data", "--config", str(p), "--no-progress", "--gather", *parts]) == 0
+    m = json.loads((tmp_path / "data" / "default" / "manifest.json").read_text())
+    sizes = [json.loads((Path(q) / "part.json").read_text())["stats"]["a"]["kept"] for q in parts]
+    assert all(sizes) and sum(sizes) == 14                             # both shards did work
+    assert m["content_hash"] == one["content_hash"] and m["num_samples"] == one["num_samples"]
+    assert m["sources"] == one["sources"] and m["data_shards"] == 2
+    assert main(["data", "--config", str(p), "--no-progress", "--gather", parts[0]]) == 1   # a part missing
+
+
+def test_openai_engine_needs_servers(tmp_path, talking_target):
+    src = write_jsonl(tmp_path / "a.jsonl", good_rows(3))
+    with pytest.raises(UserError, match="data.regenerate.servers is empty"):
+        expand(cfg(tmp_path, talking_target, src, engine="openai"), tmp_path / "o", progress=False)
+
+
+def test_snakemake_scatters_into_shards_and_gathers(tmp_path):
+    import yaml
+    from test_workflow import snakemake
+    conf = yaml.safe_load((Path(__file__).parent.parent / "config" / "config.yaml").read_text())
+    conf["data"] = {"shards": 3, "regenerate": {"device": "cuda:0"}}
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(conf))
+    r = snakemake(tmp_path, "-n", "-p", "--cores", "2", "--resources", "gpu=1", "--configfile", str(tmp_path / "s.yaml"))
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert out.count("rule data_part:") == 3 and "rule data:" in out
+    for i in range(3):
+        assert f"--shard {i}/3" in out and f"logs/data-default/part-{i}.log" in out
+    assert "--gather" in out and "part-0-of-3" in out.split("--gather")[1]
+    part = out[out.index("rule data_part:"):]
+    assert "gpu=1" in part.split("shell:")[0] or "gpu=1" in part.split("python -m")[0]
+
+
+def test_static_cache_and_auto_batch_give_the_greedy_turns_of_the_dynamic_cache(talking_target):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash.data.expand import prompt_ids, regenerate
+    tok = AutoTokenizer.from_pretrained(str(talking_target))
+    model = AutoModelForCausalLM.from_pretrained(str(talking_target)).eval()
+    prompts = [prompt_ids(tok, r["messages"][:1]) for r in good_rows(7)]
+    ref, st = regenerate(model, tok, prompts, 12, batch_size=3, progress=False)
+    static, st2 = regenerate(model, tok, prompts, 12, batch_size=3, progress=False, cache_implementation="static")
+    auto, st3 = regenerate(model, tok, prompts, 12, batch_size=0, progress=False)
+    assert static == ref == auto and st2["tokens"] == st["tokens"] > 7 * 3
+    assert st3["batch_size"] == 32                                    # CPU: no GPU memory to size it from
+
+
+def test_bench_regen_runs_tiny(tmp_path):
+    out = tmp_path / "regen.json"
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent), OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, str(Path(__file__).parent.parent / "bench" / "regen.py"), "--tiny", "--out",
+                        str(out)], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rep = json.loads(out.read_text())
+    assert rep["device"] == "cpu" and rep["torch"] and rep["date"] and rep["config"]["prompts"] == 16
+    res = {x["variant"]: x for x in rep["results"]}
+    assert set(res) == {"dynamic-4", "static-4-eager"}
+    for x in res.values():
+        assert x["tokens"] == 16 * 8 and x["tokens_per_s"] > 0 and x["batch_size"] == 4
+    assert rep["best"]["variant"] in res
+
+
+@needs_serve
+def test_a_refused_request_is_one_line_naming_the_server(tmp_path, talking_target, server):
+    """transformers serve takes text prompts only: token ids (for vLLM/SGLang) get HTTP 400, not retried."""
+    src = write_jsonl(tmp_path / "a.jsonl", good_rows(3))
+    with pytest.raises(UserError, match=rf"regeneration server {server.url}: HTTP 400.*not retried.*prompt_ids = True"):
+        expand(cfg(tmp_path, talking_target, src, engine="openai", servers=[server.url], prompt_ids=True),
+               tmp_path / "o", progress=False, cache_dir=tmp_path / "c")
+
+
+def test_snakemake_runs_two_data_shards_to_the_hash_of_one(tmp_path, talking_target):
+    """The real rules: 2 `data_part` jobs (each its log and benchmark, gpu=0 on CPU) and the gather, through
+    Snakemake with --resources gpu=0; the manifest's content hash is that of the one-process stage."""
+    import yaml
+    from test_workflow import snakemake
+    src = write_jsonl(tmp_path / "a.jsonl", good_rows(10))
+    res = tmp_path / "res"
+    data = {"builtin_corpus": {"enabled": False}, "holdout": 2, "min_supervised_blocks": 1, "max_length": 256,
+            "bucket_edges": [64, 128, 256], "sources": [{"name": "a", "path": src}], "shards": 2,
+            "regenerate": {**REGEN, "engine": "hf"}}
+    conf = {"results_dir": str(res), "target": {"path": str(talking_target), "build": "none"},
+            "drafter": {"block_size": 4}, "data": data}
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(conf))
+    r = snakemake(tmp_path, f"{res}/data/default/manifest.json", "--cores", "2", "--resources", "gpu=0",
+                  "--configfile", str(tmp_path / "s.yaml"))
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    m = json.loads((res / "data" / "default" / "manifest.json").read_text())
+    for i in range(2):
+        assert (res / "logs" / "data-default" / f"part-{i}.log").is_file()
+        assert (res / "benchmarks" / "data-default" / f"part-{i}.jsonl").is_file()
+    assert not (res / "data" / "default.parts" / "part-0-of-2").exists()          # temp: removed once gathered
+    one = expand(make_loaded(tmp_path / "one", talking_target, data["sources"], min_supervised_blocks=1, holdout=2,
+                             regenerate=REGEN), tmp_path / "one" / "out", progress=False)
+    assert m["data_shards"] == 2 and m["content_hash"] == one["content_hash"]
