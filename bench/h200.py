@@ -257,7 +257,12 @@ def e2e(out_dir: Path, steps: int, extra=()):
             return res
     runs = {"1t1d": ["--set", 'train.drafters=["cuda:0"]'],
             "restart": None,
-            "1t3d": ["--set", 'train.drafters=["cuda:0","cuda:0","cuda:0"]']}
+            "1t3d": ["--set", 'train.drafters=["cuda:0","cuda:0","cuda:0"]'],
+            # two GPUs: the split layout (target on one, drafter on the other) in both runtimes, and data-parallel
+            # drafter replicas on both GPUs (threads)
+            "x2-split-dist": ["--set", 'train.drafters=["cuda:1"]', "--set", "train.runtime=distributed"],
+            "x2-split-threads": ["--set", 'train.drafters=["cuda:1"]', "--set", "train.runtime=threads"],
+            "x2-dp-threads": ["--set", 'train.drafters=["cuda:0","cuda:1"]', "--set", "train.runtime=threads"]}
     wanted = os.environ.get("BENCH_E2E_RUNS", ",".join(runs)).split(",")
     for name, sets in runs.items():
         if name not in wanted:

@@ -276,9 +276,9 @@ def _synthetic(cfg, tokenizer, vocab_size, stats, rejects):
 
 def default_cache_dir(loaded) -> Path:
     """Where finished regeneration chunks are kept across runs: <results_dir>/data/<dataset>.regen/<key>."""
-    from dflash.config import results_path
+    from dflash import paths
     from dflash.data.regen import cache_key
-    return Path(results_path(loaded, "data", f"{loaded.cfg.dataset_name}.regen")) / cache_key(loaded.cfg)
+    return Path(f"{paths.dataset(loaded.cfg.results_dir, loaded.cfg.dataset_name)}.regen") / cache_key(loaded.cfg)
 
 
 def expand(loaded, out_dir, progress: bool = True, threads: int | None = None, cache_dir=None) -> dict:
