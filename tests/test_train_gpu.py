@@ -17,7 +17,8 @@ STEPS = 60
 
 
 def train(tmp_path, drafters, **kw):
-    cfg = prepared(tmp_path, targets=["cuda:0"], drafters=drafters, attention="flex", compile=True, steps=STEPS,
+    cfg = prepared(tmp_path, targets=["cuda:0"], drafters=drafters, runtime="threads", attention="flex", compile=True,
+                   steps=STEPS,
                    checkpoint_every=0, log_every=1, warmup_steps_excluded=2, **kw)
     assert main(["train", "--config", str(cfg), "--no-progress"]) == 0
     s = json.loads((run_dir(cfg) / "summary.json").read_text())

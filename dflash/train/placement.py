@@ -52,9 +52,13 @@ def resolve(train_cfg) -> Placement:
     targets = tuple(parse_device(d) for d in train_cfg.targets)
     drafters = tuple(parse_device(d) for d in train_cfg.drafters)
     runtime = train_cfg.runtime
-    if runtime == "auto":
-        gpus = {d for d in targets + drafters if d.type == "cuda"}
-        runtime = "distributed" if len(gpus) > 1 else "threads"
+    gpu_ranks = [d for d in targets + drafters if d.type == "cuda"]
+    shared = sorted({str(d) for d in gpu_ranks if gpu_ranks.count(d) > 1})
+    if runtime == "auto":   # a process per GPU where every worker has its own GPU; threads otherwise
+        runtime = "distributed" if len(set(gpu_ranks)) > 1 and not shared else "threads"
+    if runtime == "distributed" and shared:
+        raise UserError(f"train.runtime is distributed but {', '.join(shared)} hold several workers (targets + "
+                        "drafters): NCCL takes one rank per GPU; use train.runtime: threads for shared GPUs")
     return Placement(targets, drafters, runtime)
 
 
