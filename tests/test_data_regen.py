@@ -214,11 +214,12 @@ def test_openai_engine_needs_servers(tmp_path, talking_target):
 
 def test_snakemake_scatters_into_shards_and_gathers(tmp_path):
     import yaml
-    from test_workflow import snakemake
+    from test_workflow import copy_repo, snakemake
     conf = yaml.safe_load((Path(__file__).parent.parent / "config" / "config.yaml").read_text())
     conf["data"] = {"shards": 3, "regenerate": {"device": "cuda:0"}}
     (tmp_path / "s.yaml").write_text(yaml.safe_dump(conf))
-    r = snakemake(tmp_path, "-n", "-p", "--cores", "2", "--resources", "gpu=1", "--configfile", str(tmp_path / "s.yaml"))
+    r = snakemake(copy_repo(tmp_path / "wf"), "-n", "-p", "--cores", "2", "--resources", "gpu=1", "--configfile",
+                  str(tmp_path / "s.yaml"))
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     assert out.count("rule data_part:") == 3 and "rule data:" in out
@@ -271,7 +272,7 @@ def test_snakemake_runs_two_data_shards_to_the_hash_of_one(tmp_path, talking_tar
     """The real rules: 2 `data_part` jobs (each its log and benchmark, gpu=0 on CPU) and the gather, through
     Snakemake with --resources gpu=0; the manifest's content hash is that of the one-process stage."""
     import yaml
-    from test_workflow import snakemake
+    from test_workflow import copy_repo, snakemake
     src = write_jsonl(tmp_path / "a.jsonl", good_rows(10))
     res = tmp_path / "res"
     data = {"builtin_corpus": {"enabled": False}, "holdout": 2, "min_supervised_blocks": 1, "max_length": 256,
@@ -280,7 +281,7 @@ def test_snakemake_runs_two_data_shards_to_the_hash_of_one(tmp_path, talking_tar
     conf = {"results_dir": str(res), "target": {"path": str(talking_target), "build": "none"},
             "drafter": {"block_size": 4}, "data": data}
     (tmp_path / "s.yaml").write_text(yaml.safe_dump(conf))
-    r = snakemake(tmp_path, f"{res}/data/default/manifest.json", "--cores", "2", "--resources", "gpu=0",
+    r = snakemake(copy_repo(tmp_path / "wf"), f"{res}/data/default/manifest.json", "--cores", "2", "--resources", "gpu=0",
                   "--configfile", str(tmp_path / "s.yaml"))
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     m = json.loads((res / "data" / "default" / "manifest.json").read_text())

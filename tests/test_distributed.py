@@ -11,7 +11,7 @@ import pytest
 from dflash import config as C
 from dflash.errors import UserError
 from dflash.train.runtime.distributed import launch_config, role_of, torchrun_command
-from test_train import REPO, prepared, run_dir
+from test_train import REPO, prepared, run_dir, stop_with
 
 pytestmark = pytest.mark.slow
 
@@ -89,3 +89,13 @@ def test_torchrun_command_construction(tmp_path):
     with pytest.raises(UserError, match="endpoint"):
         torchrun_command(C.from_dict({"train": {"targets": ["0", "1"], "drafters": ["2", "3"],
                                                 "rendezvous": {"nnodes": 2}}}))
+
+
+def test_sigterm_to_the_launcher_checkpoints_and_exits_143(tmp_path):
+    """SLURM's SIGTERM reaches the launcher: it forwards SIGUSR1 to its ranks, the replicas agree to stop after
+    their step, drafter rank 0 checkpoints, the targets stop and every rank exits; the launcher exits 143."""
+    cfg = prepared(tmp_path, steps=400, checkpoint_every=0)
+    code, err, seconds, s, last = stop_with(cfg, signal.SIGTERM, "--set", "train.runtime=distributed")
+    assert code == 143, err[-3000:]
+    assert seconds < 60 and s["status"] == "interrupted" and s["replicas_identical"] is True
+    assert last == s["steps"] < 400

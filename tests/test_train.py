@@ -160,41 +160,31 @@ def test_failure_message_names_the_worker(tmp_path):
     assert "worker target-0 failed" in r.stderr and "injected failure at step 2" in r.stderr
 
 
-def test_ctrl_c_writes_a_checkpoint_and_exits(tmp_path):
-    cfg = prepared(tmp_path, steps=400, checkpoint_every=0)
-    proc = subprocess.Popen([sys.executable, "-m", "dflash", "train", "--config", str(cfg), "--no-progress"],
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    metrics = run_dir(cfg) / "metrics.jsonl"
-    deadline = time.time() + 300
-    while (not metrics.exists() or len(metrics.read_text().splitlines()) < 3) and time.time() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err[-2000:]
-    s = json.loads((run_dir(cfg) / "summary.json").read_text())
-    assert s["status"] == "interrupted"
-    ckpts = sorted((run_dir(cfg) / "checkpoints").glob("step-*"))
-    assert ckpts and int(ckpts[-1].name.split("-")[1]) == s["steps"] < 400
-
-
-def test_sigterm_checkpoints_and_exits_nonzero(tmp_path):
-    """What SLURM and scancel send: the replicas finish their step, write a checkpoint and the run exits 143."""
-    cfg = prepared(tmp_path, steps=400, checkpoint_every=0)
-    proc = subprocess.Popen([sys.executable, "-m", "dflash", "train", "--config", str(cfg), "--no-progress"],
+def stop_with(cfg, sig, *args):
+    """Start `train`, send `sig` after a few logged steps; (exit code, stderr, seconds to exit, summary, newest
+    checkpoint step)."""
+    proc = subprocess.Popen([sys.executable, "-m", "dflash", "train", "--config", str(cfg), "--no-progress", *args],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     metrics = run_dir(cfg) / "metrics.jsonl"
     deadline = time.time() + 300
     while (not metrics.exists() or len(metrics.read_text().splitlines()) < 3) and time.time() < deadline:
         time.sleep(0.05)
     t = time.time()
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 143, err[-2000:]
-    assert time.time() - t < 30 and "SIGTERM" in err
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
     s = json.loads((run_dir(cfg) / "summary.json").read_text())
-    assert s["status"] == "interrupted"
     ckpts = sorted((run_dir(cfg) / "checkpoints").glob("step-*"))
-    assert ckpts and int(ckpts[-1].name.split("-")[1]) == s["steps"] < 400
+    return proc.returncode, err, time.time() - t, s, int(ckpts[-1].name.split("-")[1]) if ckpts else None
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1])
+def test_stop_signals_checkpoint_and_exit_nonzero(tmp_path, sig):
+    """Ctrl-C, what SLURM and scancel send (SIGTERM), a scheduler's early warning (SIGUSR1): the replicas finish
+    their step, write a checkpoint, and the run exits 128 + the signal."""
+    code, err, seconds, s, last = stop_with(prepared(tmp_path, steps=400, checkpoint_every=0), sig)
+    assert code == 128 + sig, err[-2000:]
+    assert seconds < 30 and signal.Signals(sig).name in err
+    assert s["status"] == "interrupted" and last == s["steps"] < 400
 
 
 def test_diverged_replicas_stop_the_run_named(tmp_path):
@@ -208,6 +198,10 @@ def test_diverged_replicas_stop_the_run_named(tmp_path):
     assert s["status"] == "failed" and s["failure"]["kind"] == "diverged" and s["steps"] <= 4
     assert s["replicas_identical"] is False and s["throughput"]["ktok_per_s"] is None
     assert not (run_dir(cfg) / "checkpoints" / "step-000004").exists()   # a diverged state is never saved
+    assert s["diverged"] == {"step": 4, "replicas": [[0], [1]]}
+    assert main(["report", "--config", str(cfg)]) == 0
+    report = (run_dir(cfg).parent.parent / "report" / "report.md").read_text()
+    assert "drafter replicas diverged at step 4 (replicas [[0], [1]])" in report
 
 
 def test_a_run_that_cannot_fit_is_refused_before_the_first_step(tmp_path, monkeypatch, capsys):

@@ -15,7 +15,7 @@ from conftest_data import TINY_ARCH, good_rows, write_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
 SNAKEMAKE = Path(sys.executable).with_name("snakemake")
-STAGES = ("env", "target", "data", "warmup", "train", "evaluate", "export", "report")
+STAGES = ("env", "target", "data", "warmup", "train", "evaluate", "export", "report", "gate")
 
 pytestmark = pytest.mark.skipif(not SNAKEMAKE.exists(), reason="snakemake is not installed in this environment")
 
@@ -209,7 +209,7 @@ def test_train_key_change_reruns_train_to_report_only(done):
     work = done[0]
     write_config(work, "tiny-lr.yaml", tiny_config(work, train__lr=1e-3))
     r = snakemake(work, "-n", "--configfile", "config/tiny-lr.yaml")
-    assert planned(r) == {"train": 1, "evaluate": 1, "export": 1, "report": 1, "all": 1}, r.out[-3000:]
+    assert planned(r) == {"train": 1, "evaluate": 1, "export": 1, "report": 1, "gate": 1, "all": 1}, r.out[-3000:]
     assert "Params have changed since last execution" in r.out
 
 
@@ -219,7 +219,7 @@ def test_changed_source_reruns_data_onward_and_a_touch_does_not(after):
     os.utime(src)                                                    # newer, same content: nothing to do
     assert "Nothing to be done" in dry(after).out
     write_jsonl(src, good_rows(13))
-    assert planned(dry(after)) == {"data": 1, "warmup": 1, "train": 1, "evaluate": 1, "export": 1, "report": 1,
+    assert planned(dry(after)) == {"data": 1, "warmup": 1, "train": 1, "evaluate": 1, "export": 1, "report": 1, "gate": 1,
                                    "all": 1}
 
 
@@ -229,7 +229,7 @@ def test_changed_pins_rerun_env_onward(after):
     throughput); a package change is seen through the env rule's params, a pins change through its input."""
     with open(after / "envs" / "requirements.txt", "a") as f:
         f.write("# a comment changes the lock hash\n")
-    assert planned(dry(after)) == {"env": 1, "warmup": 1, "train": 1, "evaluate": 1, "export": 1, "report": 1,
+    assert planned(dry(after)) == {"env": 1, "warmup": 1, "train": 1, "evaluate": 1, "export": 1, "report": 1, "gate": 1,
                                    "all": 1}
 
 

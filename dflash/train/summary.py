@@ -51,6 +51,8 @@ def write(ctx, metrics, workers: list[dict], status: str, devices: list[dict], c
         "replica_checksums": [sum(c) for c in checksums] if checksums else None,
         "replicas_identical": identical,
         "check_every": ctx.cfg.train.check_every,
+        "diverged": ({"step": failure.get("step"), "replicas": failure.get("replicas")}
+                     if failure and failure.get("kind") == "diverged" else None),
         "queue_depth_mean": (sum(r["queue_depth"] for r in rows) / len(rows)) if rows else None,
     }
     atomic_write_json(ctx.run_dir / "summary.json", summary)

@@ -43,7 +43,11 @@ class StopRun(Exception):
 
 
 class Diverged(RuntimeError):
-    """Replicas' weights differ: their gradients or updates were not identical."""
+    """Replicas' weights differ: their gradients or updates were not identical. `info`: {step, replicas}."""
+
+    def __init__(self, message: str, step: int, groups: list[list[int]]):
+        super().__init__(message)
+        self.info = {"step": step, "replicas": groups}
 
 
 class NonFinite(RuntimeError):
@@ -189,7 +193,8 @@ class Replica:
             groups.setdefault(tuple(s.tolist()), []).append(r)
         if len(groups) > 1:
             parts = "; ".join(f"replicas {g}" for g in groups.values())
-            raise Diverged(f"drafter replicas diverged at step {step}: weights differ between {parts}")
+            raise Diverged(f"drafter replicas diverged at step {step}: weights differ between {parts}", step,
+                           list(groups.values()))
 
     def _inject_divergence(self, step: int):
         hook = self.ctx.cfg.train.diverge_at_step

@@ -360,7 +360,7 @@ def worker_main(loaded, args) -> int:
         except (Diverged, NonFinite) as e:
             status, code = "failed", 1
             failure = {"kind": "diverged" if isinstance(e, Diverged) else "non_finite", "worker": name,
-                       "message": str(e)}
+                       "message": str(e), **getattr(e, "info", {})}
             log.error("%s", e)
         if status != "failed":
             _drain(rep, T, k * H, dtype, device)     # what the targets sent beyond the stop, then their end mark

@@ -397,7 +397,7 @@ def _failed(shared: Shared, sync: GradSync) -> dict | None:
         else:
             log.error("%s: %s", name, exc)
         if first is None or (first["kind"] == "worker" and kind != "worker"):
-            first = {"kind": kind, "worker": name, "message": str(exc)}
+            first = {"kind": kind, "worker": name, "message": str(exc), **getattr(exc, "info", {})}
     return first
 
 
