@@ -101,9 +101,10 @@ def test_rerun_resumes_an_interrupted_run_and_trains_a_finished_one_anew(tmp_pat
 
 
 def test_kill9_then_resume_trains_exactly_the_same(tmp_path):
-    straight = prepared(tmp_path / "a")
+    steps = 40   # long enough that the kill lands mid-run however loaded the machine is
+    straight = prepared(tmp_path / "a", steps=steps)
     assert main(["train", "--config", str(straight), "--no-progress"]) == 0
-    killed = prepared(tmp_path / "b")
+    killed = prepared(tmp_path / "b", steps=steps)
     proc = subprocess.Popen([sys.executable, "-m", "dflash", "train", "--config", str(killed), "--no-progress"],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ckpt = run_dir(killed) / "checkpoints" / "step-000008" / "trainer.json"
@@ -114,21 +115,22 @@ def test_kill9_then_resume_trains_exactly_the_same(tmp_path):
     proc.wait()
     assert ckpt.exists()
     done = sorted(p.name for p in (run_dir(killed) / "checkpoints").iterdir() if not p.name.startswith("."))
-    assert "step-000012" not in done  # killed mid-run
+    final = f"step-{steps:06d}"
+    assert final not in done  # killed mid-run
     (run_dir(killed) / "metrics.jsonl").unlink()    # Snakemake deletes a job's outputs before rerunning it
     assert main(["train", "--config", str(killed), "--no-progress"]) == 0
     rows = [json.loads(x) for x in (run_dir(killed) / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [2, 4, 6, 8, 10, 12]   # the steps before the kill are kept
+    assert [r["step"] for r in rows] == list(range(2, steps + 1, 2))   # the steps before the kill are kept
     s = json.loads((run_dir(killed) / "summary.json").read_text())
     assert s["resumed_from_step"] == int(done[-1].split("-")[1]) and s["status"] == "completed"
-    a = load_file(str(run_dir(straight) / "checkpoints" / "step-000012" / "model.safetensors"))
-    b = load_file(str(run_dir(killed) / "checkpoints" / "step-000012" / "model.safetensors"))
+    a = load_file(str(run_dir(straight) / "checkpoints" / final / "model.safetensors"))
+    b = load_file(str(run_dir(killed) / "checkpoints" / final / "model.safetensors"))
     assert a.keys() == b.keys()
     for k in a:  # same data order, same anchors, same updates: nothing skipped, nothing trained twice
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
-    ta = json.loads((run_dir(straight) / "checkpoints" / "step-000012" / "trainer.json").read_text())
-    tb = json.loads((run_dir(killed) / "checkpoints" / "step-000012" / "trainer.json").read_text())
-    assert ta["data_index"] == tb["data_index"] == 12 * 2
+    ta = json.loads((run_dir(straight) / "checkpoints" / final / "trainer.json").read_text())
+    tb = json.loads((run_dir(killed) / "checkpoints" / final / "trainer.json").read_text())
+    assert ta["data_index"] == tb["data_index"] == steps * 2
 
 
 @pytest.mark.parametrize("step", [0, 3])
