@@ -372,7 +372,7 @@ def expand_part(loaded, shard: int, nshards: int, part_dir, cache_dir=None, prog
     is a 16-byte hash per conversation (deduplication) and the holdout. Read-level counts (rows, read rejects,
     duplicates, holdout) are recorded by shard 0 only, so parts add up. Returns `read_part(part_dir)`."""
     import datasets
-    from datasets import Dataset, Features, Value
+    from datasets import Dataset
     from transformers import AutoConfig
 
     from dflash.target import load_tokenizer

@@ -17,7 +17,6 @@ from typing import Callable, Protocol
 
 import torch
 
-from dflash.errors import UserError
 from dflash.train import checkpoint, compile_guard, optim
 from dflash.train import placement as P
 from dflash.train.metrics import DeviceTimer, loss_stats
@@ -218,6 +217,3 @@ class _Null:
     def __exit__(self, *a):
         return False
 
-
-__all__ = ["Micro", "Replica", "StopRun", "Diverged", "NonFinite", "Sync", "weight_checksum", "check_finite",
-           "UserError"]

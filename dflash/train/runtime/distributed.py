@@ -77,7 +77,7 @@ def torchrun_command(loaded, overrides=()) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={cfg.min_nodes}",
            f"--nproc-per-node={cfg.nproc_per_node}", "--max-restarts=0"]
     rdzv = loaded.cfg.train.rendezvous
-    cmd += ([f"--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.id}"] if rdzv.endpoint
+    cmd += (["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.id}"] if rdzv.endpoint
             else ["--standalone"])
     cmd += ["-m", "dflash", "train", "--config", str(loaded.source), "--no-progress"]
     for item in overrides:
