@@ -124,6 +124,9 @@ def pretrain(model, token_stream, steps: int, batch_size: int, seq_len: int, lr:
         opt.step()
         losses.append(loss.item())
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        if not progress and (step + 1) % max(1, steps // 6) == 0:   # no bar (a pipe, a log file): a periodic line
+            logging.getLogger("dflash.target").info("pretrain tiny target: step %d/%d, loss %.3f", step + 1, steps,
+                                                    losses[-1])
     model.eval()
     return losses
 
