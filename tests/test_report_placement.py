@@ -29,7 +29,7 @@ def test_a_drafter_twice_the_target_gets_more_drafter_gpus():
 def test_a_balanced_run_keeps_its_split():
     p = suggest(_with_split(0.5, 0.25, 0.05))                           # 5/0.5 == 3/0.3
     assert p["suggested"] == p["current"] == {"targets": 5, "drafters": 3}
-    assert p["wait_share"] == pytest.approx(0.0, abs=1e-9) and p["expected_speedup"] == pytest.approx(1.0)
+    assert p["waiting"] is None and p["wait_share"] == pytest.approx(0.0, abs=1e-9) and p["expected_speedup"] == pytest.approx(1.0)
     assert "keep 5 targets : 3 drafters (now 5 : 3, neither side waits)." in p["sentence"]
 
 

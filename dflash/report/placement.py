@@ -60,10 +60,10 @@ def suggest(summary: dict) -> dict | None:
     share = t / (t + d)
     if out["colocated"]:
         out["target_share"] = round(share, 4)
-        out["sentence"] = (f"{costs}: {_n(g, 'GPU')} each run both (co-located), which balances by itself; each GPU spends "
-                           f"{share:.0%} of its work on the target and {1 - share:.0%} on the drafter"
-                           + (f" (as separate GPUs: {g * share:.1f} targets : {g * (1 - share):.1f} drafters)" if g > 1 else "")
-                           + ".")
+        both = "the GPU runs both" if g == 1 else f"{g} GPUs each run both"
+        apart = f" (as separate GPUs: {g * share:.1f} targets : {g * (1 - share):.1f} drafters)" if g > 1 else ""
+        out["sentence"] = (f"{costs}: {both} (co-located), which balances by itself; each GPU spends {share:.0%} of its "
+                           f"work on the target and {1 - share:.0%} on the drafter{apart}.")
         return out
     if g < 2:
         return None
@@ -75,9 +75,10 @@ def suggest(summary: dict) -> dict | None:
     if disjoint:
         make, take = n_t / t, n_d / d
         side, wait = ("target", 1 - take / make) if make > take else ("drafter", 1 - make / take)
-        out.update(waiting=side if wait > 0 else None, wait_share=round(wait, 4),
+        idle = wait >= 0.005                            # below half a percent: balanced
+        out.update(waiting=side if idle else None, wait_share=round(wait, 4),
                    expected_speedup=round(rate_new / min(make, take), 4))
-        now += f", the {side} GPUs wait {wait:.0%} of the time" if wait >= 0.005 else ", neither side waits"
+        now += f", the {side} GPUs wait {wait:.0%} of the time" if idle else ", neither side waits"
     else:
         now += ", some GPUs run both"
     verb = "keep" if disjoint and (k, g - k) == (n_t, n_d) else "run"
