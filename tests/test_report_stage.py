@@ -260,3 +260,31 @@ def test_report_lists_diverged_replicas_and_a_failed_run_as_anomalies(tmp_path):
     anomalies = (out / "report.md").read_text().split("## Anomalies")[1].split("##")[0]
     assert f"**{forced['run_id']}**" in anomalies and "replicas_diverged: drafter replicas diverged at step 40" in anomalies
     assert f"**{summary(2)['run_id']}**" in anomalies and "status: run ended with status 'failed'" in anomalies
+
+
+def test_report_writes_the_placement_of_the_newest_run(tmp_path):
+    runs, out = tmp_path / "runs", tmp_path / "report"
+    write_run(runs, summary(1, 12.0), metrics=False)
+    slow = summary(2, 10.0)                                               # the seed 5 : 3 with a drafter 2x the target
+    slow["time_split_s"] = {"queue_wait": 0.01, "target": 0.2, "drafter": 0.35, "optimizer": 0.05}
+    write_run(runs, slow, metrics=False)
+    build(runs, out, Settings())
+    placement = json.loads((out / "regressions.json").read_text())["placement"]
+    assert placement["run_id"] == slow["run_id"] and placement["suggested"] == {"targets": 3, "drafters": 5}
+    md = (out / "report.md").read_text()
+    section = md.split("## Placement")[1].split("##")[0]
+    assert f"Run {slow['run_id']}: target 0.20 s vs drafter 0.40 s per micro-batch: on 8 GPUs run 3 targets : " \
+           "5 drafters (now 5 : 3, the target GPUs wait 70% of the time)" in section
+    cpu = summary(3, 2.5)                                                 # a CPU-only newest run: one line
+    cpu["devices"] = [{"device": "cpu", "roles": ["target", "drafter"], "peak_memory_gb": None, "util_mean": None}]
+    cpu["config"]["train"].update(targets=["cpu"], drafters=["cpu", "cpu"])
+    write_run(runs, cpu, metrics=False)
+    build(runs, out, Settings())
+    assert json.loads((out / "regressions.json").read_text())["placement"] is None
+    section = (out / "report.md").read_text().split("## Placement")[1].split("##")[0]
+    assert section.strip() == "A target:drafter split is suggested for GPU runs only (the newest run used no GPU)."
+    unmeasured = summary(4, 12.0)                                         # GPUs but no measured split: no section
+    unmeasured["time_split_s"] = {"queue_wait": None, "target": None, "drafter": None, "optimizer": None}
+    write_run(runs, unmeasured, metrics=False)
+    build(runs, out, Settings())
+    assert "## Placement" not in (out / "report.md").read_text()

@@ -25,13 +25,14 @@ class Result:
 def build(runs_dir: str | Path, out: str | Path, settings) -> Result:
     """Read run folders, record new runs in the history, and write history.csv, regressions.json, the plots, report.md."""
     from dflash.atomic import atomic_write_json, atomic_write_text
-    from dflash.report import history, markdown, plots, regress
+    from dflash.report import history, markdown, placement, plots, regress
 
     out = Path(out)
     found, skipped = history.scan_runs(runs_dir)
     runs, appended, bad = history.History(out).update(found)
     skipped += bad
     records = regress.evaluate(runs, settings)
+    split = placement.suggest(runs[-1].snapshot) if runs else None
     atomic_write_json(out / "regressions.json", {
         "settings": {"baseline_run": settings.baseline_run, "baseline_window": settings.baseline_window,
                      "threshold": settings.threshold, "noise_sigmas": settings.noise_sigmas, "memory_imbalance": settings.memory_imbalance,
@@ -40,11 +41,12 @@ def build(runs_dir: str | Path, out: str | Path, settings) -> Result:
         "latest_run_name": records[-1]["run_name"] if records else None,
         "latest_verdict": records[-1]["verdict"] if records else None,
         "latest_sentence": records[-1]["sentence"] if records else None,
+        "placement": split,
         "skipped": skipped,
         "runs": records,
     })
     pngs = plots.make_all(runs, records, settings, out)
-    atomic_write_text(out / "report.md", markdown.render(runs, records, pngs, out, settings, skipped))
+    atomic_write_text(out / "report.md", markdown.render(runs, records, pngs, out, settings, skipped, split))
     log.info("report: %d run(s) in the history (%d new, %d skipped) -> %s", len(runs), len(appended), len(skipped), out)
     if records:
         log.info("%s", records[-1]["sentence"])

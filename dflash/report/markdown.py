@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash.report.history import Run
+from dflash.report.placement import gpu_roles
 from dflash.report.regress import changed_text
 
 PLOT_TITLES = {
@@ -22,7 +23,17 @@ def _num(value, fmt="{:.2f}") -> str:
     return "" if value is None else fmt.format(value)
 
 
-def render(runs: list[Run], records: list[dict], plots: dict[str, Path], out: Path, settings, skipped: list[dict]) -> str:
+def _placement(run: Run | None, split: dict | None) -> list[str]:
+    """The Placement section: the suggested target:drafter split of the newest run; one line on a CPU-only run."""
+    if split is not None:
+        return ["## Placement", "", f"Run {split['run_id']}: {split['sentence']}", ""]
+    if run is not None and not gpu_roles(run.snapshot):
+        return ["## Placement", "", "A target:drafter split is suggested for GPU runs only (the newest run used no GPU).", ""]
+    return []
+
+
+def render(runs: list[Run], records: list[dict], plots: dict[str, Path], out: Path, settings, skipped: list[dict],
+           placement: dict | None = None) -> str:
     lines = ["# dflash throughput report", ""]
     if not records:
         lines += ["No runs in the history yet.", ""]
@@ -62,6 +73,7 @@ def render(runs: list[Run], records: list[dict], plots: dict[str, Path], out: Pa
             lines.append(f"- **{_cell(rec['run_id'])}**")
             lines += [f"  - {a['kind']}: {a['message']}" for a in rec["anomalies"]]
         lines.append("")
+        lines += _placement(runs[-1] if runs else None, placement)
     if skipped:
         lines += ["## Skipped inputs", ""] + [f"- `{s['file']}`: {s['reason']}" for s in skipped] + [""]
     lines += ["## Plots", ""]
