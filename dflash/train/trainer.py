@@ -10,6 +10,8 @@ divides by the same global weight sum before clipping and the optimizer step.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -106,7 +108,7 @@ class Replica:
         for i, m in enumerate(micros):
             last = i == len(micros) - 1
             no_sync = getattr(self.model, "no_sync", None)
-            with (no_sync() if no_sync and not last else _Null()), compile_guard.FX_GUARD.shared(), \
+            with (no_sync() if no_sync and not last else contextlib.nullcontext()), compile_guard.FX_GUARD.shared(), \
                     compile_guard.no_new_graphs(f"batch {tuple(m.input_ids.shape)} on {self.device}"):
                 out = micro_step(self.model, m.feats, m.input_ids, m.loss_mask, m.index, self.ctx, dtype)
                 (out.loss * out.weight_sum.detach()).backward()     # the weighted sum: normalised globally below
@@ -144,7 +146,7 @@ class Replica:
         check = cfg.train.check_every
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         t_fwd, t_opt = DeviceTimer(self.device), DeviceTimer(self.device)
-        with torch.cuda.stream(stream) if stream is not None else _Null():
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for step in range(self.start_step, cfg.train.steps):
                 self.fail(step + 1)
                 wait, target_t, micros = 0.0, [], []
@@ -177,10 +179,15 @@ class Replica:
                 if stop:
                     raise StopRun
 
+    @functools.cached_property
+    def identity(self) -> dict:
+        """What a checkpoint must match to be resumed (config and data hashes): read once per run."""
+        return checkpoint.identity(self.ctx)
+
     def save(self, step: int):
         self.metrics.flush()
         checkpoint.save(self.ctx.run_dir, step, self.index(step, 0) - self.rank, self.drafter, self.optimizer,
-                        self.scheduler, {**checkpoint.identity(self.ctx), "metrics": self.metrics.rows_upto(step)})
+                        self.scheduler, {**self.identity, "metrics": self.metrics.rows_upto(step)})
 
     def check_replicas(self, step: int):
         """The divergence guard: every replica compares exact weight checksums; any difference stops the run."""
@@ -208,12 +215,3 @@ def check_finite(step: int, loss: float, gnorm: float) -> None:
     if not (math.isfinite(loss) and math.isfinite(gnorm)):
         raise NonFinite(f"step {step}: loss {loss}, gradient norm {gnorm} is not finite; stopping (lower train.lr, "
                         "check the data, or resume from an earlier checkpoint)")
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
-

@@ -13,6 +13,7 @@ features: a CUDA event the reader's stream waits on, then record_stream; gradien
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -136,7 +137,7 @@ class TargetWorker(Worker):
         stream = torch.cuda.Stream(self.device, priority=-1) if cuda else None
         self.mark_ready()
         timer = DeviceTimer(self.device)
-        with torch.cuda.stream(stream) if cuda else _Null():
+        with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
             while True:
                 batch = self.shared.wait_get(self.work)
                 self.maybe_fail(self.steps + 1)
@@ -404,11 +405,3 @@ def _failed(shared: Shared, sync: GradSync) -> dict | None:
 def _stop(shared: Shared, sync: GradSync):
     shared.stop.set()
     sync.barrier.abort()
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
