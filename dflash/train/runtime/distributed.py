@@ -273,20 +273,19 @@ def worker_main(loaded, args) -> int:
         sync = DistSync(drafter_group, D)
         rep = Replica(ctx, r, D, device, build_drafter(ctx, e, h, device), sync, metrics, fail=maybe_fail)
 
-    # resume point: decided by drafter rank 0 (same verified checkpoint for every replica), broadcast to all
+    # resume point: drafter rank 0 picks the verified checkpoint and resumes from it; one broadcast gives every rank
+    # its path (the other replicas load the same one) and the step and data index (the targets start there)
     holder = [None]
     if rank == T:
-        holder[0] = str(checkpoint.resumable(ctx) or "")
-    dist.broadcast_object_list(holder, src=T)
-    latest = holder[0] or None
-    if not is_target and latest:
-        rep.resume(latest)
-        if r == 0:
+        latest = checkpoint.resumable(ctx)
+        if latest:
+            rep.resume(latest)
             log.info("resuming from %s: step %d, data index %d", latest, rep.start_step, rep.data_index)
-    pos = [rep.start_step, rep.data_index] if rank == T else [0, 0]
-    holder = [pos]
+        holder[0] = (str(latest or ""), rep.start_step, rep.data_index)
     dist.broadcast_object_list(holder, src=T)
-    start_step, data_index = holder[0]
+    latest, start_step, data_index = holder[0]
+    if not is_target and r != 0 and latest:
+        rep.resume(latest)
     per_step = D * cfg.train.grad_accum
     end_index = data_index + max(0, cfg.train.steps - start_step) * per_step
 
