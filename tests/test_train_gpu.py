@@ -54,9 +54,8 @@ def test_replicas_identical_and_equal_to_one_replica(tmp_path, layout):
 def test_gradsync_reads_only_finished_tensors_and_keeps_them_alive(devices):
     """Each replica thread makes its tensor on its own stream behind a long GPU sleep, reduces at once, then
     overwrites it at once: a reduction ordered by host barriers alone reads unfinished or overwritten memory."""
-    import threading
-
     from dflash.train.runtime.threads import GradSync
+    from test_train_step import in_threads
     if devices == "cuda:0 + cuda:1":
         if torch.cuda.device_count() < 2:
             pytest.skip("needs two GPUs")
@@ -64,29 +63,21 @@ def test_gradsync_reads_only_finished_tensors_and_keeps_them_alive(devices):
     else:
         devs = [torch.device("cuda:0")] * 3
     n, size, rounds = len(devs), 1 << 22, 20
-    sync, bad, errors = GradSync(n), [], []
+    sync, bad = GradSync(n), []
 
     def replica(r):
-        try:
-            torch.cuda.set_device(devs[r])
-            stream = torch.cuda.Stream(devs[r])
-            with torch.cuda.stream(stream):
-                for i in range(rounds):
-                    flat = torch.empty(size, device=devs[r])
-                    torch.cuda._sleep(20_000_000 * (r + 1))      # ~10 ms of GPU time before the value exists
-                    flat.fill_(float(r + 1 + i))
-                    (total,), _ = sync.reduce(r, [flat])
-                    flat.fill_(-1e6)                             # the producer reuses its memory right away
-                    want = sum(j + 1 + i for j in range(n))
-                    if not torch.all(total == want).item():
-                        bad.append((r, i, float(total.min()), float(total.max()), want))
-        except Exception as e:  # noqa: BLE001
-            errors.append(e)
+        torch.cuda.set_device(devs[r])
+        stream = torch.cuda.Stream(devs[r])
+        with torch.cuda.stream(stream):
+            for i in range(rounds):
+                flat = torch.empty(size, device=devs[r])
+                torch.cuda._sleep(20_000_000 * (r + 1))      # ~10 ms of GPU time before the value exists
+                flat.fill_(float(r + 1 + i))
+                (total,), _ = sync.reduce(r, [flat])
+                flat.fill_(-1e6)                             # the producer reuses its memory right away
+                want = sum(j + 1 + i for j in range(n))
+                if not torch.all(total == want).item():
+                    bad.append((r, i, float(total.min()), float(total.max()), want))
 
-    threads = [threading.Thread(target=replica, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
+    in_threads(replica, n, timeout=120)
     assert not bad, bad[:5]

@@ -37,6 +37,25 @@ def micro(feats, ids, mask, rows, index):
     return Micro(index, int(len(rows) * S), feats[rows], ids[rows], mask[rows])
 
 
+def in_threads(fn, n: int, timeout: float = 60) -> list:
+    """fn(r) for r < n, each in its own thread (as the replicas run); their results; any exception fails."""
+    out, errors = [None] * n, []
+
+    def work(r):
+        try:
+            out[r] = fn(r)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not errors, errors
+    return out
+
+
 def grads(rep):
     return [p.grad.clone() for p in rep.params]
 
@@ -57,21 +76,9 @@ def test_split_batch_has_the_gradient_of_the_whole_batch(n, accum):
     ctx = context(grad_accum=accum)
     sync = GradSync(n)
     reps = [Replica(ctx, r, n, cpu, make_drafter(cfg, dtype=torch.float64), sync) for r in range(n)]
-    out, errors = [None] * n, []
-
-    def work(r):
-        try:
-            # replica r, accumulation step a takes stream index a*n + r: row a*n + r of the whole batch
-            out[r] = reps[r].accumulate([micro(feats, ids, mask, [a * n + r], a * n + r) for a in range(accum)])
-        except Exception as e:  # noqa: BLE001
-            errors.append(e)
-
-    threads = [threading.Thread(target=work, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
+    # replica r, accumulation step a takes stream index a*n + r: row a*n + r of the whole batch
+    out = in_threads(lambda r: reps[r].accumulate([micro(feats, ids, mask, [a * n + r], a * n + r)
+                                                   for a in range(accum)]), n)
     for r in range(n):
         got = grads(reps[r])
         for g, w in zip(got, want):
