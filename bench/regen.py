@@ -1,15 +1,17 @@
 """Regeneration throughput of the `hf` engine (dflash.data.expand.regenerate): generated tokens per second.
 
     python bench/regen.py --out bench/results/regen.json                      # H200: Qwen3-8B-shaped, 512 x 256
-    python bench/regen.py --out /tmp/regen.json --variants dynamic-128,static-256,cb
+    python bench/regen.py --out /tmp/regen.json --variants generate-128,static-256,cb
     python bench/regen.py --out /tmp/regen.json --tiny                        # CPU: tiny target, small numbers
 
 A random Qwen3-8B-shaped target (config/h200.yaml's `target.arch`, `build: random`, bf16), prompts of random
 tokens with lengths cycling --prompt-lengths, greedy, exactly --new-tokens per prompt (stop tokens ignored, so
-every variant generates the same count). Each variant runs once on a warm-up subset (one batch per prompt width:
-the compiles of the static cache happen there), then on all prompts, timed. Variants:
-  dynamic-N | dynamic-auto     transformers generate, dynamic KV cache, batch N (auto: from free GPU memory)
-  static-N | static-N-eager    static KV cache (fixed shapes), decode step compiled by transformers (or not)
+every variant generates the same count). Each variant runs once on all prompts with 16 new tokens (warm-up: compiles,
+CUDA graph capture and allocator growth happen there), then on all prompts with --new-tokens, timed. Variants:
+  generate-N | generate-auto   transformers generate, dynamic KV cache, batch N (auto: from free GPU memory)
+  static-N | static-auto       dflash.data.decode.StaticDecoder: static KV cache, one fixed batch shape, the decode
+                               step compiled and replayed as a CUDA graph (the `hf` engine's default on GPU)
+  static-N-eager               the same decode loop without compiling
   cb                           transformers continuous batching (`generate_batch`, paged attention; GPU only:
                                on CPU it did not finish 16 x 8 tokens in 8 minutes)
 The JSON (written after every variant, so a timeout keeps what finished) holds the command, date, torch and
@@ -65,9 +67,9 @@ def parse_variant(v: str) -> dict:
     if v == "cb":
         return {"name": v, "kind": "cb"}
     parts = v.split("-")
-    if parts[0] not in ("dynamic", "static") or len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "eager"):
-        raise SystemExit(f"--variants: {v!r} is not dynamic-N, dynamic-auto, static-N, static-N-eager or cb")
-    return {"name": v, "kind": "generate", "cache": parts[0], "batch": 0 if parts[1] == "auto" else int(parts[1]),
+    if parts[0] not in ("generate", "static") or len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "eager"):
+        raise SystemExit(f"--variants: {v!r} is not generate-N, generate-auto, static-N, static-auto, static-N-eager or cb")
+    return {"name": v, "kind": "generate", "decoder": parts[0], "batch": 0 if parts[1] == "auto" else int(parts[1]),
             "compile": len(parts) == 2}
 
 
@@ -84,28 +86,23 @@ def run_variant(model, tokenizer, prompts, new_tokens, var, device):
         gen = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
                                pad_token_id=tokenizer.pad_token_id)
 
-        def go(ps):
+        def go(ps, new):
+            gen.max_new_tokens = new
             t = time.time()
             res = model.generate_batch(inputs=ps, generation_config=gen, progress_bar=False)
             if cuda:
                 torch.cuda.synchronize()
             return sum(len(r.generated_tokens) for r in res.values()), time.time() - t, None
     else:
-        def go(ps):
+        def go(ps, new):
             t = time.time()
-            _, st = regenerate(model, tokenizer, ps, new_tokens, 0.0, var["batch"], progress=False,
-                               cache_implementation=None if var["cache"] == "dynamic" else "static",
-                               compile=var["compile"], ignore_eos=True)
+            _, st = regenerate(model, tokenizer, ps, new, 0.0, var["batch"], progress=False,
+                               decoder=var["decoder"], compile=var["compile"], ignore_eos=True)
             if cuda:
                 torch.cuda.synchronize()
             return st["tokens"], time.time() - t, st["batch_size"]
-    # warm-up: one batch (or 8 prompts) per distinct prompt length: compiles and allocator growth happen here
-    by_len = {}
-    for p in prompts:
-        by_len.setdefault(len(p), []).append(p)
-    warm = [p for ps in by_len.values() for p in ps[:max(8, var.get("batch") or 8)]]
-    _, warm_s, _ = go(warm)
-    tokens, seconds, bs = go(prompts)
+    _, warm_s, _ = go(prompts, min(16, new_tokens))     # warm-up: the same batches, fewer tokens
+    tokens, seconds, bs = go(prompts, new_tokens)
     batches = -(-len(prompts) // bs) if bs else None
     return {"variant": var["name"], "batch_size": bs, "tokens": tokens, "seconds": round(seconds, 3),
             "tokens_per_s": round(tokens / seconds, 1), "warmup_s": round(warm_s, 3),
@@ -121,7 +118,7 @@ def main(argv=None):
     p.add_argument("--new-tokens", type=int, default=None, help="tokens generated per prompt (default 256; tiny 8)")
     p.add_argument("--prompt-lengths", default=None, help="comma list cycled over prompts (default 128,256,384,512)")
     p.add_argument("--variants", default=None,
-                   help="comma list (default dynamic-128,dynamic-auto,static-128,static-256,cb; tiny dynamic-4,static-4-eager)")
+                   help="comma list (default static-128,static-256,static-auto,generate-128; tiny generate-4,static-4-eager)")
     p.add_argument("--device", default=None, help="default cuda (tiny: cpu)")
     args = p.parse_args(argv)
     import torch
@@ -132,8 +129,8 @@ def main(argv=None):
     n = args.prompts or (16 if tiny else 512)
     new = args.new_tokens or (8 if tiny else 256)
     lengths = [int(x) for x in (args.prompt_lengths or ("8,12,16" if tiny else "128,256,384,512")).split(",")]
-    variants = [parse_variant(v) for v in (args.variants or ("dynamic-4,static-4-eager" if tiny else
-                                                             "dynamic-128,dynamic-256,dynamic-auto,static-128,static-256")).split(",")]
+    variants = [parse_variant(v) for v in (args.variants or ("generate-4,static-4-eager" if tiny else
+                                                             "static-128,static-256,static-auto,generate-128")).split(",")]
     arch = TINY if tiny else QWEN3_8B
     dtype = "float32" if device == "cpu" else "bfloat16"
     out = Path(args.out)

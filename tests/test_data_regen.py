@@ -230,18 +230,46 @@ def test_snakemake_scatters_into_shards_and_gathers(tmp_path):
     assert "gpu=1" in part.split("shell:")[0] or "gpu=1" in part.split("python -m")[0]
 
 
-def test_static_cache_and_auto_batch_give_the_greedy_turns_of_the_dynamic_cache(talking_target):
+def test_static_decoder_and_auto_batch_give_the_greedy_turns_of_generate(talking_target):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash.data.expand import prompt_ids, regenerate
     tok = AutoTokenizer.from_pretrained(str(talking_target))
     model = AutoModelForCausalLM.from_pretrained(str(talking_target)).eval()
-    prompts = [prompt_ids(tok, r["messages"][:1]) for r in good_rows(7)]
+    prompts = [prompt_ids(tok, r["messages"][:1])[k:] for k, r in zip([0, 3, 5, 0, 9, 2, 7], good_rows(7))]
+    assert len({len(p) for p in prompts}) == 6                      # left padding differs from row to row
     ref, st = regenerate(model, tok, prompts, 12, batch_size=3, progress=False)
-    static, st2 = regenerate(model, tok, prompts, 12, batch_size=3, progress=False, cache_implementation="static")
+    static, st2 = regenerate(model, tok, prompts, 12, batch_size=3, progress=False, decoder="static")
     auto, st3 = regenerate(model, tok, prompts, 12, batch_size=0, progress=False)
+    assert st["decoder"] == st3["decoder"] == "generate" and st2["decoder"] == "static"   # auto on CPU: generate
     assert static == ref == auto and st2["tokens"] == st["tokens"] > 7 * 3
-    assert st3["batch_size"] == 32                                    # CPU: no GPU memory to size it from
+    stop = [ref[0][4]]                                              # a token the turns do produce, as the stop token
+    cut_g, _ = regenerate(model, tok, prompts, 12, batch_size=3, progress=False, stop_ids=stop)
+    cut_s, _ = regenerate(model, tok, prompts, 12, batch_size=3, progress=False, stop_ids=stop, decoder="static")
+    assert cut_s == cut_g and len(cut_g[0]) == 4 and any(len(r) < 12 for r in cut_g)
+    assert st3["batch_size"] == 32 and st2["batch_size"] == 3          # CPU: no GPU memory to size it from
+
+
+@pytest.mark.gpu
+def test_static_decoder_cuda_graph_gives_the_greedy_turns_of_generate(talking_target):
+    """On GPU the decode step is compiled and replayed as a CUDA graph; the turns stay those of `generate`, and a
+    second call reuses the decoder (no new graph) even with a different prompt count and stop token."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash.data import decode
+    from dflash.data.expand import prompt_ids, regenerate
+    tok = AutoTokenizer.from_pretrained(str(talking_target))
+    model = AutoModelForCausalLM.from_pretrained(str(talking_target)).cuda().eval()
+    prompts = [prompt_ids(tok, r["messages"][:1])[k:] for k, r in zip([0, 3, 5, 0, 9, 2, 7, 1], good_rows(8))]
+    ref, _ = regenerate(model, tok, prompts, 40, batch_size=4, progress=False, decoder="generate")
+    graph, st = regenerate(model, tok, prompts, 40, batch_size=4, progress=False)          # auto on GPU: static
+    assert st["decoder"] == "static" and decode._LAST[id(model)].graphs and graph == ref
+    dec = decode._LAST[id(model)]
+    stop = [ref[0][6]]
+    ref2, _ = regenerate(model, tok, prompts[:5], 40, batch_size=4, progress=False, decoder="generate", stop_ids=stop)
+    graph2, _ = regenerate(model, tok, prompts[:5], 40, batch_size=4, progress=False, stop_ids=stop)
+    assert graph2 == ref2 and len(graph2[0]) == 6 and decode._LAST[id(model)] is dec
 
 
 def test_bench_regen_runs_tiny(tmp_path):
@@ -253,7 +281,7 @@ def test_bench_regen_runs_tiny(tmp_path):
     rep = json.loads(out.read_text())
     assert rep["device"] == "cpu" and rep["torch"] and rep["date"] and rep["config"]["prompts"] == 16
     res = {x["variant"]: x for x in rep["results"]}
-    assert set(res) == {"dynamic-4", "static-4-eager"}
+    assert set(res) == {"generate-4", "static-4-eager"}
     for x in res.values():
         assert x["tokens"] == 16 * 8 and x["tokens_per_s"] > 0 and x["batch_size"] == 4
     assert rep["best"]["variant"] in res

@@ -6,8 +6,8 @@ Public:
 - `conversation_ids(tokenizer, messages, stop_strings=None)` -> (input_ids, loss_mask) or reject reason (str)
 - `prompt_ids(tokenizer, messages)` -> ids of the chat template up to and including the assistant generation prompt
 - `regenerate(model, tokenizer, prompts, max_new_tokens, temperature=0.0, batch_size=32, seed=0, progress=True,
-  stop_ids=None, cache_implementation=None, compile=True, pad_multiple=None, ignore_eos=False)`
-  -> (responses: list[list[int]] without the stop token, stats dict); batch_size 0: `auto_batch_size`
+  stop_ids=None, decoder="auto", compile=True, ignore_eos=False)` -> (responses: list[list[int]] without the stop
+  token, stats dict); batch_size 0: `auto_batch_size`; decoder static|generate|auto (`dflash.data.decode`)
 - `expand(loaded, out_dir, progress=True, threads=None, cache_dir=None)` -> manifest dict; writes shards,
   holdout.jsonl and manifest.json (= `expand_part` of shard 0/1 + `finish`)
 - `expand_part(loaded, shard, nshards, part_dir, cache_dir=None, progress=True)` -> part (the scatter job)
@@ -109,15 +109,15 @@ def auto_batch_size(model, width: int, max_new_tokens: int, memory_fraction: flo
 
 
 def regenerate(model, tokenizer, prompts, max_new_tokens, temperature=0.0, batch_size=32, seed=0, progress=True,
-               stop_ids=None, cache_implementation=None, compile=True, pad_multiple=None, ignore_eos=False):
+               stop_ids=None, decoder="auto", compile=True, ignore_eos=False):
     """Batched generation with a KV cache and left padding, prompts sorted by length (longest first). Returns
     responses (token ids up to, excluding, the first stop token) in the order of `prompts`, and {tokens, seconds,
-    tokens_per_s, batch_size}.
+    tokens_per_s, batch_size, decoder}.
 
-    batch_size 0 sizes batches from free GPU memory (`auto_batch_size`). cache_implementation "static" keeps every
-    shape fixed: prompt widths are rounded up to `pad_multiple` (default 64) and the last batch is filled, so on GPU
-    transformers compiles the decode step once per width (CUDA graphs) instead of running it eagerly; `compile`
-    False keeps it eager. `ignore_eos` generates exactly max_new_tokens (benchmarks)."""
+    decoder "generate": transformers `generate` with its dynamic cache. "static": `dflash.data.decode.StaticDecoder`
+    (one fixed batch shape, the last batch filled; on GPU with `compile` the decode step is a CUDA graph). "auto":
+    static on GPU, generate on CPU. batch_size 0 sizes batches from free GPU memory (`auto_batch_size`).
+    `ignore_eos` generates exactly max_new_tokens (benchmarks)."""
     import torch
     from tqdm import tqdm
     from transformers import GenerationConfig
@@ -126,17 +126,31 @@ def regenerate(model, tokenizer, prompts, max_new_tokens, temperature=0.0, batch
 
     stop_ids = stop_token_ids(tokenizer, model) if stop_ids is None else list(stop_ids)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
-    static = cache_implementation == "static"
-    pad_multiple = pad_multiple or (64 if static else 1)
-    gen_cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=temperature > 0,
-                               temperature=temperature if temperature > 0 else None, top_k=None, top_p=None,
-                               eos_token_id=None if ignore_eos else stop_ids, pad_token_id=pad, use_cache=True,
-                               cache_implementation=cache_implementation, disable_compile=not compile)
     device = next(model.parameters()).device
+    static = decoder == "static" or (decoder == "auto" and device.type == "cuda")
     order = sorted(range(len(prompts)), key=lambda i: (-len(prompts[i]), i))
-    if not batch_size:
-        batch_size = auto_batch_size(model, -(-len(prompts[order[0]]) // pad_multiple) * pad_multiple, max_new_tokens)
+    longest = len(prompts[order[0]]) if prompts else 1
+    dec = None
+    if static:
+        from dflash.data.decode import cache_len, decoder_for
+        try:                                            # the decoder of the previous call, if it fits (no recompile)
+            dec = decoder_for(model, batch_size or None, longest + max_new_tokens, compile)
+        except ValueError:
+            pass
+    if not batch_size and dec is None:
+        width = cache_len(longest + max_new_tokens) - max_new_tokens if static else longest
+        batch_size = auto_batch_size(model, width, max_new_tokens, memory_fraction=0.45 if static else 0.6)
+        if static and prompts:                          # equal batches (the last one is filled to the fixed shape)
+            batch_size = -(-len(prompts) // -(-len(prompts) // max(1, batch_size)))
         log.info("regeneration batch size %d (from free GPU memory)", batch_size)
+    if static:
+        dec = dec or decoder_for(model, batch_size, longest + max_new_tokens, compile)
+        batch_size = dec.B
+        gen_g = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
+    else:
+        gen_cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=temperature > 0,
+                                   temperature=temperature if temperature > 0 else None, top_k=None, top_p=None,
+                                   eos_token_id=None if ignore_eos else stop_ids, pad_token_id=pad, use_cache=True)
     out: list[list[int] | None] = [None] * len(prompts)
     tokens = 0
     torch.manual_seed(seed)
@@ -147,23 +161,27 @@ def regenerate(model, tokenizer, prompts, max_new_tokens, temperature=0.0, batch
     with torch.inference_mode():
         for batch in bar:
             rows = batch + [batch[-1]] * (batch_size - len(batch)) if static else batch   # fixed batch shape
-            width = -(-max(len(prompts[i]) for i in rows) // pad_multiple) * pad_multiple
+            width = max(len(prompts[i]) for i in rows)
             ids = torch.full((len(rows), width), pad, dtype=torch.long)
             att = torch.zeros((len(rows), width), dtype=torch.long)
             for r, i in enumerate(rows):
                 p = prompts[i]
                 ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
                 att[r, width - len(p):] = 1
-            gen = model.generate(input_ids=ids.to(device), attention_mask=att.to(device), generation_config=gen_cfg)
+            if static:
+                gen = dec.generate(ids, att, max_new_tokens, stop, temperature, gen_g).cpu()
+            else:
+                gen = model.generate(input_ids=ids.to(device), attention_mask=att.to(device),
+                                     generation_config=gen_cfg)[:, width:].cpu()
             for r, i in enumerate(batch):
-                seq = gen[r, width:].tolist()
+                seq = gen[r].tolist()
                 cut = next((k for k, t in enumerate(seq) if t in stop), None)
                 out[i] = seq[:cut] if cut is not None else seq
                 tokens += (cut + 1) if cut is not None else len(seq)
             bar.set_postfix(tok_s=f"{tokens / max(time.time() - t0, 1e-9):.0f}")
     seconds = time.time() - t0
     return out, {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
-                 "batch_size": batch_size}
+                 "batch_size": batch_size, "decoder": "static" if static else "generate"}
 
 
 # ---- the stage ---------------------------------------------------------------------------------------------------

@@ -71,7 +71,8 @@ def write_chunk(folder: Path, entries: list[dict]) -> Path:
 # ---- engines ----------------------------------------------------------------------------------------------------
 
 class HFEngine:
-    """`model.generate` in-process: prompts sorted by length, left-padded batches (see expand.regenerate)."""
+    """In-process generation: prompts sorted by length, left-padded batches, transformers `generate` or the static-cache
+    decoder with a CUDA-graph decode step (see expand.regenerate)."""
 
     def __init__(self, model, tokenizer, rcfg):
         self.model, self.tokenizer, self.r = model, tokenizer, rcfg
@@ -81,7 +82,7 @@ class HFEngine:
         r = self.r
         resp, st = regenerate(self.model, self.tokenizer, [ids for _, ids in prompts], r.max_new_tokens,
                               r.temperature, r.batch_size, seed=seed, progress=False,
-                              cache_implementation=r.cache_implementation, compile=r.compile)
+                              decoder=r.decoder, compile=r.compile)
         return [self.tokenizer.decode(x, skip_special_tokens=True) for x in resp], st["tokens"]
 
 

@@ -1,0 +1,98 @@
+"""Batched decoding of the target with a static KV cache: every decode step has the same shapes for a whole run, so
+on GPU the step is compiled once and replayed as a CUDA graph. `model.generate` is bound by Python and kernel
+launches on an 8B target (88 ms per step at batch 32, 113 ms at batch 128 on an H200); a replayed graph is not.
+
+    dec = StaticDecoder(model, batch_size=256, max_len=1024, compile=True)
+    out = dec.generate(ids, attention_mask, max_new_tokens=256, stop_ids={2}, temperature=0.0)   # (B, new)
+
+Prompts are left-padded (B, W) with W + max_new_tokens <= max_len; W may change from call to call (prefill runs
+eagerly), B may not. Greedy picks inside the graph; sampling (temperature > 0) draws from the graph's logits.
+`decoder_for(model, batch_size, need_len, compile)` keeps the last decoder of a model (its KV cache and compiled
+graph) for the next call that fits it, so a stage compiles once, not once per chunk.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class StaticDecoder:
+    def __init__(self, model, batch_size: int, max_len: int, compile: bool = True, check_every: int = 32):
+        from transformers import StaticCache
+        self.model, self.B, self.L, self.check_every = model, batch_size, max_len, check_every
+        self.device = next(model.parameters()).device
+        self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+        self.graphs = compile and self.device.type == "cuda"
+        self._greedy = torch.compile(self._step_greedy, mode="reduce-overhead", fullgraph=True) if self.graphs \
+            else self._step_greedy
+        self._logits = torch.compile(self._step_logits, mode="reduce-overhead", fullgraph=True) if self.graphs \
+            else self._step_logits
+
+    def _forward(self, ids, pos, mask):                 # ids, pos (B, T); mask (B, L) -> last logits (B, V)
+        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=self.cache,
+                         use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1]
+
+    def _step_greedy(self, ids, pos, mask):
+        return self._forward(ids, pos, mask).argmax(-1)
+
+    def _step_logits(self, ids, pos, mask):
+        return self._forward(ids, pos, mask).float()
+
+    @torch.inference_mode()
+    def generate(self, ids, attention_mask, max_new_tokens: int, stop_ids=(), temperature: float = 0.0,
+                 generator=None):
+        """ids, attention_mask (B, W) left-padded -> generated ids (B, max_new_tokens); after a row's first stop
+        token its ids are meaningless. Stops early once every row has stopped (checked every `check_every` steps)."""
+        B, W = ids.shape
+        if B != self.B or W + max_new_tokens > self.L:
+            raise ValueError(f"StaticDecoder: batch {B} x width {W} + {max_new_tokens} does not fit its fixed "
+                             f"batch {self.B} x length {self.L}")
+        dev = self.device
+        ids, att = ids.to(dev), attention_mask.to(dev, torch.long)
+        self.cache.reset()
+        mask = torch.ones(B, self.L, dtype=torch.long, device=dev)     # future slots: the causal rule hides them
+        mask[:, :W] = att
+        pos = (att.cumsum(-1) - 1).clamp_min(0)                          # left padding: first real token at 0
+        pick = (lambda lg: lg.argmax(-1)) if temperature <= 0 else (
+            lambda lg: torch.multinomial(torch.softmax(lg.float() / temperature, -1), 1, generator=generator)[:, 0])
+        nxt = pick(self._forward(ids, pos, mask))                        # prefill: eager, any width
+        out = torch.empty(B, max_new_tokens, dtype=torch.long, device=dev)
+        out[:, 0] = nxt
+        stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=dev)
+        done = torch.isin(nxt, stop)
+        last = pos[:, -1:]                                                # (B, 1)
+        for t in range(1, max_new_tokens):
+            if t % self.check_every == 0 and bool(done.all()):
+                break
+            if self.graphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            args = (out[:, t - 1:t].clone(), last + t, mask)
+            nxt = self._greedy(*args) if temperature <= 0 else pick(self._logits(*args))
+            out[:, t] = nxt
+            done |= torch.isin(nxt, stop)
+        return out
+
+
+_LAST: dict[int, StaticDecoder] = {}
+
+
+def cache_len(need: int) -> int:
+    """Decoder length for `need` positions: a power of two from 256 (few distinct graphs over a whole data set)."""
+    return max(256, 1 << (max(need, 1) - 1).bit_length())
+
+
+def decoder_for(model, batch_size: int | None, need_len: int, compile: bool = True) -> StaticDecoder:
+    """The model's last decoder if it is long enough and has the asked batch size (None: any), else a new one
+    (the old one's cache is freed first)."""
+    last = _LAST.get(id(model))
+    if last is not None and last.model is model and last.L >= need_len and batch_size in (None, last.B) \
+            and last.graphs == (compile and last.device.type == "cuda"):
+        return last
+    _LAST.pop(id(model), None)
+    del last
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    if batch_size is None:
+        raise ValueError("decoder_for: no decoder to reuse and no batch size")
+    _LAST[id(model)] = dec = StaticDecoder(model, batch_size, cache_len(need_len), compile=compile)
+    return dec
