@@ -320,3 +320,32 @@ def test_snakemake_runs_two_data_shards_to_the_hash_of_one(tmp_path, talking_tar
     one = expand(make_loaded(tmp_path / "one", talking_target, data["sources"], min_supervised_blocks=1, holdout=2,
                              regenerate=REGEN), tmp_path / "one" / "out", progress=False)
     assert m["data_shards"] == 2 and m["content_hash"] == one["content_hash"]
+
+
+def test_grouped_decode_attention_equals_transformers_sdpa():
+    """The decoder's attention reads each KV head once for its query heads; values equal transformers' sdpa (which
+    repeats K and V), with a padding mask, for a decode step; other calls are sdpa itself."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from dflash.data.decode import gqa_attention
+
+    class Mod(torch.nn.Module):
+        num_key_value_groups, is_causal = 4, True
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 8, 1, 16, generator=g, dtype=torch.float64)     # (B, H, 1, D): one decode step
+    k, v = (torch.randn(3, 2, 10, 16, generator=g, dtype=torch.float64) for _ in range(2))    # (B, Hkv, L, D)
+    mask = torch.ones(3, 1, 1, 10, dtype=torch.bool)
+    mask[0, ..., :4] = False                                           # left padding of row 0
+    mask[2, ..., 7:] = False                                           # not yet written cache slots of row 2
+    out, _ = gqa_attention(Mod(), q, k, v, mask, scaling=0.25)
+    ref, _ = sdpa_attention_forward(Mod(), q, k, v, mask, scaling=0.25)
+    assert out.shape == ref.shape == (3, 1, 8, 16)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    # a masked slot does not matter; an unmasked one does
+    k2 = k.clone()
+    k2[0, :, 2] += 5.0
+    torch.testing.assert_close(gqa_attention(Mod(), q, k2, v, mask, scaling=0.25)[0], out, rtol=0, atol=1e-12)
+    k2[0, :, 5] += 5.0
+    assert not torch.allclose(gqa_attention(Mod(), q, k2, v, mask, scaling=0.25)[0], out)
