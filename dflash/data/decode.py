@@ -11,14 +11,14 @@ eagerly), B may not. Greedy picks inside the graph; sampling (temperature > 0) d
 graph) for the next call that fits it, so a stage compiles once, not once per chunk.
 
 Attention: with a padding mask transformers' sdpa path repeats K and V for every query head of a KV group (4x the
-cache read per step for Qwen3-8B: 100 ms per step at batch 256 on an H200); the decoder registers `dflash_gqa`,
+cache read per step for Qwen3-8B: 100 ms per step at batch 256 on an H200); the decoder registers `grouped_sdpa`,
 which reads each KV head once for its group of query heads (same kernel, same math) and is sdpa elsewhere.
 """
 from __future__ import annotations
 
 import torch
 
-GQA = "dflash_gqa"
+GQA = "grouped_sdpa"       # (a name with "flash" in it would be taken for a flash-attention kernel)
 
 
 def gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):

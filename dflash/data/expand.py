@@ -139,7 +139,7 @@ def regenerate(model, tokenizer, prompts, max_new_tokens, temperature=0.0, batch
             pass
     if not batch_size and dec is None:
         width = cache_len(longest + max_new_tokens) - max_new_tokens if static else longest
-        batch_size = auto_batch_size(model, width, max_new_tokens, memory_fraction=0.45 if static else 0.6)
+        batch_size = auto_batch_size(model, width, max_new_tokens, memory_fraction=0.6)
         if static and prompts:                          # equal batches (the last one is filled to the fixed shape)
             batch_size = -(-len(prompts) // -(-len(prompts) // max(1, batch_size)))
         log.info("regeneration batch size %d (from free GPU memory)", batch_size)
