@@ -242,6 +242,7 @@ def test_static_decoder_and_auto_batch_give_the_greedy_turns_of_generate(talking
     static, st2 = regenerate(model, tok, prompts, 12, batch_size=3, progress=False, decoder="static")
     auto, st3 = regenerate(model, tok, prompts, 12, batch_size=0, progress=False)
     assert st["decoder"] == st3["decoder"] == "generate" and st2["decoder"] == "static"   # auto on CPU: generate
+    assert model.config._attn_implementation == "grouped_sdpa"        # the static decoder's grouped decode attention
     assert static == ref == auto and st2["tokens"] == st["tokens"] > 7 * 3
     stop = [ref[0][4]]                                              # a token the turns do produce, as the stop token
     cut_g, _ = regenerate(model, tok, prompts, 12, batch_size=3, progress=False, stop_ids=stop)
