@@ -9,6 +9,7 @@ with the numbers, so a result under bench/results/ can be rerun. Shapes are the 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -24,13 +25,20 @@ import torch  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 S, A, BK, H, V = 3072, 512, 16, 4096, 151936
-DEV = torch.device("cuda")
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def bench(fn, warmup=3, reps=10):
-    """Median milliseconds of fn() with CUDA events."""
+    """Median milliseconds of fn() with CUDA events (wall clock on the CPU)."""
     for _ in range(warmup):
         fn()
+    if DEV.type != "cuda":
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return sorted(times)[len(times) // 2]
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
@@ -45,6 +53,9 @@ def bench(fn, warmup=3, reps=10):
 
 
 def peak_gb(fn):
+    """Peak GB allocated by fn() above what was allocated before it (None on the CPU)."""
+    if DEV.type != "cuda":
+        return None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -122,41 +133,111 @@ def attention():
             "flex_first_call_s": round(compile_s, 1)}
 
 
-def loss():
+def loss_problem(q=A * BK, s=S, h=H, v=V, bk=BK, seed=0):
+    """The loss's inputs as training makes them: drafter output [1, Q, H] bf16, the frozen head [V, H] bf16,
+    labels and weights exp(-(k-1)/gamma) of random anchors over a random sequence (block_labels, the train path)."""
+    from dflash.model import block_labels
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    anchors = random_anchors(1, s, q // bk, bk, seed)
+    ids = torch.randint(0, v, (1, s), generator=g).to(DEV)
+    labels, weights = block_labels(ids, torch.ones(1, s, dtype=torch.bool, device=DEV), anchors)
+    hidden = torch.randn(1, q, h, generator=g).to(DEV, torch.bfloat16)
+    head = (torch.randn(v, h, generator=g) * 0.02).to(DEV, torch.bfloat16)
+    return hidden, head, labels, weights
+
+
+def loss_variants(head, labels, weights, bk=BK, chunk=4096, compiled=None):
+    """name -> f(hidden [1, Q, H]) -> the step's loss (weighted mean over scored positions), differentiable in hidden.
+    The first is what training runs (train.loss_kernel fused, its kernel compiled on GPU); the others compute the
+    same quantity with torch's own ops or Liger's fused linear cross-entropy."""
     import torch.nn.functional as F
 
-    from dflash.model import dflash_loss
-    Q = A * BK
-    hidden = torch.randn(1, Q, H, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-    w = (torch.randn(V, H, device=DEV, dtype=torch.bfloat16) * 0.02)
-    labels = torch.randint(0, V, (1, Q), device=DEV)
-    labels.view(1, A, BK)[:, :, 0] = -100
-    weights = torch.ones(1, Q, device=DEV)
-    out = {}
-    for chunk in (2048, 4096, 8192):
-        def chunked():
-            dflash_loss(hidden, w, labels, weights, BK, chunk).loss.backward()
-        out[f"chunked_{chunk}_ms"] = round(bench(chunked), 2)
-        out[f"chunked_{chunk}_peak_gb"] = peak_gb(chunked)
+    from dflash.model import IGNORE, dflash_loss
+    from dflash.train.step import ce_kernel
+    compiled = DEV.type == "cuda" if compiled is None else compiled
 
-    def naive():
-        h = hidden.view(1, A, BK, H)[:, :, 1:].reshape(-1, H)
-        lab = labels.view(1, A, BK)[:, :, 1:].reshape(-1)
-        F.cross_entropy((h @ w.t()).float(), lab).backward()
-    out["naive_ms"] = round(bench(naive), 2)
-    out["naive_peak_gb"] = peak_gb(naive)
+    def rows(x):  # [1, Q, ...] -> [N, ...]: block positions 1.. (position 0 is never scored)
+        return x.reshape(-1, bk, *x.shape[2:])[:, 1:].reshape(-1, *x.shape[2:])
+    lab = rows(labels)
+    wk = rows(torch.where(labels != IGNORE, weights.float(), torch.zeros((), device=weights.device)))
+    wsum = wk.sum()
+
+    def torch_full(h):  # unchunked: [N, V] logits in float32 at once
+        logits = (rows(h) @ head.t()).float()
+        return (F.cross_entropy(logits, lab.clamp(min=0), reduction="none") * wk).sum() / wsum
+    out = {
+        "fused": lambda h: dflash_loss(h, head, labels, weights, bk, chunk, fused=True,
+                                       kernel=ce_kernel(compiled)).loss,
+        "torch_chunked_checkpointed": lambda h: dflash_loss(h, head, labels, weights, bk, chunk).loss,
+        "torch_full": torch_full,
+    }
+    if compiled:
+        out["torch_compile_full"] = torch.compile(torch_full, dynamic=False)
+        out["fused_eager_kernel"] = lambda h: dflash_loss(h, head, labels, weights, bk, chunk, fused=True).loss
     try:
         from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
-        liger = LigerFusedLinearCrossEntropyLoss()
+        # per-position weights need reduction="none" (Liger then recomputes the logits in the backward)
+        per_row = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, reduction="none")
+        out["liger_flce_weighted"] = lambda h: (per_row(head, rows(h), lab) * wk).sum() / wsum
+        # reference only: unweighted mean, the gradient made in the forward (Liger's fast path); a different loss
+        mean = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, reduction="mean")
+        out["liger_flce_unweighted_ref"] = lambda h: mean(head, rows(h), lab)
+    except Exception as e:  # not carried, or no triton (CPU)
+        out["liger"] = f"unavailable: {type(e).__name__}: {e}"[:300]
+    return out
 
-        def fused():
-            h = hidden.view(1, A, BK, H)[:, :, 1:].reshape(-1, H)
-            lab = labels.view(1, A, BK)[:, :, 1:].reshape(-1)
-            liger(w, h, lab).backward()
-        out["liger_fused_ms"] = round(bench(fused), 2)
-        out["liger_fused_peak_gb"] = peak_gb(fused)
-    except Exception as e:  # not installed or failed: say so
-        out["liger_fused"] = f"unavailable: {type(e).__name__}: {e}"[:300]
+
+def loss_compare(hidden, head, labels, weights, bk=BK, chunk=4096, reps=10, compiled=None):
+    """Every loss variant's value and gradient w.r.t. hidden against training's (fused), then its speed and peak
+    memory (forward + backward). `agrees`: loss within 2e-3 relative, gradient within 2% of its largest entry."""
+    variants = loss_variants(head, labels, weights, bk, chunk, compiled)
+    res, ref = {}, None
+    for name, fn in variants.items():
+        if isinstance(fn, str):
+            res[name] = {"error": fn}
+            continue
+        try:
+            h = hidden.detach().requires_grad_(True)
+            value = fn(h)
+            value.backward()
+            grad = h.grad.float()
+            r = {"loss": round(value.item(), 6)}
+            if ref is None:
+                ref = (value.item(), grad)
+            else:
+                dl = abs(value.item() - ref[0])
+                dg = (grad - ref[1]).abs().max().item()
+                scale = ref[1].abs().max().item()
+                r.update(loss_abs_diff=dl, grad_max_abs_diff=dg, grad_max_abs=scale,
+                         agrees=bool(dl <= 2e-3 * max(1.0, abs(ref[0])) and dg <= 2e-2 * scale))
+            if name == "fused":
+                r["agrees"] = True
+
+            def run():
+                h.grad = None
+                fn(h).backward()
+            r["fwd_bwd_ms"] = round(bench(run, warmup=2, reps=reps), 2)
+            r["peak_gb"] = peak_gb(run)
+            res[name] = r
+        except Exception as e:
+            res[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
+        h = value = grad = None
+        if DEV.type == "cuda":
+            torch.cuda.empty_cache()
+    ok = {k: v["fwd_bwd_ms"] for k, v in res.items() if v.get("agrees") and "fwd_bwd_ms" in v}
+    res["fastest_agreeing"] = min(ok, key=ok.get) if ok else None
+    res["training_uses"] = "fused"
+    return res
+
+
+def loss():
+    """The loss training runs (train.loss_kernel fused, loss_chunk 4096 as config/h200.yaml) beside torch's own and
+    Liger's fused linear cross-entropy: 512 anchors x 16 = 8192 block positions (7680 scored), hidden 4096,
+    vocab 151936, bf16."""
+    hidden, head, labels, weights = loss_problem()
+    out = loss_compare(hidden, head, labels, weights, reps=int(os.environ.get("BENCH_LOSS_REPS", 10)))
+    out["shape"] = {"positions": hidden.shape[1], "scored": int((labels != -100).sum()), "hidden": H, "vocab": V,
+                    "chunk": 4096}
     return out
 
 
@@ -215,6 +296,167 @@ def drafter_variants():
             Path(os.environ["BENCH_PROFILE"]).write_text(table)
         model = opt = sched = embed = head = step = None  # free the replica before the next variant
         torch.cuda.empty_cache()
+    return out
+
+
+# ---- the drafter step against SpecForge's (same process, same shapes) ------------------------------------------
+SF_SHAPES = ((3072, 512), (8192, 1024), (16384, 2048))   # (context tokens, anchors): the issue's three shapes
+
+
+@functools.cache
+def load_specforge():
+    """SpecForge's DFlash modelling modules, imported file by file: its package __init__s pull sglang, the
+    trainer and the data stack. Needs only torch and transformers (its wheel installed with --no-deps)."""
+    import importlib
+    import importlib.util
+    import types
+    from importlib.metadata import version
+    spec = importlib.util.find_spec("specforge")
+    if spec is None:
+        raise ModuleNotFoundError("specforge: carry .whl/specforge-0.2.0-py3-none-any.whl")
+    root = Path(list(spec.submodule_search_locations)[0])
+    for pkg in ("specforge", "specforge.core", "specforge.modeling", "specforge.modeling.draft",
+                "specforge.algorithms", "specforge.algorithms.common"):
+        if pkg not in sys.modules:   # empty packages: submodules import, __init__ bodies do not run
+            mod = types.ModuleType(pkg)
+            mod.__path__ = [str(root.joinpath(*pkg.split(".")[1:]))]
+            sys.modules[pkg] = mod
+    return (importlib.import_module("specforge.algorithms.common.dflash_family_model"),
+            importlib.import_module("specforge.modeling.draft.dflash"),
+            importlib.import_module("specforge.optimizer"), version("specforge"))
+
+
+def specforge_step(num_anchors, feats, ids, loss_mask, vocab=V, layers=5, heads=(32, 8, 128), inter=12288,
+                   target_layers=36, mask_id=151669, attention="flex_attention", lr=6e-4):
+    """SpecForge's DFlash training step as its trainer runs it: OnlineDFlashModel (bf16 weights, its own anchor
+    sampling, block mask and chunked loss) + BF16Optimizer (fp32 master weights, AdamW, clip, cosine).
+    feats [1, S, 5*hidden] (their dtype is the model's), ids [1, S], loss_mask [1, S]."""
+    from transformers import Qwen3Config
+    fam, draft, optmod, _ = load_specforge()
+    h = feats.shape[-1] // 5
+    cfg = Qwen3Config(hidden_size=h, num_attention_heads=heads[0], num_key_value_heads=heads[1], head_dim=heads[2],
+                      intermediate_size=inter, num_hidden_layers=layers, vocab_size=vocab, rms_norm_eps=1e-6,
+                      rope_theta=1e6, max_position_embeddings=40960)
+    cfg.block_size, cfg.num_target_layers = BK, target_layers
+    cfg.dflash_config = {"target_layer_ids": draft.build_target_layer_ids(target_layers, 5), "mask_token_id": mask_id}
+    cfg._attn_implementation = attention
+    dev, dt = feats.device, feats.dtype
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = draft.DFlashDraftModel(cfg)
+        embed = torch.nn.Embedding(cfg.vocab_size, h)
+        head = torch.nn.Linear(h, cfg.vocab_size, bias=False)
+    for m in (embed, head):
+        m.weight.data.normal_(0, 0.02)
+        m.requires_grad_(False)
+    model = model.to(dev, dt)
+    wrapped = fam.OnlineDFlashModel(model, head, embed, mask_token_id=mask_id, block_size=BK,
+                                    attention_backend=attention, num_anchors=num_anchors,
+                                    loss_decay_gamma=7.0).to(dev, dt)
+    opt = optmod.BF16Optimizer(model, lr=lr, max_grad_norm=1.0, total_steps=1000, warmup_ratio=0.04)
+    lm = loss_mask.to(dt)
+
+    def step():
+        loss, _, _ = wrapped(input_ids=ids, hidden_states=feats, loss_mask=lm)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+    return step
+
+
+def our_step(num_anchors, feats, ids, loss_mask):
+    """This project's drafter step as train runs it: build_drafter (compiled flex layers) + micro_step (fused loss)
+    + AdamW (fused) with its schedule; config/h200.yaml with train.num_anchors = num_anchors."""
+    from types import SimpleNamespace
+
+    from dflash import config as C
+    from dflash.model import DrafterConfig
+    from dflash.train import optim
+    from dflash.train.context import RunContext
+    from dflash.train.step import build_drafter, micro_step, random_head
+    loaded = C.load(REPO / "config" / "h200.yaml", {"train.num_anchors": num_anchors})
+    tconf = SimpleNamespace(hidden_size=H, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                            intermediate_size=12288, num_hidden_layers=36, vocab_size=V, rms_norm_eps=1e-6,
+                            rope_theta=1e6, max_position_embeddings=40960)
+    dcfg = DrafterConfig.from_target(tconf, loaded.cfg.drafter, 151669)
+    setup = RunContext(loaded, None, "flex", Path("/tmp"), Path("/tmp"), tconf, dcfg, 7.0, {}, True)
+    embed, head = random_head(setup, feats.device, torch.bfloat16)
+    model = build_drafter(setup, embed, head, feats.device)
+    opt, sched = optim.build([p for p in model.parameters() if p.requires_grad], loaded.cfg.train, feats.device)
+    counter = [0]
+
+    def step():
+        counter[0] += 1
+        res = micro_step(model, feats, ids, loss_mask, counter[0], setup, torch.bfloat16)
+        res.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        return res.loss.detach()
+    return step
+
+
+def measure_step(make, reps):
+    """Build a step (make()), time its first call (compiles), its median over reps, and the peak GB allocated from
+    before the build (weights, optimizer state, activations; the shared inputs excluded). Frees everything."""
+    import gc
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = {}
+    try:
+        t0 = time.perf_counter()
+        step = make()
+        out["build_s"] = round(time.perf_counter() - t0, 1)
+        torch.cuda.reset_peak_memory_stats()   # a build's transients (fp32 init before a bf16 cast) not counted
+        t0 = time.perf_counter()
+        out["first_loss"] = round(float(step()), 4)
+        torch.cuda.synchronize()
+        out["first_step_s"] = round(time.perf_counter() - t0, 1)
+        out["step_ms"] = round(bench(step, warmup=2, reps=reps), 2)
+        out["peak_gb"] = round((torch.cuda.max_memory_allocated() - base) / 2**30, 2)
+        out["peak_reserved_gb"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+    except Exception as e:   # OOM or an incompatibility: recorded, the next one runs
+        out["error"] = f"{type(e).__name__}: {e}"[:1500]
+        out["traceback"] = traceback.format_exc()[-1500:]
+    step = None
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def specforge():
+    """The drafter step (forward + backward + optimizer step) at the issue's three shapes, this project's and
+    SpecForge's OnlineDFlashModel (flex attention) one after the other in this process: median ms and peak GB."""
+    from dflash.fingerprint import collect, compile_cache_dir
+    from dflash.train import compile_guard
+    compile_guard.use_compile_cache(compile_cache_dir(REPO / "results", collect()["hash"]))
+    compile_guard.configure_thread(8)   # recompile limit for the shapes of both implementations
+    out = {}
+    try:
+        out["specforge_version"] = load_specforge()[3]
+    except Exception as e:
+        out["specforge_version"] = f"unavailable: {type(e).__name__}: {e}"[:300]
+    reps = int(os.environ.get("BENCH_SF_REPS", 5))
+    shapes = [tuple(map(int, x.split("/"))) for x in os.environ["BENCH_SF_SHAPES"].split(",")] \
+        if os.environ.get("BENCH_SF_SHAPES") else SF_SHAPES
+    for s, a in shapes:
+        g = torch.Generator(device="cpu").manual_seed(s)
+        feats = torch.randn(1, s, 5 * H, generator=g).to(DEV, torch.bfloat16)
+        ids = torch.randint(0, V, (1, s), generator=g).to(DEV)
+        mask = torch.ones(1, s, dtype=torch.bool, device=DEV)
+        row = {"ours": measure_step(lambda: our_step(a, feats, ids, mask), reps),
+               "specforge": measure_step(lambda: specforge_step(a, feats, ids, mask), reps)}
+        o, f = row["ours"], row["specforge"]
+        if "step_ms" in o and "step_ms" in f:
+            row["speedup"] = round(f["step_ms"] / o["step_ms"], 3)
+            row["memory_ratio"] = round(o["peak_gb"] / f["peak_gb"], 3)
+        out[f"{s}/{a}"] = row
+        feats = ids = mask = None
+        print("specforge", s, a, json.dumps(row)[:600], flush=True)
     return out
 
 
