@@ -37,8 +37,11 @@ class RunContext:
         return self.loaded.cfg
 
     def anchors_for(self, length: int) -> int:
-        """Anchors per sequence in a bucket of this length: capped by the positions that can hold one."""
-        return max(1, min(self.cfg.train.num_anchors, length - 1))
+        """Anchors per sequence in a bucket of this length: num_anchors, or round(length * anchors_per_token) up to
+        num_anchors where that is set; capped by the positions that can hold one."""
+        t = self.cfg.train
+        n = t.num_anchors if t.anchors_per_token is None else min(t.num_anchors, round(length * t.anchors_per_token))
+        return max(1, min(n, length - 1))
 
 
 def prepare(loaded, need_data: bool = True, run_dir=None, data_dir=None) -> RunContext:
