@@ -1,6 +1,12 @@
 """H200 benchmark: ceilings, micro-benchmarks and the real `train` stage on config/h200.yaml.
 
-    python bench/h200.py --out bench/out [--sections ceilings,mask,attention,loss,drafter,target,e2e,threads]
+    python bench/h200.py --out bench/out [--sections ceilings,mask,attention,loss,drafter_variants,specforge,target,
+                                                     profile,e2e] [--steps N]
+
+specforge: the drafter step at 3072/512, 8192/1024, 16384/2048 (context/anchors), this project's and SpecForge's
+(`OnlineDFlashModel`, flex; its wheel carried) in one process. loss: training's fused loss beside torch's and Liger's,
+with agreement checks. profile: the train stage under torch.profiler (train.profile), reduced to where GPU time goes.
+e2e: train runs (BENCH_E2E_RUNS: 1t1d, restart, 1t3d, x2-*, long = config/h200-long.yaml).
 
 Every section writes into one JSON (`<out>/bench.json`): the command, device, torch version and date are recorded
 with the numbers, so a result under bench/results/ can be rerun. Shapes are the issue's: 3072-token context,
@@ -489,31 +495,40 @@ def dflash_stage(*args, timeout=900):
     return r, time.perf_counter() - t0
 
 
+H200, LONG = "config/h200.yaml", "config/h200-long.yaml"
+
+
 def e2e(out_dir: Path, steps: int, extra=()):
-    res = {}
-    for stage in ("target", "data"):
-        r, s = dflash_stage(stage, "--config", "config/h200.yaml", "--no-progress", *extra)
-        res[f"{stage}_s"] = round(s, 1)
-        if r.returncode:
-            res[f"{stage}_error"] = r.stderr[-3000:]
-            return res
-    runs = {"1t1d": ["--set", 'train.drafters=["cuda:0"]'],
-            "restart": None,
-            "1t3d": ["--set", 'train.drafters=["cuda:0","cuda:0","cuda:0"]'],
+    """The train stage end to end, one run per BENCH_E2E_RUNS entry (default: every entry but `long`); each config's
+    target and data stages run once, before its first run."""
+    one = ["--set", 'train.drafters=["cuda:0"]']
+    runs = {"1t1d": (H200, one),
+            "restart": (H200, None),
+            "1t3d": (H200, ["--set", 'train.drafters=["cuda:0","cuda:0","cuda:0"]']),
             # two GPUs: the split layout (target on one, drafter on the other) in both runtimes, and data-parallel
             # drafter replicas on both GPUs (threads)
-            "x2-split-dist": ["--set", 'train.drafters=["cuda:1"]', "--set", "train.runtime=distributed"],
-            "x2-split-threads": ["--set", 'train.drafters=["cuda:1"]', "--set", "train.runtime=threads"],
-            "x2-dp-threads": ["--set", 'train.drafters=["cuda:0","cuda:1"]', "--set", "train.runtime=threads"]}
-    wanted = os.environ.get("BENCH_E2E_RUNS", ",".join(runs)).split(",")
-    for name, sets in runs.items():
+            "x2-split-dist": (H200, ["--set", 'train.drafters=["cuda:1"]', "--set", "train.runtime=distributed"]),
+            "x2-split-threads": (H200, ["--set", 'train.drafters=["cuda:1"]', "--set", "train.runtime=threads"]),
+            "x2-dp-threads": (H200, ["--set", 'train.drafters=["cuda:0","cuda:1"]', "--set", "train.runtime=threads"]),
+            # long context: 4K/8K/16K buckets, 512/1024/2048 anchors (config/h200-long.yaml), 1 target + 1 drafter
+            "long": (LONG, one)}
+    wanted = os.environ.get("BENCH_E2E_RUNS", ",".join(k for k in runs if k != "long")).split(",")
+    res, ready = {}, {}
+    for name, (config, sets) in runs.items():
         if name not in wanted:
+            continue
+        if config not in ready:
+            st = stages(config, extra)
+            prefix = "" if config == H200 else Path(config).stem + "_"
+            res.update({prefix + k: v for k, v in st.items()})
+            ready[config] = not any(k.endswith("_error") for k in st)
+        if not ready[config]:
             continue
         (out_dir / "e2e_partial.json").write_text(json.dumps(res, indent=1))
         if sets is None:
             res["warm_restart"] = warm_restart(extra)
             continue
-        r, s = dflash_stage("train", "--config", "config/h200.yaml", "--no-progress", "--set", f"run_name=h200-{name}",
+        r, s = dflash_stage("train", "--config", config, "--no-progress", "--set", f"run_name=h200-{name}",
                             "--set", f"train.steps={steps}", "--set", "train.resume=false", *sets, *extra)
         (out_dir / f"train-{name}.log").write_text(r.stderr[-200000:])
         summ = REPO / "results" / "runs" / f"h200-{name}" / "summary.json"
@@ -525,7 +540,7 @@ def e2e(out_dir: Path, steps: int, extra=()):
                                                       "seconds_to_first_step", "loss",
                                                       "devices", "compile", "replicas_identical", "replica_checksums",
                                                       "status", "failure")})
-            res[name]["compile"].pop("per_device", None)
+            (res[name]["compile"] or {}).pop("per_device", None)
     return res
 
 
@@ -549,33 +564,177 @@ def warm_restart(extra=()):
     return res
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__)
+# ---- where the GPU's idle time goes: the train stage under torch.profiler --------------------------------------
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy", "aten::item",
+         "aten::_local_scalar_dense")
+
+
+def _union(intervals):
+    """Sorted, merged [start, end) intervals."""
+    out = []
+    for a, e in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([a, e])
+    return out
+
+
+def reduce_trace(path, top=15, gap_ms=1.0, gaps_listed=15) -> dict:
+    """A torch.profiler chrome trace (.json or .json.gz) -> where the GPU time goes, per GPU: busy fraction of the
+    window (first to last GPU activity), busy time per stream (the stream holding the drafter's annotations is the
+    drafter's; the target runs on its own), the top kernels, idle gaps longer than gap_ms with what the profiled
+    (drafter) thread was doing on the CPU then, and host syncs and annotated phases (drafter_fwd_bwd, optimizer).
+    Times in ms. CPU ops are those of the profiling thread only (torch.profiler records the thread that opens it)."""
+    import gzip
+    from collections import defaultdict
+    with (gzip.open if str(path).endswith(".gz") else open)(path, "rt") as f:
+        ev = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    gpu = [e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    host = sorted((e for e in ev if e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver")),
+                  key=lambda e: e["ts"])
+    out = {"events": len(ev), "steps": sum(1 for e in ev if e.get("cat") == "user_annotation" and e["name"] == "optimizer")}
+    phases = defaultdict(lambda: defaultdict(float))
+    for e in ev:
+        if e["name"] in ("drafter_fwd_bwd", "optimizer") and e.get("cat") in ("user_annotation", "gpu_user_annotation"):
+            key = "cpu_ms" if e["cat"] == "user_annotation" else "gpu_ms"
+            phases[e["name"]][key] += e["dur"] / 1e3
+            phases[e["name"]]["count_" + key[:3]] += 1
+    out["phases"] = {k: {m: round(x, 2) for m, x in v.items()} for k, v in phases.items()}
+    syncs = defaultdict(lambda: [0, 0.0])
+    for e in host:
+        if e["name"] in SYNCS:
+            syncs[e["name"]][0] += 1
+            syncs[e["name"]][1] += e["dur"] / 1e3
+    out["host_syncs"] = {k: {"count": c, "ms": round(t, 2)} for k, (c, t) in syncs.items()}
+    drafter_streams = {(e["pid"], e["tid"]) for e in ev if e.get("cat") == "gpu_user_annotation"}
+    main = {e["tid"] for e in ev if e.get("cat") == "user_annotation"}   # the profiled (drafter) thread
+    out["gpus"] = {}
+    for dev in sorted({e["pid"] for e in gpu}, key=str):
+        g = [e for e in gpu if e["pid"] == dev]
+        busy = _union((e["ts"], e["ts"] + e["dur"]) for e in g)
+        t0, t1 = busy[0][0], busy[-1][1]
+        busy_us = sum(e - a for a, e in busy)
+        streams = {}
+        for tid in {e["tid"] for e in g}:
+            u = _union((e["ts"], e["ts"] + e["dur"]) for e in g if e["tid"] == tid)
+            streams[str(tid)] = {"busy_ms": round(sum(e - a for a, e in u) / 1e3, 2),
+                                 "kernels": sum(1 for e in g if e["tid"] == tid),
+                                 "role": "drafter" if (dev, tid) in drafter_streams else "other (target)"}
+        names = defaultdict(lambda: [0, 0.0])
+        for e in g:
+            names[e["name"][:140]][0] += 1
+            names[e["name"][:140]][1] += e["dur"]
+        total = sum(t for _, t in names.values()) or 1.0
+        kernels = sorted(names.items(), key=lambda kv: -kv[1][1])[:top]
+        gaps = [(a_end, b_start) for (_, a_end), (b_start, _) in zip(busy, busy[1:]) if b_start - a_end > gap_ms * 1e3]
+        listed = []
+        for a, e in sorted(gaps, key=lambda x: x[0] - x[1])[:gaps_listed]:
+            # what the CPU was doing: host events covering most of the gap, outermost first, then the innermost two
+            at = [h for h in host if min(e, h["ts"] + h["dur"]) - max(a, h["ts"]) > (e - a) / 2]
+            listed.append({"at_ms": round((a - t0) / 1e3, 2), "ms": round((e - a) / 1e3, 2),
+                           "cpu": [h["name"][:100] + ("" if h["tid"] in main else f" (thread {h['tid']})")
+                                   for h in (at if len(at) <= 3 else at[:1] + at[-2:])]})
+        out["gpus"][str(dev)] = {
+            "window_ms": round((t1 - t0) / 1e3, 2), "busy_ms": round(busy_us / 1e3, 2),
+            "busy_fraction": round(busy_us / max(t1 - t0, 1e-9), 4),
+            "window_ms_per_step": round((t1 - t0) / 1e3 / out["steps"], 2) if out["steps"] else None,
+            "streams": streams,
+            "idle_gaps_over_ms": {"threshold_ms": gap_ms, "count": len(gaps),
+                                  "total_ms": round(sum(e - a for a, e in gaps) / 1e3, 2), "longest": listed},
+            "top_kernels": [{"name": k, "count": c, "ms": round(t / 1e3, 2), "share": round(t / total, 4)}
+                            for k, (c, t) in kernels]}
+    return out
+
+
+def stages(config, extra=()):
+    """The target and data stages of `config` (both quick: a random target's config and tokenizer, synthetic data)."""
+    res = {}
+    for stage in ("target", "data"):
+        r, s = dflash_stage(stage, "--config", config, "--no-progress", *extra)
+        res[f"{stage}_s"] = round(s, 1)
+        if r.returncode:
+            res[f"{stage}_error"] = r.stderr[-3000:]
+    return res
+
+
+def profile(out_dir: Path, config="config/h200.yaml", extra=()):
+    """The real train stage (1 target + 1 drafter on cuda:0) with train.profile over BENCH_PROFILE_WINDOW
+    (start_step,steps; default 20,5: after warm-up and the excluded steps), reduced by reduce_trace. The gzipped
+    chrome trace is copied to the output only under 20 MB."""
+    import shutil
+    start, n = (int(x) for x in os.environ.get("BENCH_PROFILE_WINDOW", "20,5").split(","))
+    res = stages(config, extra)
+    if any(k.endswith("_error") for k in res):
+        return res
+    name = "h200-profile"
+    r, s = dflash_stage("train", "--config", config, "--no-progress", "--set", f"run_name={name}",
+                        "--set", f"train.steps={start + n + 2}", "--set", "train.resume=false",
+                        "--set", 'train.drafters=["cuda:0"]', "--set", "train.check_every=0",
+                        "--set", "train.profile=" + json.dumps({"start_step": start, "steps": n}), *extra)
+    res.update(exit=r.returncode, wall_s=round(s, 1), window={"start_step": start, "steps": n})
+    run = REPO / "results" / "runs" / name
+    trace = run / "profile.json.gz"
+    if r.returncode or not trace.exists():
+        res["stderr"] = r.stderr[-3000:]
+        return res
+    if (run / "summary.json").exists():
+        sm = json.loads((run / "summary.json").read_text())
+        res["summary"] = {k: sm.get(k) for k in ("throughput", "time_split_s", "devices")}
+    res["trace_mb"] = round(trace.stat().st_size / 2**20, 2)
+    t0 = time.perf_counter()
+    res["trace"] = reduce_trace(trace)
+    res["reduce_s"] = round(time.perf_counter() - t0, 1)
+    if trace.stat().st_size < 20 * 2**20:
+        shutil.copy(trace, out_dir / "profile-trace.json.gz")
+        res["trace_file"] = "profile-trace.json.gz"
+    return res
+
+
+SECTIONS = ("ceilings", "mask", "attention", "loss", "drafter_variants", "specforge", "target", "profile", "e2e")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench/out")
-    p.add_argument("--sections", default="ceilings,mask,attention,loss,drafter_variants,target,e2e")
-    p.add_argument("--steps", type=int, default=120)
-    args = p.parse_args()
+    p.add_argument("--sections", default="ceilings,mask,attention,loss,drafter_variants,target,e2e",
+                   help=f"comma-separated, run in this order: {', '.join(SECTIONS)}")
+    p.add_argument("--steps", type=int, default=120, help="optimizer steps of each e2e run")
+    args = p.parse_args(argv)
+    args.sections = [x for x in args.sections.split(",") if x]
+    unknown = [x for x in args.sections if x not in SECTIONS]
+    if unknown:
+        p.error(f"unknown section(s) {', '.join(unknown)}; known: {', '.join(SECTIONS)}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"command": " ".join([Path(sys.executable).name] + sys.argv), "date": datetime.now(timezone.utc).isoformat(),
-              "device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda}
+              "device": torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu", "torch": torch.__version__,
+              "cuda": torch.version.cuda}
     try:
         import transformers
         result["transformers"] = transformers.__version__
     except Exception:
         pass
     path = out / "bench.json"
-    for name in args.sections.split(","):
+    for name in args.sections:
         t0 = time.perf_counter()
         try:
             if name == "e2e":
                 result[name] = e2e(out, args.steps)
+            elif name == "profile":
+                result[name] = profile(out)
             else:
                 result[name] = globals()[name]()
         except Exception:
             result[name] = {"error": traceback.format_exc()[-3000:]}
         result[name + "_section_s"] = round(time.perf_counter() - t0, 1)
-        torch.cuda.empty_cache()
+        if DEV.type == "cuda":
+            torch.cuda.empty_cache()
         path.write_text(json.dumps(result, indent=1))
         print(name, json.dumps(result[name])[:1500], flush=True)
 
