@@ -74,3 +74,38 @@ def test_reduce_trace_finds_busy_time_gaps_and_syncs(tmp_path):
     assert g["idle_gaps_over_ms"]["longest"][0]["cpu"] == ["optimizer", "aten::item", "cudaStreamSynchronize"]
     assert g["top_kernels"][0] == {"name": "gemm", "count": 2, "ms": 2.0, "share": pytest.approx(2 / 2.6, abs=1e-4)}
     assert r["host_syncs"]["cudaStreamSynchronize"] == {"count": 1, "ms": 2.8} and r["steps"] == 1
+
+
+@pytest.mark.skipif(importlib.util.find_spec("specforge") is None, reason="specforge wheel not installed")
+def test_specforge_computes_our_loss_with_our_weights_and_anchors():
+    """The comparison is like for like: SpecForge's OnlineDFlashModel, given our drafter's weights and anchors,
+    computes our loss and our gradients (same layers, mask, positions, RoPE, weights exp(-(k-1)/gamma))."""
+    from helpers_model import make_batch, make_drafter, tiny_cfg
+    from dflash.model import block_labels, dflash_loss
+    fam, draft, _, _ = h200.load_specforge()
+    cfg = tiny_cfg(block_size=16, max_position_embeddings=4096)
+    ours = make_drafter(cfg, dtype=torch.float64)
+    hidden, ids, lm, anchors = make_batch(cfg, 1, 96, 5, dtype=torch.float64, supervised=1.0)
+    labels, weights = block_labels(ids, lm, anchors, 7.0)
+    loss = dflash_loss(ours(hidden, ids, anchors, backend="sdpa"), ours.lm_head_weight, labels, weights, 16).loss
+    loss.backward()
+    from transformers import Qwen3Config
+    qc = Qwen3Config(**{k: getattr(cfg, k) for k in ("vocab_size", "hidden_size", "num_attention_heads",
+                        "num_key_value_heads", "head_dim", "intermediate_size", "rms_norm_eps")},
+                     num_hidden_layers=cfg.num_layers, rope_theta=cfg.rope_theta, max_position_embeddings=4096)
+    qc.block_size, qc.num_target_layers, qc._attn_implementation = 16, cfg.num_target_layers, "sdpa"
+    qc.dflash_config = {"target_layer_ids": list(cfg.target_layer_ids), "mask_token_id": cfg.mask_token_id}
+    theirs = draft.DFlashDraftModel(qc).double()
+    missing, unexpected = theirs.load_state_dict(ours.state_dict(), strict=False)
+    assert not unexpected and all("rotary" in k for k in missing)
+    embed = torch.nn.Embedding.from_pretrained(ours.embed_weight.detach().clone())
+    head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False).double()
+    head.weight.data.copy_(ours.lm_head_weight)
+    wrapped = fam.OnlineDFlashModel(theirs, head, embed, mask_token_id=cfg.mask_token_id, block_size=16,
+                                    attention_backend="sdpa", num_anchors=5, loss_decay_gamma=7.0)
+    wrapped._sample_anchor_positions = lambda *a: (anchors.pos, anchors.valid)
+    their_loss = wrapped(input_ids=ids, hidden_states=hidden, loss_mask=lm.double())[0]
+    their_loss.backward()
+    assert their_loss.item() == pytest.approx(loss.item(), rel=1e-9)
+    for name in ("fc.weight", "layers.0.self_attn.k_proj.weight", "layers.1.mlp.down_proj.weight"):
+        torch.testing.assert_close(dict(theirs.named_parameters())[name].grad, dict(ours.named_parameters())[name].grad)
