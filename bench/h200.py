@@ -565,6 +565,7 @@ def warm_restart(extra=()):
 
 
 # ---- where the GPU's idle time goes: the train stage under torch.profiler --------------------------------------
+PHASES = ("queue_wait", "drafter_fwd_bwd", "optimizer")   # record_function ranges of the trainer loop
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy", "aten::item",
          "aten::_local_scalar_dense")
 
@@ -584,7 +585,7 @@ def reduce_trace(path, top=15, gap_ms=1.0, gaps_listed=15) -> dict:
     """A torch.profiler chrome trace (.json or .json.gz) -> where the GPU time goes, per GPU: busy fraction of the
     window (first to last GPU activity), busy time per stream (the stream holding the drafter's annotations is the
     drafter's; the target runs on its own), the top kernels, idle gaps longer than gap_ms with what the profiled
-    (drafter) thread was doing on the CPU then, and host syncs and annotated phases (drafter_fwd_bwd, optimizer).
+    (drafter) thread was doing on the CPU then, and host syncs and annotated phases (queue_wait, drafter_fwd_bwd, optimizer).
     Times in ms. CPU ops are those of the profiling thread only (torch.profiler records the thread that opens it)."""
     import gzip
     from collections import defaultdict
@@ -596,7 +597,7 @@ def reduce_trace(path, top=15, gap_ms=1.0, gaps_listed=15) -> dict:
     out = {"events": len(ev), "steps": sum(1 for e in ev if e.get("cat") == "user_annotation" and e["name"] == "optimizer")}
     phases = defaultdict(lambda: defaultdict(float))
     for e in ev:
-        if e["name"] in ("drafter_fwd_bwd", "optimizer") and e.get("cat") in ("user_annotation", "gpu_user_annotation"):
+        if e["name"] in PHASES and e.get("cat") in ("user_annotation", "gpu_user_annotation"):
             key = "cpu_ms" if e["cat"] == "user_annotation" else "gpu_ms"
             phases[e["name"]][key] += e["dur"] / 1e3
             phases[e["name"]]["count_" + key[:3]] += 1

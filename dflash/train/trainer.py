@@ -77,7 +77,8 @@ def weight_checksum(module) -> torch.Tensor:
 
 class StepProfiler:
     """train.profile: torch.profiler over steps [start_step, start_step + steps) of replica 0, the chrome trace
-    written to the run folder when the window closes (or the loop ends). Off (one attribute test a step) otherwise."""
+    written to the run folder when the window closes (or the loop ends). The loop's phases are record_function
+    ranges (queue_wait, drafter_fwd_bwd, optimizer), free when no profiler runs."""
 
     def __init__(self, conf, run_dir, rank: int):
         from dflash.config import inside
@@ -188,7 +189,8 @@ class Replica:
                 wait, target_t, micros = 0.0, [], []
                 for a in range(accum):
                     t = time.perf_counter()
-                    m = take(self.index(step, a))
+                    with torch.profiler.record_function("queue_wait"):
+                        m = take(self.index(step, a))
                     wait += time.perf_counter() - t
                     target_t.append(m.target_time)
                     if m.ready is not None:   # features made on another stream: wait for them, keep them alive
