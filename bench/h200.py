@@ -1,6 +1,12 @@
 """H200 benchmark: ceilings, micro-benchmarks and the real `train` stage on config/h200.yaml.
 
-    python bench/h200.py --out bench/out [--sections ceilings,mask,attention,loss,drafter,target,e2e,threads]
+    python bench/h200.py --out bench/out [--sections ceilings,mask,attention,loss,drafter_variants,specforge,target,
+                                                     profile,e2e] [--steps N]
+
+specforge: the drafter step at 3072/512, 8192/1024, 16384/2048 (context/anchors), this project's and SpecForge's
+(`OnlineDFlashModel`, flex; its wheel carried) in one process. loss: training's fused loss beside torch's and Liger's,
+with agreement checks. profile: the train stage under torch.profiler (train.profile), reduced to where GPU time goes.
+e2e: train runs (BENCH_E2E_RUNS: 1t1d, restart, 1t3d, x2-*, long = config/h200-long.yaml).
 
 Every section writes into one JSON (`<out>/bench.json`): the command, device, torch version and date are recorded
 with the numbers, so a result under bench/results/ can be rerun. Shapes are the issue's: 3072-token context,
@@ -9,6 +15,7 @@ with the numbers, so a result under bench/results/ can be rerun. Shapes are the 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -24,13 +31,20 @@ import torch  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 S, A, BK, H, V = 3072, 512, 16, 4096, 151936
-DEV = torch.device("cuda")
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def bench(fn, warmup=3, reps=10):
-    """Median milliseconds of fn() with CUDA events."""
+    """Median milliseconds of fn() with CUDA events (wall clock on the CPU)."""
     for _ in range(warmup):
         fn()
+    if DEV.type != "cuda":
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return sorted(times)[len(times) // 2]
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
@@ -45,6 +59,9 @@ def bench(fn, warmup=3, reps=10):
 
 
 def peak_gb(fn):
+    """Peak GB allocated by fn() above what was allocated before it (None on the CPU)."""
+    if DEV.type != "cuda":
+        return None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -122,41 +139,111 @@ def attention():
             "flex_first_call_s": round(compile_s, 1)}
 
 
-def loss():
+def loss_problem(q=A * BK, s=S, h=H, v=V, bk=BK, seed=0):
+    """The loss's inputs as training makes them: drafter output [1, Q, H] bf16, the frozen head [V, H] bf16,
+    labels and weights exp(-(k-1)/gamma) of random anchors over a random sequence (block_labels, the train path)."""
+    from dflash.model import block_labels
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    anchors = random_anchors(1, s, q // bk, bk, seed)
+    ids = torch.randint(0, v, (1, s), generator=g).to(DEV)
+    labels, weights = block_labels(ids, torch.ones(1, s, dtype=torch.bool, device=DEV), anchors)
+    hidden = torch.randn(1, q, h, generator=g).to(DEV, torch.bfloat16)
+    head = (torch.randn(v, h, generator=g) * 0.02).to(DEV, torch.bfloat16)
+    return hidden, head, labels, weights
+
+
+def loss_variants(head, labels, weights, bk=BK, chunk=4096, compiled=None):
+    """name -> f(hidden [1, Q, H]) -> the step's loss (weighted mean over scored positions), differentiable in hidden.
+    The first is what training runs (train.loss_kernel fused, its kernel compiled on GPU); the others compute the
+    same quantity with torch's own ops or Liger's fused linear cross-entropy."""
     import torch.nn.functional as F
 
-    from dflash.model import dflash_loss
-    Q = A * BK
-    hidden = torch.randn(1, Q, H, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-    w = (torch.randn(V, H, device=DEV, dtype=torch.bfloat16) * 0.02)
-    labels = torch.randint(0, V, (1, Q), device=DEV)
-    labels.view(1, A, BK)[:, :, 0] = -100
-    weights = torch.ones(1, Q, device=DEV)
-    out = {}
-    for chunk in (2048, 4096, 8192):
-        def chunked():
-            dflash_loss(hidden, w, labels, weights, BK, chunk).loss.backward()
-        out[f"chunked_{chunk}_ms"] = round(bench(chunked), 2)
-        out[f"chunked_{chunk}_peak_gb"] = peak_gb(chunked)
+    from dflash.model import IGNORE, dflash_loss
+    from dflash.train.step import ce_kernel
+    compiled = DEV.type == "cuda" if compiled is None else compiled
 
-    def naive():
-        h = hidden.view(1, A, BK, H)[:, :, 1:].reshape(-1, H)
-        lab = labels.view(1, A, BK)[:, :, 1:].reshape(-1)
-        F.cross_entropy((h @ w.t()).float(), lab).backward()
-    out["naive_ms"] = round(bench(naive), 2)
-    out["naive_peak_gb"] = peak_gb(naive)
+    def rows(x):  # [1, Q, ...] -> [N, ...]: block positions 1.. (position 0 is never scored)
+        return x.reshape(-1, bk, *x.shape[2:])[:, 1:].reshape(-1, *x.shape[2:])
+    lab = rows(labels)
+    wk = rows(torch.where(labels != IGNORE, weights.float(), torch.zeros((), device=weights.device)))
+    wsum = wk.sum()
+
+    def torch_full(h):  # unchunked: [N, V] logits in float32 at once
+        logits = (rows(h) @ head.t()).float()
+        return (F.cross_entropy(logits, lab.clamp(min=0), reduction="none") * wk).sum() / wsum
+    out = {
+        "fused": lambda h: dflash_loss(h, head, labels, weights, bk, chunk, fused=True,
+                                       kernel=ce_kernel(compiled)).loss,
+        "torch_chunked_checkpointed": lambda h: dflash_loss(h, head, labels, weights, bk, chunk).loss,
+        "torch_full": torch_full,
+    }
+    if compiled:
+        out["torch_compile_full"] = torch.compile(torch_full, dynamic=False)
+        out["fused_eager_kernel"] = lambda h: dflash_loss(h, head, labels, weights, bk, chunk, fused=True).loss
     try:
         from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
-        liger = LigerFusedLinearCrossEntropyLoss()
+        # per-position weights need reduction="none" (Liger then recomputes the logits in the backward)
+        per_row = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, reduction="none")
+        out["liger_flce_weighted"] = lambda h: (per_row(head, rows(h), lab) * wk).sum() / wsum
+        # reference only: unweighted mean, the gradient made in the forward (Liger's fast path); a different loss
+        mean = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, reduction="mean")
+        out["liger_flce_unweighted_ref"] = lambda h: mean(head, rows(h), lab)
+    except Exception as e:  # not carried, or no triton (CPU)
+        out["liger"] = f"unavailable: {type(e).__name__}: {e}"[:300]
+    return out
 
-        def fused():
-            h = hidden.view(1, A, BK, H)[:, :, 1:].reshape(-1, H)
-            lab = labels.view(1, A, BK)[:, :, 1:].reshape(-1)
-            liger(w, h, lab).backward()
-        out["liger_fused_ms"] = round(bench(fused), 2)
-        out["liger_fused_peak_gb"] = peak_gb(fused)
-    except Exception as e:  # not installed or failed: say so
-        out["liger_fused"] = f"unavailable: {type(e).__name__}: {e}"[:300]
+
+def loss_compare(hidden, head, labels, weights, bk=BK, chunk=4096, reps=10, compiled=None):
+    """Every loss variant's value and gradient w.r.t. hidden against training's (fused), then its speed and peak
+    memory (forward + backward). `agrees`: loss within 2e-3 relative, gradient within 2% of its largest entry."""
+    variants = loss_variants(head, labels, weights, bk, chunk, compiled)
+    res, ref = {}, None
+    for name, fn in variants.items():
+        if isinstance(fn, str):
+            res[name] = {"error": fn}
+            continue
+        try:
+            h = hidden.detach().requires_grad_(True)
+            value = fn(h)
+            value.backward()
+            grad = h.grad.float()
+            r = {"loss": round(value.item(), 6)}
+            if ref is None:
+                ref = (value.item(), grad)
+            else:
+                dl = abs(value.item() - ref[0])
+                dg = (grad - ref[1]).abs().max().item()
+                scale = ref[1].abs().max().item()
+                r.update(loss_abs_diff=dl, grad_max_abs_diff=dg, grad_max_abs=scale,
+                         agrees=bool(dl <= 2e-3 * max(1.0, abs(ref[0])) and dg <= 2e-2 * scale))
+            if name == "fused":
+                r["agrees"] = True
+
+            def run():
+                h.grad = None
+                fn(h).backward()
+            r["fwd_bwd_ms"] = round(bench(run, warmup=2, reps=reps), 2)
+            r["peak_gb"] = peak_gb(run)
+            res[name] = r
+        except Exception as e:
+            res[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
+        h = value = grad = None
+        if DEV.type == "cuda":
+            torch.cuda.empty_cache()
+    ok = {k: v["fwd_bwd_ms"] for k, v in res.items() if v.get("agrees") and "fwd_bwd_ms" in v}
+    res["fastest_agreeing"] = min(ok, key=ok.get) if ok else None
+    res["training_uses"] = "fused"
+    return res
+
+
+def loss():
+    """The loss training runs (train.loss_kernel fused, loss_chunk 4096 as config/h200.yaml) beside torch's own and
+    Liger's fused linear cross-entropy: 512 anchors x 16 = 8192 block positions (7680 scored), hidden 4096,
+    vocab 151936, bf16."""
+    hidden, head, labels, weights = loss_problem()
+    out = loss_compare(hidden, head, labels, weights, reps=int(os.environ.get("BENCH_LOSS_REPS", 10)))
+    out["shape"] = {"positions": hidden.shape[1], "scored": int((labels != -100).sum()), "hidden": H, "vocab": V,
+                    "chunk": 4096}
     return out
 
 
@@ -218,6 +305,167 @@ def drafter_variants():
     return out
 
 
+# ---- the drafter step against SpecForge's (same process, same shapes) ------------------------------------------
+SF_SHAPES = ((3072, 512), (8192, 1024), (16384, 2048))   # (context tokens, anchors): the issue's three shapes
+
+
+@functools.cache
+def load_specforge():
+    """SpecForge's DFlash modelling modules, imported file by file: its package __init__s pull sglang, the
+    trainer and the data stack. Needs only torch and transformers (its wheel installed with --no-deps)."""
+    import importlib
+    import importlib.util
+    import types
+    from importlib.metadata import version
+    spec = importlib.util.find_spec("specforge")
+    if spec is None:
+        raise ModuleNotFoundError("specforge: carry .whl/specforge-0.2.0-py3-none-any.whl")
+    root = Path(list(spec.submodule_search_locations)[0])
+    for pkg in ("specforge", "specforge.core", "specforge.modeling", "specforge.modeling.draft",
+                "specforge.algorithms", "specforge.algorithms.common"):
+        if pkg not in sys.modules:   # empty packages: submodules import, __init__ bodies do not run
+            mod = types.ModuleType(pkg)
+            mod.__path__ = [str(root.joinpath(*pkg.split(".")[1:]))]
+            sys.modules[pkg] = mod
+    return (importlib.import_module("specforge.algorithms.common.dflash_family_model"),
+            importlib.import_module("specforge.modeling.draft.dflash"),
+            importlib.import_module("specforge.optimizer"), version("specforge"))
+
+
+def specforge_step(num_anchors, feats, ids, loss_mask, vocab=V, layers=5, heads=(32, 8, 128), inter=12288,
+                   target_layers=36, mask_id=151669, attention="flex_attention", lr=6e-4):
+    """SpecForge's DFlash training step as its trainer runs it: OnlineDFlashModel (bf16 weights, its own anchor
+    sampling, block mask and chunked loss) + BF16Optimizer (fp32 master weights, AdamW, clip, cosine).
+    feats [1, S, 5*hidden] (their dtype is the model's), ids [1, S], loss_mask [1, S]."""
+    from transformers import Qwen3Config
+    fam, draft, optmod, _ = load_specforge()
+    h = feats.shape[-1] // 5
+    cfg = Qwen3Config(hidden_size=h, num_attention_heads=heads[0], num_key_value_heads=heads[1], head_dim=heads[2],
+                      intermediate_size=inter, num_hidden_layers=layers, vocab_size=vocab, rms_norm_eps=1e-6,
+                      rope_theta=1e6, max_position_embeddings=40960)
+    cfg.block_size, cfg.num_target_layers = BK, target_layers
+    cfg.dflash_config = {"target_layer_ids": draft.build_target_layer_ids(target_layers, 5), "mask_token_id": mask_id}
+    cfg._attn_implementation = attention
+    dev, dt = feats.device, feats.dtype
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = draft.DFlashDraftModel(cfg)
+        embed = torch.nn.Embedding(cfg.vocab_size, h)
+        head = torch.nn.Linear(h, cfg.vocab_size, bias=False)
+    for m in (embed, head):
+        m.weight.data.normal_(0, 0.02)
+        m.requires_grad_(False)
+    model = model.to(dev, dt)
+    wrapped = fam.OnlineDFlashModel(model, head, embed, mask_token_id=mask_id, block_size=BK,
+                                    attention_backend=attention, num_anchors=num_anchors,
+                                    loss_decay_gamma=7.0).to(dev, dt)
+    opt = optmod.BF16Optimizer(model, lr=lr, max_grad_norm=1.0, total_steps=1000, warmup_ratio=0.04)
+    lm = loss_mask.to(dt)
+
+    def step():
+        loss, _, _ = wrapped(input_ids=ids, hidden_states=feats, loss_mask=lm)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+    return step
+
+
+def our_step(num_anchors, feats, ids, loss_mask):
+    """This project's drafter step as train runs it: build_drafter (compiled flex layers) + micro_step (fused loss)
+    + AdamW (fused) with its schedule; config/h200.yaml with train.num_anchors = num_anchors."""
+    from types import SimpleNamespace
+
+    from dflash import config as C
+    from dflash.model import DrafterConfig
+    from dflash.train import optim
+    from dflash.train.context import RunContext
+    from dflash.train.step import build_drafter, micro_step, random_head
+    loaded = C.load(REPO / "config" / "h200.yaml", {"train.num_anchors": num_anchors})
+    tconf = SimpleNamespace(hidden_size=H, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                            intermediate_size=12288, num_hidden_layers=36, vocab_size=V, rms_norm_eps=1e-6,
+                            rope_theta=1e6, max_position_embeddings=40960)
+    dcfg = DrafterConfig.from_target(tconf, loaded.cfg.drafter, 151669)
+    setup = RunContext(loaded, None, "flex", Path("/tmp"), Path("/tmp"), tconf, dcfg, 7.0, {}, True)
+    embed, head = random_head(setup, feats.device, torch.bfloat16)
+    model = build_drafter(setup, embed, head, feats.device)
+    opt, sched = optim.build([p for p in model.parameters() if p.requires_grad], loaded.cfg.train, feats.device)
+    counter = [0]
+
+    def step():
+        counter[0] += 1
+        res = micro_step(model, feats, ids, loss_mask, counter[0], setup, torch.bfloat16)
+        res.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        return res.loss.detach()
+    return step
+
+
+def measure_step(make, reps):
+    """Build a step (make()), time its first call (compiles), its median over reps, and the peak GB allocated from
+    before the build (weights, optimizer state, activations; the shared inputs excluded). Frees everything."""
+    import gc
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = {"allocated_before_gb": round(base / 2**30, 2)}
+    try:
+        t0 = time.perf_counter()
+        step = make()
+        out["build_s"] = round(time.perf_counter() - t0, 1)
+        torch.cuda.reset_peak_memory_stats()   # a build's transients (fp32 init before a bf16 cast) not counted
+        t0 = time.perf_counter()
+        out["first_loss"] = round(float(step()), 4)
+        torch.cuda.synchronize()
+        out["first_step_s"] = round(time.perf_counter() - t0, 1)
+        out["step_ms"] = round(bench(step, warmup=1, reps=reps), 2)
+        out["peak_gb"] = round((torch.cuda.max_memory_allocated() - base) / 2**30, 2)
+        out["peak_reserved_gb"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+    except Exception as e:   # OOM or an incompatibility: recorded, the next one runs
+        out["error"] = f"{type(e).__name__}: {e}"[:1500]
+        out["traceback"] = traceback.format_exc()[-1500:]
+    step = None
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def specforge():
+    """The drafter step (forward + backward + optimizer step) at the issue's three shapes, this project's and
+    SpecForge's OnlineDFlashModel (flex attention) one after the other in this process: median ms and peak GB."""
+    from dflash.fingerprint import collect, compile_cache_dir
+    from dflash.train import compile_guard
+    compile_guard.use_compile_cache(compile_cache_dir(REPO / "results", collect()["hash"]))
+    compile_guard.configure_thread(8)   # recompile limit for the shapes of both implementations
+    out = {}
+    try:
+        out["specforge_version"] = load_specforge()[3]
+    except Exception as e:
+        out["specforge_version"] = f"unavailable: {type(e).__name__}: {e}"[:300]
+    reps = int(os.environ.get("BENCH_SF_REPS", 5))
+    shapes = [tuple(map(int, x.split("/"))) for x in os.environ["BENCH_SF_SHAPES"].split(",")] \
+        if os.environ.get("BENCH_SF_SHAPES") else SF_SHAPES
+    for s, a in shapes:
+        g = torch.Generator(device="cpu").manual_seed(s)
+        feats = torch.randn(1, s, 5 * H, generator=g).to(DEV, torch.bfloat16)
+        ids = torch.randint(0, V, (1, s), generator=g).to(DEV)
+        mask = torch.ones(1, s, dtype=torch.bool, device=DEV)
+        row = {"ours": measure_step(lambda: our_step(a, feats, ids, mask), reps),
+               "specforge": measure_step(lambda: specforge_step(a, feats, ids, mask), reps)}
+        o, f = row["ours"], row["specforge"]
+        if "step_ms" in o and "step_ms" in f:
+            row["speedup"] = round(f["step_ms"] / o["step_ms"], 3)
+            row["memory_ratio"] = round(o["peak_gb"] / f["peak_gb"], 3)
+        out[f"{s}/{a}"] = row
+        feats = ids = mask = None
+        print("specforge", s, a, json.dumps(row)[:600], flush=True)
+    return out
+
+
 def target():
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -247,31 +495,40 @@ def dflash_stage(*args, timeout=900):
     return r, time.perf_counter() - t0
 
 
+H200, LONG = "config/h200.yaml", "config/h200-long.yaml"
+
+
 def e2e(out_dir: Path, steps: int, extra=()):
-    res = {}
-    for stage in ("target", "data"):
-        r, s = dflash_stage(stage, "--config", "config/h200.yaml", "--no-progress", *extra)
-        res[f"{stage}_s"] = round(s, 1)
-        if r.returncode:
-            res[f"{stage}_error"] = r.stderr[-3000:]
-            return res
-    runs = {"1t1d": ["--set", 'train.drafters=["cuda:0"]'],
-            "restart": None,
-            "1t3d": ["--set", 'train.drafters=["cuda:0","cuda:0","cuda:0"]'],
+    """The train stage end to end, one run per BENCH_E2E_RUNS entry (default: every entry but `long`); each config's
+    target and data stages run once, before its first run."""
+    one = ["--set", 'train.drafters=["cuda:0"]']
+    runs = {"1t1d": (H200, one),
+            "restart": (H200, None),
+            "1t3d": (H200, ["--set", 'train.drafters=["cuda:0","cuda:0","cuda:0"]']),
             # two GPUs: the split layout (target on one, drafter on the other) in both runtimes, and data-parallel
             # drafter replicas on both GPUs (threads)
-            "x2-split-dist": ["--set", 'train.drafters=["cuda:1"]', "--set", "train.runtime=distributed"],
-            "x2-split-threads": ["--set", 'train.drafters=["cuda:1"]', "--set", "train.runtime=threads"],
-            "x2-dp-threads": ["--set", 'train.drafters=["cuda:0","cuda:1"]', "--set", "train.runtime=threads"]}
-    wanted = os.environ.get("BENCH_E2E_RUNS", ",".join(runs)).split(",")
-    for name, sets in runs.items():
+            "x2-split-dist": (H200, ["--set", 'train.drafters=["cuda:1"]', "--set", "train.runtime=distributed"]),
+            "x2-split-threads": (H200, ["--set", 'train.drafters=["cuda:1"]', "--set", "train.runtime=threads"]),
+            "x2-dp-threads": (H200, ["--set", 'train.drafters=["cuda:0","cuda:1"]', "--set", "train.runtime=threads"]),
+            # long context: 4K/8K/16K buckets, 512/1024/2048 anchors (config/h200-long.yaml), 1 target + 1 drafter
+            "long": (LONG, one)}
+    wanted = os.environ.get("BENCH_E2E_RUNS", ",".join(k for k in runs if k != "long")).split(",")
+    res, ready = {}, {}
+    for name, (config, sets) in runs.items():
         if name not in wanted:
+            continue
+        if config not in ready:
+            st = stages(config, extra)
+            prefix = "" if config == H200 else Path(config).stem + "_"
+            res.update({prefix + k: v for k, v in st.items()})
+            ready[config] = not any(k.endswith("_error") for k in st)
+        if not ready[config]:
             continue
         (out_dir / "e2e_partial.json").write_text(json.dumps(res, indent=1))
         if sets is None:
             res["warm_restart"] = warm_restart(extra)
             continue
-        r, s = dflash_stage("train", "--config", "config/h200.yaml", "--no-progress", "--set", f"run_name=h200-{name}",
+        r, s = dflash_stage("train", "--config", config, "--no-progress", "--set", f"run_name=h200-{name}",
                             "--set", f"train.steps={steps}", "--set", "train.resume=false", *sets, *extra)
         (out_dir / f"train-{name}.log").write_text(r.stderr[-200000:])
         summ = REPO / "results" / "runs" / f"h200-{name}" / "summary.json"
@@ -283,7 +540,7 @@ def e2e(out_dir: Path, steps: int, extra=()):
                                                       "seconds_to_first_step", "loss",
                                                       "devices", "compile", "replicas_identical", "replica_checksums",
                                                       "status", "failure")})
-            res[name]["compile"].pop("per_device", None)
+            (res[name]["compile"] or {}).pop("per_device", None)
     return res
 
 
@@ -307,33 +564,179 @@ def warm_restart(extra=()):
     return res
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__)
+# ---- where the GPU's idle time goes: the train stage under torch.profiler --------------------------------------
+PHASES = ("queue_wait", "drafter_fwd_bwd", "optimizer")   # record_function ranges of the trainer loop
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy", "aten::item",
+         "aten::_local_scalar_dense")
+
+
+def _union(intervals):
+    """Sorted, merged [start, end) intervals."""
+    out = []
+    for a, e in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([a, e])
+    return out
+
+
+def reduce_trace(path, top=15, gap_ms=1.0, gaps_listed=15) -> dict:
+    """A torch.profiler chrome trace (.json or .json.gz) -> where the GPU time goes, per GPU: busy fraction of the
+    window (first to last GPU activity), busy time per stream (the stream holding the drafter's annotations is the
+    drafter's; the target runs on its own), the top kernels, idle gaps longer than gap_ms with what the profiled
+    (drafter) thread was doing on the CPU then, and host syncs and annotated phases (queue_wait, drafter_fwd_bwd, optimizer).
+    Times in ms. CPU ops are those of the profiling thread only (torch.profiler records the thread that opens it)."""
+    import gzip
+    from collections import defaultdict
+    with (gzip.open if str(path).endswith(".gz") else open)(path, "rt") as f:
+        ev = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    gpu = [e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    host = sorted((e for e in ev if e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver")),
+                  key=lambda e: e["ts"])
+    out = {"events": len(ev), "steps": sum(1 for e in ev if e.get("cat") == "user_annotation" and e["name"] == "optimizer")}
+    phases = defaultdict(lambda: defaultdict(float))
+    for e in ev:
+        if e["name"] in PHASES and e.get("cat") in ("user_annotation", "gpu_user_annotation"):
+            key = "cpu_ms" if e["cat"] == "user_annotation" else "gpu_ms"
+            phases[e["name"]][key] += e["dur"] / 1e3
+            phases[e["name"]]["count_" + key[:3]] += 1
+    out["phases"] = {k: {m: round(x, 2) for m, x in v.items()} for k, v in phases.items()}
+    syncs = defaultdict(lambda: [0, 0.0])
+    for e in host:
+        if e["name"] in SYNCS:
+            syncs[e["name"]][0] += 1
+            syncs[e["name"]][1] += e["dur"] / 1e3
+    out["host_syncs"] = {k: {"count": c, "ms": round(t, 2)} for k, (c, t) in syncs.items()}
+    drafter_streams = {(e["pid"], e["tid"]) for e in ev if e.get("cat") == "gpu_user_annotation"}
+    main = {e["tid"] for e in ev if e.get("cat") == "user_annotation"}   # the profiled (drafter) thread
+    out["gpus"] = {}
+    for dev in sorted({e["pid"] for e in gpu}, key=str):
+        g = [e for e in gpu if e["pid"] == dev]
+        busy = _union((e["ts"], e["ts"] + e["dur"]) for e in g)
+        t0, t1 = busy[0][0], busy[-1][1]
+        busy_us = sum(e - a for a, e in busy)
+        streams = {}
+        for tid in {e["tid"] for e in g}:
+            u = _union((e["ts"], e["ts"] + e["dur"]) for e in g if e["tid"] == tid)
+            streams[str(tid)] = {"busy_ms": round(sum(e - a for a, e in u) / 1e3, 2),
+                                 "kernels": sum(1 for e in g if e["tid"] == tid),
+                                 "role": "drafter" if (dev, tid) in drafter_streams else "other (target)"}
+        names = defaultdict(lambda: [0, 0.0])
+        for e in g:
+            names[e["name"][:140]][0] += 1
+            names[e["name"][:140]][1] += e["dur"]
+        total = sum(t for _, t in names.values()) or 1.0
+        kernels = sorted(names.items(), key=lambda kv: -kv[1][1])[:top]
+        gaps = [(a_end, b_start) for (_, a_end), (b_start, _) in zip(busy, busy[1:]) if b_start - a_end > gap_ms * 1e3]
+        listed = []
+        for a, e in sorted(gaps, key=lambda x: x[0] - x[1])[:gaps_listed]:
+            # what the CPU was doing: host events covering most of the gap, outermost first, then the innermost two
+            at = [h for h in host if min(e, h["ts"] + h["dur"]) - max(a, h["ts"]) > (e - a) / 2]
+            listed.append({"at_ms": round((a - t0) / 1e3, 2), "ms": round((e - a) / 1e3, 2),
+                           "cpu": [h["name"][:100] + ("" if h["tid"] in main else f" (thread {h['tid']})")
+                                   for h in (at if len(at) <= 3 else at[:1] + at[-2:])]})
+        out["gpus"][str(dev)] = {
+            "window_ms": round((t1 - t0) / 1e3, 2), "busy_ms": round(busy_us / 1e3, 2),
+            "busy_fraction": round(busy_us / max(t1 - t0, 1e-9), 4),
+            "window_ms_per_step": round((t1 - t0) / 1e3 / out["steps"], 2) if out["steps"] else None,
+            "streams": streams,
+            "idle_gaps_over_ms": {"threshold_ms": gap_ms, "count": len(gaps),
+                                  "total_ms": round(sum(e - a for a, e in gaps) / 1e3, 2), "longest": listed},
+            "top_kernels": [{"name": k, "count": c, "ms": round(t / 1e3, 2), "share": round(t / total, 4)}
+                            for k, (c, t) in kernels]}
+    return out
+
+
+def stages(config, extra=()):
+    """The target and data stages of `config` (both quick: a random target's config and tokenizer, synthetic data)."""
+    res = {}
+    for stage in ("target", "data"):
+        r, s = dflash_stage(stage, "--config", config, "--no-progress", *extra)
+        res[f"{stage}_s"] = round(s, 1)
+        if r.returncode:
+            res[f"{stage}_error"] = r.stderr[-3000:]
+    return res
+
+
+def profile(out_dir: Path, config="config/h200.yaml", extra=()):
+    """The real train stage (1 target + 1 drafter on cuda:0) with train.profile over BENCH_PROFILE_WINDOW
+    (start_step,steps; default 10,5: every graph is compiled before step 0, by the warm-up), reduced by reduce_trace.
+    The gzipped chrome trace is copied to the output only under 20 MB. Recording the drafter thread's CPU ops slows
+    its host side a little: compare busy_fraction with the run's own GPU utilisation (summary.devices)."""
+    import shutil
+    start, n = (int(x) for x in os.environ.get("BENCH_PROFILE_WINDOW", "10,5").split(","))
+    res = stages(config, extra)
+    if any(k.endswith("_error") for k in res):
+        return res
+    name = "h200-profile"
+    r, s = dflash_stage("train", "--config", config, "--no-progress", "--set", f"run_name={name}",
+                        "--set", f"train.steps={start + n + 2}", "--set", "train.resume=false",
+                        "--set", 'train.drafters=["cuda:0"]', "--set", "train.check_every=0",
+                        "--set", "train.profile=" + json.dumps({"start_step": start, "steps": n}), *extra)
+    res.update(exit=r.returncode, wall_s=round(s, 1), window={"start_step": start, "steps": n})
+    run = REPO / "results" / "runs" / name
+    trace = run / "profile.json.gz"
+    if r.returncode or not trace.exists():
+        res["stderr"] = r.stderr[-3000:]
+        return res
+    if (run / "summary.json").exists():
+        sm = json.loads((run / "summary.json").read_text())
+        res["summary"] = {k: sm.get(k) for k in ("throughput", "time_split_s", "devices")}
+    res["trace_mb"] = round(trace.stat().st_size / 2**20, 2)
+    t0 = time.perf_counter()
+    res["trace"] = reduce_trace(trace)
+    res["reduce_s"] = round(time.perf_counter() - t0, 1)
+    if trace.stat().st_size < 20 * 2**20:
+        shutil.copy(trace, out_dir / "profile-trace.json.gz")
+        res["trace_file"] = "profile-trace.json.gz"
+    return res
+
+
+SECTIONS = ("ceilings", "mask", "attention", "loss", "drafter_variants", "specforge", "target", "profile", "e2e")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench/out")
-    p.add_argument("--sections", default="ceilings,mask,attention,loss,drafter_variants,target,e2e")
-    p.add_argument("--steps", type=int, default=120)
-    args = p.parse_args()
+    p.add_argument("--sections", default="ceilings,mask,attention,loss,drafter_variants,target,e2e",
+                   help=f"comma-separated, run in this order: {', '.join(SECTIONS)}")
+    p.add_argument("--steps", type=int, default=120, help="optimizer steps of each e2e run")
+    args = p.parse_args(argv)
+    args.sections = [x for x in args.sections.split(",") if x]
+    unknown = [x for x in args.sections if x not in SECTIONS]
+    if unknown:
+        p.error(f"unknown section(s) {', '.join(unknown)}; known: {', '.join(SECTIONS)}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"command": " ".join([Path(sys.executable).name] + sys.argv), "date": datetime.now(timezone.utc).isoformat(),
-              "device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda}
+              "device": torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu", "torch": torch.__version__,
+              "cuda": torch.version.cuda}
     try:
         import transformers
         result["transformers"] = transformers.__version__
     except Exception:
         pass
     path = out / "bench.json"
-    for name in args.sections.split(","):
+    for name in args.sections:
         t0 = time.perf_counter()
         try:
             if name == "e2e":
                 result[name] = e2e(out, args.steps)
+            elif name == "profile":
+                result[name] = profile(out)
             else:
                 result[name] = globals()[name]()
         except Exception:
             result[name] = {"error": traceback.format_exc()[-3000:]}
         result[name + "_section_s"] = round(time.perf_counter() - t0, 1)
-        torch.cuda.empty_cache()
+        if DEV.type == "cuda":
+            torch.cuda.empty_cache()
         path.write_text(json.dumps(result, indent=1))
         print(name, json.dumps(result[name])[:1500], flush=True)
 

@@ -144,3 +144,11 @@ def test_nvml_handle_follows_cuda_visible_devices(monkeypatch):
     assert nvml_handle(1) == ("index", 5)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert nvml_handle(2) == ("index", 2)
+
+
+def test_anchors_scale_with_length(caplog):
+    ctx = context(num_anchors=40, anchors_per_token=0.125)
+    assert [ctx.anchors_for(s) for s in (64, 128, 512, 4)] == [8, 16, 40, 1]
+    with caplog.at_level(logging.WARNING, logger="dflash.train"):
+        set_shapes(ctx, [(2, 64), (2, 512)])
+    assert "exceeds" not in caplog.text   # scaled counts are not capped by the bucket

@@ -36,9 +36,15 @@ class RunContext:
     def cfg(self):
         return self.loaded.cfg
 
+    def anchors_wanted(self, length: int) -> int:
+        """num_anchors, or round(length * anchors_per_token) up to num_anchors where that is set."""
+        t = self.cfg.train
+        return t.num_anchors if t.anchors_per_token is None else \
+            max(1, min(t.num_anchors, round(length * t.anchors_per_token)))
+
     def anchors_for(self, length: int) -> int:
-        """Anchors per sequence in a bucket of this length: capped by the positions that can hold one."""
-        return max(1, min(self.cfg.train.num_anchors, length - 1))
+        """Anchors per sequence in a bucket of this length: anchors_wanted, capped by the positions that can hold one."""
+        return max(1, min(self.anchors_wanted(length), length - 1))
 
 
 def prepare(loaded, need_data: bool = True, run_dir=None, data_dir=None) -> RunContext:
@@ -75,7 +81,7 @@ def set_shapes(ctx: RunContext, shapes) -> None:
     """Record the bucket shapes (what the warm-up compiles); warn once where anchors are capped."""
     ctx.shapes = list(shapes)
     n = ctx.cfg.train.num_anchors
-    capped = [s for _, s in ctx.shapes if ctx.anchors_for(s) < n]
+    capped = [s for _, s in ctx.shapes if ctx.anchors_for(s) < ctx.anchors_wanted(s)]
     if capped:
         log.warning("train.num_anchors=%d exceeds the positions of bucket(s) %s: capped to length-1 there "
                     "(anchors beyond the positions would be padding, computed for nothing)", n, capped)

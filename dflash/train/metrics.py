@@ -236,7 +236,7 @@ class RunMetrics:
         tokens, samples = self.totals["tokens"], self.totals["samples"]
         mean_len = tokens / samples if samples else 0
         f_t = flops.target_forward(self.ctx.target_config, int(mean_len), max(d.target_layer_ids) + 1) * samples
-        f_d = flops.drafter_train(d, int(mean_len), self.cfg.train.num_anchors, 0) * samples + \
+        f_d = flops.drafter_train(d, int(mean_len), self.ctx.anchors_for(int(mean_len)), 0) * samples + \
             3 * 2 * d.hidden_size * d.vocab_size * self.totals["positions"]
         peak = ceiling * 1e12 * len(gpus) * s
         return {**out, "mfu": (f_t + f_d) / peak, "mfu_target": f_t / peak, "mfu_drafter": f_d / peak}

@@ -75,6 +75,40 @@ def weight_checksum(module) -> torch.Tensor:
                             for p in module.parameters() if p.requires_grad])
 
 
+class StepProfiler:
+    """train.profile: torch.profiler over steps [start_step, start_step + steps) of replica 0, the chrome trace
+    written to the run folder when the window closes (or the loop ends). The loop's phases are record_function
+    ranges (queue_wait, drafter_fwd_bwd, optimizer), free when no profiler runs."""
+
+    def __init__(self, conf, run_dir, rank: int):
+        from dflash.config import inside
+        self.conf = conf if rank == 0 else None
+        self.out = inside(run_dir / conf.out, run_dir) if self.conf else None
+        self.prof = None
+
+    def at(self, step: int) -> None:
+        """Called before each step (0-based global step number)."""
+        if self.conf is None:
+            return
+        if self.prof is None and step == self.conf.start_step:
+            from torch.profiler import ProfilerActivity, profile
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self.prof = profile(activities=acts)
+            self.prof.__enter__()
+            log.info("profiling steps %d..%d into %s", step + 1, step + self.conf.steps, self.out)
+        elif self.prof is not None and step == self.conf.start_step + self.conf.steps:
+            self.close()
+
+    def close(self) -> None:
+        if self.prof is not None:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.prof.__exit__(None, None, None)
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+            self.prof.export_chrome_trace(str(self.out))
+            self.prof, self.conf = None, None
+
+
 class Replica:
     def __init__(self, ctx, rank: int, n: int, device: torch.device, drafter, sync: Sync, metrics=None,
                  fail: Callable[[int], None] = lambda step: None):
@@ -146,13 +180,17 @@ class Replica:
         check = cfg.train.check_every
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         t_fwd, t_opt = DeviceTimer(self.device), DeviceTimer(self.device)
+        prof = StepProfiler(cfg.train.profile, self.ctx.run_dir, self.rank) if cfg.train.profile else None
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for step in range(self.start_step, cfg.train.steps):
+                if prof:
+                    prof.at(step)
                 self.fail(step + 1)
                 wait, target_t, micros = 0.0, [], []
                 for a in range(accum):
                     t = time.perf_counter()
-                    m = take(self.index(step, a))
+                    with torch.profiler.record_function("queue_wait"):
+                        m = take(self.index(step, a))
                     wait += time.perf_counter() - t
                     target_t.append(m.target_time)
                     if m.ready is not None:   # features made on another stream: wait for them, keep them alive
@@ -160,10 +198,10 @@ class Replica:
                         for x in (m.feats, m.input_ids, m.loss_mask):
                             x.record_stream(stream)
                     micros.append(m)
-                with t_fwd:
+                with t_fwd, torch.profiler.record_function("drafter_fwd_bwd"):
                     stats, stop = self.accumulate(micros, want_stop())
                 del micros
-                with t_opt:
+                with t_opt, torch.profiler.record_function("optimizer"):
                     gnorm = self.optimizer_step()
                 self.steps = step + 1
                 self._inject_divergence(step + 1)
@@ -178,6 +216,8 @@ class Replica:
                         self.save(step + 1)
                 if stop:
                     raise StopRun
+        if prof:
+            prof.close()
 
     @functools.cached_property
     def identity(self) -> dict:

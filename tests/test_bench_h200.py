@@ -1,0 +1,111 @@
+"""bench/h200.py on the CPU: its arguments, the loss comparison (every variant computes training's loss and
+gradient), SpecForge's step when its wheel is installed, and the profile path: train.profile writes a trace of the
+window, which reduce_trace turns into GPU busy time, idle gaps and host syncs (here on a hand-made trace)."""
+import gzip
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_train import prepared, run_dir
+from dflash.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location("bench_h200", REPO / "bench" / "h200.py")
+h200 = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(h200)
+
+
+def test_sections_are_checked():
+    assert h200.parse_args(["--sections", "specforge,loss,profile", "--steps", "5"]).sections == \
+        ["specforge", "loss", "profile"]
+    with pytest.raises(SystemExit):
+        h200.parse_args(["--sections", "loss,nope"])
+
+
+def test_loss_variants_agree_with_training_loss():
+    hidden, head, labels, weights = h200.loss_problem(q=32 * 8, s=200, h=32, v=300, bk=8)
+    res = h200.loss_compare(hidden, head, labels, weights, bk=8, chunk=64, reps=1, compiled=False)
+    for name in ("torch_chunked_checkpointed", "torch_full"):
+        assert res[name]["agrees"] is True, res[name]
+        assert res[name]["loss_abs_diff"] < 1e-4 and res[name]["grad_max_abs_diff"] < 1e-2 * res[name]["grad_max_abs"]
+    assert res["fused"]["loss"] == pytest.approx(res["torch_full"]["loss"], rel=1e-4) and res["fused"]["loss"] > 1
+    assert res["fastest_agreeing"] in ("fused", "torch_chunked_checkpointed", "torch_full")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("specforge") is None, reason="specforge wheel not installed")
+def test_specforge_step_runs_on_cpu():
+    g = torch.Generator().manual_seed(0)
+    feats, ids = torch.randn(1, 128, 5 * 32, generator=g), torch.randint(0, 200, (1, 128), generator=g)
+    step = h200.specforge_step(8, feats, ids, torch.ones(1, 128, dtype=torch.bool), vocab=200, layers=1,
+                               heads=(2, 1, 16), inter=64, mask_id=199, attention="sdpa")
+    losses = [float(step()) for _ in range(2)]
+    assert all(4 < x < 7 for x in losses)   # about log(200): a real CE over the vocabulary
+
+
+def test_profile_window_writes_a_trace(tmp_path):
+    cfg = prepared(tmp_path, steps=5, drafters=["cpu"], checkpoint_every=0, profile={"start_step": 2, "steps": 2})
+    assert main(["train", "--config", str(cfg), "--no-progress"]) == 0
+    res = h200.reduce_trace(run_dir(cfg) / "profile.json.gz")
+    assert res["steps"] == 2 and res["phases"]["drafter_fwd_bwd"]["count_cpu"] == 2
+    assert res["gpus"] == {}   # CPU run: no kernels
+
+
+def test_reduce_trace_finds_busy_time_gaps_and_syncs(tmp_path):
+    def x(cat, name, ts, dur, pid=0, tid=7):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": pid, "tid": tid}
+    ev = [x("kernel", "gemm", 0, 1000), x("kernel", "gemm", 500, 1000, tid=9),       # overlap: busy 0..1500
+          x("gpu_user_annotation", "drafter_fwd_bwd", 0, 1500, tid=7),
+          x("kernel", "softmax", 4500, 500),                                       # 3 ms idle before it
+          x("kernel", "tiny", 5100, 100, tid=9),                                   # 0.1 ms gap: not listed
+          x("user_annotation", "optimizer", 1400, 3200, pid=1, tid=1),
+          x("cuda_runtime", "cudaStreamSynchronize", 1600, 2800, pid=1, tid=1),
+          x("cpu_op", "aten::item", 1550, 2900, pid=1, tid=1)]
+    path = tmp_path / "t.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": ev}, f)
+    r = h200.reduce_trace(path)
+    g = r["gpus"]["0"]
+    assert g["window_ms"] == 5.2 and g["busy_ms"] == 2.1 and g["busy_fraction"] == pytest.approx(2.1 / 5.2, abs=1e-4)
+    assert g["streams"]["7"]["role"] == "drafter" and g["streams"]["9"]["role"] == "other (target)"
+    assert g["idle_gaps_over_ms"]["count"] == 1 and g["idle_gaps_over_ms"]["longest"][0]["ms"] == 3.0
+    assert g["idle_gaps_over_ms"]["longest"][0]["cpu"] == ["optimizer", "aten::item", "cudaStreamSynchronize"]
+    assert g["top_kernels"][0] == {"name": "gemm", "count": 2, "ms": 2.0, "share": pytest.approx(2 / 2.6, abs=1e-4)}
+    assert r["host_syncs"]["cudaStreamSynchronize"] == {"count": 1, "ms": 2.8} and r["steps"] == 1
+
+
+@pytest.mark.skipif(importlib.util.find_spec("specforge") is None, reason="specforge wheel not installed")
+def test_specforge_computes_our_loss_with_our_weights_and_anchors():
+    """The comparison is like for like: SpecForge's OnlineDFlashModel, given our drafter's weights and anchors,
+    computes our loss and our gradients (same layers, mask, positions, RoPE, weights exp(-(k-1)/gamma))."""
+    from helpers_model import make_batch, make_drafter, tiny_cfg
+    from dflash.model import block_labels, dflash_loss
+    fam, draft, _, _ = h200.load_specforge()
+    cfg = tiny_cfg(block_size=16, max_position_embeddings=4096)
+    ours = make_drafter(cfg, dtype=torch.float64)
+    hidden, ids, lm, anchors = make_batch(cfg, 1, 96, 5, dtype=torch.float64, supervised=1.0)
+    labels, weights = block_labels(ids, lm, anchors, 7.0)
+    loss = dflash_loss(ours(hidden, ids, anchors, backend="sdpa"), ours.lm_head_weight, labels, weights, 16).loss
+    loss.backward()
+    from transformers import Qwen3Config
+    qc = Qwen3Config(**{k: getattr(cfg, k) for k in ("vocab_size", "hidden_size", "num_attention_heads",
+                        "num_key_value_heads", "head_dim", "intermediate_size", "rms_norm_eps")},
+                     num_hidden_layers=cfg.num_layers, rope_theta=cfg.rope_theta, max_position_embeddings=4096)
+    qc.block_size, qc.num_target_layers, qc._attn_implementation = 16, cfg.num_target_layers, "sdpa"
+    qc.dflash_config = {"target_layer_ids": list(cfg.target_layer_ids), "mask_token_id": cfg.mask_token_id}
+    theirs = draft.DFlashDraftModel(qc).double()
+    missing, unexpected = theirs.load_state_dict(ours.state_dict(), strict=False)
+    assert not unexpected and all("rotary" in k for k in missing)
+    embed = torch.nn.Embedding.from_pretrained(ours.embed_weight.detach().clone())
+    head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False).double()
+    head.weight.data.copy_(ours.lm_head_weight)
+    wrapped = fam.OnlineDFlashModel(theirs, head, embed, mask_token_id=cfg.mask_token_id, block_size=16,
+                                    attention_backend="sdpa", num_anchors=5, loss_decay_gamma=7.0)
+    wrapped._sample_anchor_positions = lambda *a: (anchors.pos, anchors.valid)
+    their_loss = wrapped(input_ids=ids, hidden_states=hidden, loss_mask=lm.double())[0]
+    their_loss.backward()
+    assert their_loss.item() == pytest.approx(loss.item(), rel=1e-9)
+    for name in ("fc.weight", "layers.0.self_attn.k_proj.weight", "layers.1.mlp.down_proj.weight"):
+        torch.testing.assert_close(dict(theirs.named_parameters())[name].grad, dict(ours.named_parameters())[name].grad)
