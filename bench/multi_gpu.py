@@ -371,10 +371,12 @@ def collect(drv: Driver):
         for f in sorted((res / "runs").glob(f"{drv.prefix}-*/*")):
             if f.is_file() and f.suffix in (".json", ".jsonl"):
                 tar.add(f, arcname=str(f.relative_to(res)))
-        for sub in ("report", "logs", "benchmarks", "compile", "env"):
-            for f in sorted((res / sub).rglob("*")) if (res / sub).exists() else []:
-                if f.is_file() and f.stat().st_size < 20_000_000:
-                    tar.add(f, arcname=str(f.relative_to(res)))
+        # compile/: the warm-up records only, not the Inductor cache beside them (compile/cache-<env hash>/)
+        files = [f for sub in ("report", "logs", "benchmarks") for f in (res / sub).rglob("*")]
+        files += list((res / "compile").glob("*.json")) + list((res / "env").glob("*.json"))
+        for f in sorted(files):
+            if f.is_file() and f.stat().st_size < 5_000_000:
+                tar.add(f, arcname=str(f.relative_to(res)))
         for f in sorted(drv.logs.glob("*.log")):
             tar.add(f, arcname=f"driver/{f.name}")
     for f in drv.logs.glob("*.log"):
