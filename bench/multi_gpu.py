@@ -172,12 +172,12 @@ class Driver:
             time.sleep(0.05)
         if ranks_gone is None and not any(alive(p) for p in pids):
             ranks_gone = time.monotonic() - t_kill
+        stopped = time.monotonic() - t_kill if proc.poll() is not None else None
         code, timed_out = self.finish(proc, 5, rd)
-        stopped = time.monotonic() - t_kill
         text = log.read_text(errors="replace")
         named = [m.groups() for m in RANK_FAILED.finditer(text)]
         res.update(kill_exit=code, kill_timed_out=timed_out, seconds_until_ranks_gone=_r(ranks_gone),
-                   seconds_until_job_exit=round(stopped, 2),
+                   seconds_until_job_exit=_r(stopped),
                    error_lines=sorted({m.group(0) for m in RANK_FAILED.finditer(text)}),
                    names_the_rank=any(int(r) == victim and c == "-9" for r, _, _, c in named))
         # resume: the same command, nothing forced: snakemake reruns the failed job, which resumes the checkpoint
@@ -286,7 +286,7 @@ def verdicts(parts: dict, base: float | None, steps: int) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
-    p.add_argument("--gpus", type=int, default=2)
+    p.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: every visible one)")
     p.add_argument("--cpu", action="store_true", help="rehearse on the CPU: config/config.yaml, gloo")
     p.add_argument("--config", default="config/seed-2gpu.yaml")
     p.add_argument("--results-dir", default="results")
@@ -301,6 +301,9 @@ def main(argv=None) -> int:
     args.steps = args.steps or (16 if args.cpu else 200)
     args.kill_steps = args.kill_steps or (24 if args.cpu else 40)
     args.kill_every = args.kill_every or (4 if args.cpu else 20)
+    if args.gpus is None and not args.cpu:
+        import torch
+        args.gpus = torch.cuda.device_count()
     if not args.cpu and args.gpus < 2:
         p.error("--gpus: at least 2 (a target GPU and a drafter GPU)")
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
