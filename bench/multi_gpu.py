@@ -3,9 +3,12 @@
     python bench/multi_gpu.py --out OUT [--gpus N] [--budget 540] [--parts dist,threads,kill]
     python bench/multi_gpu.py --out OUT --cpu          # the same logic on the CPU: config/config.yaml, gloo
 
-Parts, each timed and bounded by what is left of --budget (a failing part cannot eat the others' time):
-  dist     snakemake `all` on config/seed-2gpu.yaml, train.runtime distributed (NCCL), --steps steps
-  threads  the same layout with train.runtime threads: replicas identical, no FX-tracing error, 0 recompiles
+Parts, in --parts order (default threads,dist,kill), each timed and bounded by what is left of --budget (a failing
+part cannot eat the others' time):
+  threads  snakemake up to the run's summary (the first part also builds target, data and the warm-up) on
+           config/seed-2gpu.yaml, train.runtime threads, --steps steps: replicas identical, no FX-tracing error,
+           0 recompiles after warm-up
+  dist     snakemake `all` (evaluate, export, the report over every run so far, the gate), runtime distributed (NCCL)
   kill     distributed, `kill -9` of the last drafter rank (its PID from results/runs/<run>/ranks/rank-N.json) once
            the first checkpoint is written; seconds until every rank is gone and the job exits, the rank named in
            the error; then the same snakemake command again, which resumes the run to its last step
