@@ -1,6 +1,6 @@
 """The seed layout on several GPUs, through `snakemake` as a user runs it, in one bounded call (issue 18).
 
-    python bench/multi_gpu.py --out OUT [--gpus N] [--budget 540] [--parts dist,threads,kill]
+    python bench/multi_gpu.py --out OUT [--gpus N] [--budget 520] [--parts threads,dist,kill]
     python bench/multi_gpu.py --out OUT --cpu          # the same logic on the CPU: config/config.yaml, gloo
 
 Parts, in --parts order (default threads,dist,kill), each timed and bounded by what is left of --budget (a failing
