@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -131,7 +132,7 @@ class Driver:
         log = self.logs / f"snakemake-{name}.log"
         t0 = time.monotonic()
         code, timed_out = self.finish(self.start(cmd, log), self.budget.left(cap), self.run_dir(run))
-        res = {"run": run, "command": " ".join(cmd[1:]), "exit": code, "timed_out": timed_out,
+        res = {"run": run, "command": shlex.join(cmd[1:]), "exit": code, "timed_out": timed_out,
                "wall_s": round(time.monotonic() - t0, 1)}
         return {**res, **self.read_run(run, [log])}
 
@@ -147,7 +148,7 @@ class Driver:
         shutil.rmtree(rd, ignore_errors=True)   # this part's own run: no earlier checkpoint or rank file to mistake
         t_begin = time.monotonic()
         first = self.snakemake(run, keys, [target], extra=["-R", "train"])
-        res["command"] = " ".join(first[1:])
+        res["command"] = shlex.join(first[1:])
         started = time.time()
         proc = self.start(first, log)
         deadline = time.monotonic() + self.budget.left(cap * 0.55)
