@@ -10,6 +10,7 @@ import pytest
 
 from dflash import config as C
 from dflash.errors import UserError
+from dflash.report.placement import suggest
 from dflash.train.runtime.distributed import launch_config, role_of, torchrun_command
 from test_train import REPO, prepared, run_dir, stop_with
 
@@ -35,6 +36,13 @@ def test_gloo_matches_threads_and_replicas_stay_identical(tmp_path):
     assert s["runtime"] == "distributed" and s["status"] == "completed" and s["steps"] == 8
     assert s["replicas_identical"] is True and len(s["replica_checksums"]) == 2
     assert {w["name"] for w in s["workers"]} == {"target-0", "drafter-0", "drafter-1"}
+    # the target rank's forward time reaches the summary (drafter rank 0 sees none of its own), so the report can
+    # suggest a split: the mean forward per measured micro-batch (grad_accum 1)
+    tgt = next(w for w in s["workers"] if w["name"] == "target-0")
+    assert tgt["forward_batches"] >= 2 * s["measured_steps"] and tgt["forward_s"] > 0
+    assert s["time_split_s"]["target"] == pytest.approx(tgt["forward_s"])
+    s["devices"] = [{"device": f"cuda:{i}", "roles": [r]} for i, r in enumerate(["target", "drafter", "drafter"])]
+    assert suggest(s)["current"] == {"targets": 1, "drafters": 2}
     # same data order and anchors; only the order of the gradient sum differs: agree to 1e-4 relative
     a, b = losses(dist_cfg), losses(thr_cfg)
     assert len(a) == len(b) == 4

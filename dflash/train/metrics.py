@@ -100,6 +100,7 @@ class RunMetrics:
         self.totals = {"tokens": 0.0, "positions": 0.0, "samples": 0, "seconds": 0.0, "steps": 0}
         self.split_total = dict.fromkeys(SPLIT, 0.0)
         self.split_steps = 0
+        self.split_set: dict[str, float] = {}
         self.last: dict = {}
         self.t_measure = None
         self.step = self.start_step = 0
@@ -241,5 +242,11 @@ class RunMetrics:
         peak = ceiling * 1e12 * len(gpus) * s
         return {**out, "mfu": (f_t + f_d) / peak, "mfu_target": f_t / peak, "mfu_drafter": f_d / peak}
 
+    def set_split(self, key: str, seconds_per_step: float):
+        """A part of the time split measured outside this process (the distributed runtime's target ranks): its
+        mean seconds per measured optimizer step."""
+        self.split_set[key] = seconds_per_step
+
     def time_split(self) -> dict:
-        return {k: (v / self.split_steps if self.split_steps else None) for k, v in self.split_total.items()}
+        return {k: (self.split_set.get(k, v / self.split_steps) if self.split_steps else None)
+                for k, v in self.split_total.items()}

@@ -55,12 +55,12 @@ def section(*keys):
     return json.dumps({k: config[k] for k in keys}, sort_keys=True)
 
 
-# train keys that shape no compiled graph (optimiser, schedule, logging, supervision): a change reruns train
-# onward, not the warm-up
-TRAIN_ONLY = ("steps", "lr", "betas", "weight_decay", "warmup_ratio", "min_lr_ratio", "grad_clip", "grad_accum",
-              "checkpoint_every", "log_every", "resume", "warmup_steps_excluded", "matmul_tflops", "ready_timeout_s",
-              "stall_timeout_s", "fail_at_step", "queue_size", "rendezvous", "check_every", "diverge_at_step",
-              "stop_timeout_s")
+# train keys that shape no compiled graph (optimiser, schedule, logging, supervision, the runtime that carries the
+# same compiled drafter): a change reruns train onward, not the warm-up
+TRAIN_ONLY = ("steps", "runtime", "lr", "betas", "weight_decay", "warmup_ratio", "min_lr_ratio", "grad_clip",
+              "grad_accum", "checkpoint_every", "log_every", "resume", "warmup_steps_excluded", "matmul_tflops",
+              "ready_timeout_s", "stall_timeout_s", "fail_at_step", "queue_size", "rendezvous", "check_every",
+              "diverge_at_step", "stop_timeout_s")
 
 
 def warmup_section():

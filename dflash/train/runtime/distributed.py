@@ -13,6 +13,7 @@ SIGTERM from the agent itself (a peer failed) ends a rank at once.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -27,6 +28,8 @@ import torch
 import torch.distributed as dist
 
 from dflash.errors import UserError
+from dflash.train.metrics import DeviceTimer, seconds
+from dflash.train.telemetry import GpuSampler
 
 log = logging.getLogger("dflash.train")
 HEADER = 4  # index, tokens, batch, length
@@ -204,7 +207,6 @@ def worker_main(loaded, args) -> int:
     from dflash.train.metrics import RunMetrics
     from dflash.train.reader import ShardReader
     from dflash.train.step import build_drafter
-    from dflash.train.telemetry import GpuSampler
     from dflash.train.trainer import Diverged, Micro, NonFinite, Replica, StopRun, weight_checksum
 
     cfg = loaded.cfg
@@ -294,6 +296,11 @@ def worker_main(loaded, args) -> int:
     if is_target:
         pending: deque = deque()
         produced = 0
+        # the forward time of the measured micro-batches (those of the steps past train.warmup_steps_excluded):
+        # drafter rank 0 puts it in the summary's time split, which the report's placement suggestion reads
+        measured_from = data_index + cfg.train.warmup_steps_excluded * per_step
+        clock = ForwardClock(device)
+        sampler = GpuSampler([device]).start()
         for i in range(data_index, end_index):
             if i % T != rank:
                 continue
@@ -303,8 +310,9 @@ def worker_main(loaded, args) -> int:
             maybe_fail(produced)
             b = reader.batch(i)
             dst = T + i % D
-            with torch.inference_mode():
-                feats = capture(b.input_ids.to(device, non_blocking=True))
+            ids = b.input_ids.to(device, non_blocking=True)
+            with torch.inference_mode(), clock if i >= measured_from else contextlib.nullcontext():
+                feats = capture(ids)
             msgs = [torch.tensor([i, b.tokens, *b.input_ids.shape], dtype=torch.long, device=device),
                     feats.contiguous(), b.input_ids.to(device), b.loss_mask.to(device=device, dtype=torch.uint8)]
             pending.append([dist.isend(m, dst=dst) for m in msgs] + msgs)
@@ -318,8 +326,10 @@ def worker_main(loaded, args) -> int:
             for w in pending.popleft():
                 if isinstance(w, dist.Work):
                     w.wait()
+        sampler.stop()
         desc = {"name": name, "role": "target", "device": str(device), "steps": produced,
-                "peak_memory_gb": _peak(device), "util_mean": None}
+                "forward_s": clock.mean(), "forward_batches": clock.n,
+                "peak_memory_gb": _peak(device), "util_mean": sampler.mean(device)}
     else:
         record = rep.warm_up()                      # compiles on the bare module, before DDP wraps it
         if ctx.compile:
@@ -373,6 +383,10 @@ def worker_main(loaded, args) -> int:
         devices = [{"device": d["device"], "roles": [d["role"]], "peak_memory_gb": d["peak_memory_gb"],
                     "util_mean": d["util_mean"], "rank": i} for i, d in enumerate(everyone)]
         checksums = [d.pop("checksum") for d in everyone if "checksum" in d]
+        timed = [(d["forward_s"], d["forward_batches"]) for d in everyone if d.get("forward_batches")]
+        if timed:   # the mean target forward per micro-batch, times the micro-batches of one replica's step
+            mean = sum(s * n for s, n in timed) / sum(n for _, n in timed)
+            metrics.set_split("target", mean * cfg.train.grad_accum)
         summary.write(ctx, metrics, everyone, status, devices, checksums=checksums, failure=failure)
     dist.barrier()
     dist.destroy_process_group()
@@ -396,6 +410,32 @@ def _drain(rep, T: int, width: int, dtype, device):
                 for shape, dt in (((b, s, width), dtype), ((b, s), torch.long), ((b, s), torch.uint8)):
                     dist.recv(torch.empty(shape, dtype=dt, device=device), src=src)
         i += rep.n
+
+
+class ForwardClock(DeviceTimer):
+    """`with clock:` times a target forward; CUDA event pairs are resolved in batches, behind the newest ones (so the
+    host never waits for a forward still in flight), and only their running sum is kept."""
+
+    KEEP = 16
+
+    def __init__(self, device):
+        super().__init__(device)
+        self.total, self.n = 0.0, 0
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        if len(self.items) >= 4 * self.KEEP:
+            self._settle(self.KEEP)
+        return False
+
+    def _settle(self, keep: int):
+        done, self.items = self.items[:len(self.items) - keep], self.items[len(self.items) - keep:]
+        self.total += seconds(done)
+        self.n += len(done)
+
+    def mean(self) -> float | None:
+        self._settle(0)
+        return self.total / self.n if self.n else None
 
 
 def _peak(device):
