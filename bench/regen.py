@@ -105,6 +105,7 @@ def run_variant(model, tokenizer, prompts, new_tokens, var, device):
     tokens, seconds, bs = go(prompts, new_tokens)
     batches = -(-len(prompts) // bs) if bs else None
     return {"variant": var["name"], "batch_size": bs, "tokens": tokens, "seconds": round(seconds, 3),
+            "attn_implementation": model.config._attn_implementation,
             "tokens_per_s": round(tokens / seconds, 1), "warmup_s": round(warm_s, 3),
             "ms_per_decode_step": round(1000 * seconds / (batches * new_tokens), 2) if batches else None,
             "peak_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None}
