@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .anchors import Anchors, build_blocks
 from .attention import Mask, attention, make_mask
@@ -114,8 +115,14 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x):   # silu(gate) * up is recomputed in the backward: only gate and up [B, Q, I] are kept
+        g, u = self.gate_proj(x), self.up_proj(x)
+        a = checkpoint(_silu_mul, g, u, use_reentrant=False) if torch.is_grad_enabled() else _silu_mul(g, u)
+        return self.down_proj(a)
+
+
+def _silu_mul(g, u):
+    return F.silu(g) * u
 
 
 class Layer(nn.Module):
@@ -204,7 +211,9 @@ class DFlashDrafter(nn.Module):
             x = layer(x, ctx, ctx_rope, q_rope, masks, cache.layers[i] if cache is not None else None)
         if cache is not None:
             cache.length = P + m
-        return self.norm(x)
+        # in the blocks' dtype (bf16 under autocast): the LM head reads it in that dtype anyway, and no float32
+        # [B, Q, H] copy outlives the norm (same values and gradients as rounding it there)
+        return self.norm(x).to(x.dtype)
 
     def new_cache(self) -> DrafterCache:
         return DrafterCache(self.cfg.num_layers)
