@@ -217,3 +217,26 @@ def test_block_mask_build_is_fast_on_cuda():
     print(f"block_mask build: {ms:.3f} ms")
     assert bm.kv_num_blocks.shape == (1, 1, 64)
     assert ms < 2.0
+
+
+def test_mlp_keeps_only_gate_and_up_for_the_backward():
+    """silu(gate) * up is recomputed in the backward: same output and gradients (float64) as the plain MLP, and
+    compiled (AOTAutograd's min-cut partition, as Inductor) only gate and up of the [*, I] activations are saved."""
+    from dflash.model.drafter import MLP
+    cfg = tiny_cfg()
+    torch.manual_seed(0)
+    mlp = MLP(cfg).double()
+    x = torch.randn(2, 5, cfg.hidden_size, dtype=torch.float64, requires_grad=True)
+    plain = mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+    ref = torch.autograd.grad(plain.square().sum(), [x, *mlp.parameters()])
+    weights = {p.data_ptr() for p in mlp.parameters()}
+    for fn in (mlp, torch.compile(mlp, backend="aot_eager_decomp_partition", fullgraph=True)):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = fn(x)
+        got = torch.autograd.grad(out.square().sum(), [x, *mlp.parameters()])
+        torch.testing.assert_close(out, plain, rtol=1e-12, atol=1e-12)
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    acts = [t for t in saved if t.shape[-1] == cfg.intermediate_size and t.data_ptr() not in weights]
+    assert len(acts) == 2
