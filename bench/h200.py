@@ -163,9 +163,10 @@ def loss():
 def drafter_variants():
     """The production drafter step (build_drafter + micro_step + AdamW), as train runs it, per variant and shape,
     each in a fresh process (so each peak is its own). Environment:
-      BENCH_VARIANTS  comma list of [base:]BACKEND[+compile][:chunk=N] (default flex+compile,flex,sdpa); `base:`
-                      runs the tree at BENCH_BASE (a directory holding another commit's dflash/, for before/after
-                      in one run), `:chunk=N` sets train.loss_chunk (config/h200.yaml: 4096)
+      BENCH_VARIANTS  comma list of [base:]BACKEND[+compile][:chunk=N][:casts=recompute] (default
+                      flex+compile,flex,sdpa); `base:` runs the tree at BENCH_BASE (another commit's whole tree,
+                      e.g. from `git archive`, for before/after in one run); `:chunk=N` sets train.loss_chunk
+                      (config/h200.yaml: 4096), `:casts=recompute` train.recompute_weight_casts
       BENCH_SHAPES    comma list of CONTEXTxANCHORS (default 3072x512); keys of other shapes end in @CONTEXTxANCHORS
       BENCH_PROFILE   a file for a CUDA profile of the first variant at the first shape
     Per variant: step_ms (median of 10), peak_gb (max allocated, GiB, weights and AdamW state included),
@@ -213,7 +214,8 @@ def _drafter_step(tree: str, spec: str, shape: str, profile: str = ""):
     sets = {"train.num_anchors": a}
     for o in opts:
         k, v = o.split("=")
-        sets[{"chunk": "train.loss_chunk"}[k]] = int(v)
+        sets[{"chunk": "train.loss_chunk", "casts": "train.recompute_weight_casts"}[k]] = (
+            v == "recompute" if k == "casts" else int(v))
     loaded = C.load(REPO / "config" / "h200.yaml", sets)
     tconf = SimpleNamespace(hidden_size=H, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                             intermediate_size=12288, num_hidden_layers=36, vocab_size=V, rms_norm_eps=1e-6,

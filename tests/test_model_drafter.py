@@ -240,3 +240,36 @@ def test_mlp_keeps_only_gate_and_up_for_the_backward():
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     acts = [t for t in saved if t.shape[-1] == cfg.intermediate_size and t.data_ptr() not in weights]
     assert len(acts) == 2
+
+
+def test_recomputed_weight_casts_same_gradients_and_no_bf16_weight_kept():
+    """train.recompute_weight_casts: under bf16 autocast a compiled layer (min-cut partition, as Inductor) keeps no
+    bf16 copy of a weight for the backward, and the gradients are those of the default path, bit for bit."""
+    from dflash.model.drafter import Layer, Linear, rope_cos_sin
+    cfg = tiny_cfg(num_layers=1)
+    S, A, Bk = 6, 2, cfg.block_size
+    anchors = anchors_of([[1, 4]], [[True, True]], Bk)
+    masks = make_mask(anchors, S, "sdpa")
+    torch.manual_seed(0)
+    layer = Layer(cfg, 0)
+    x = torch.randn(1, A * Bk, cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    ctx = torch.randn(1, S, cfg.hidden_size, requires_grad=True)
+    qpos = (anchors.pos[:, :, None] + torch.arange(Bk)).reshape(1, -1)
+    rope = [rope_cos_sin(p, cfg.head_dim, cfg.rope_theta, torch.bfloat16) for p in (torch.arange(S)[None], qpos)]
+    shapes = {tuple(p.shape) for p in layer.parameters() if p.dim() == 2}
+    grads, kept = [], []
+    for recompute in (False, True):
+        for m in layer.modules():
+            if isinstance(m, Linear):
+                m.recompute_cast = recompute
+        fn = torch.compile(layer, backend="aot_eager_decomp_partition", fullgraph=True, dynamic=False)
+        torch._dynamo.reset()
+        saved = []
+        with torch.autocast("cpu", dtype=torch.bfloat16), \
+                torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = fn(x, ctx, *rope, masks)
+        grads.append(torch.autograd.grad(out.float().square().sum(), [x, ctx, *layer.parameters()]))
+        kept.append(sum(t.dtype == torch.bfloat16 and tuple(t.shape) in shapes for t in saved))
+    assert kept[0] >= 7 and kept[1] == 0     # q, k, v, o, gate, up, down: bf16 copies kept only by default
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)

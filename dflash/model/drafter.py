@@ -41,6 +41,22 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose autocast copy of the weight can be recast in the backward instead of kept from the forward
+    (`recompute_cast`, for compiled layers: Inductor's partition then keeps the float32 weight, alive anyway, not its
+    bf16 copy). Same values and gradients; state_dict names as nn.Linear."""
+    recompute_cast = False
+
+    def forward(self, x):
+        if self.recompute_cast and torch.is_grad_enabled() and torch.is_autocast_enabled(x.device.type):
+            return F.linear(x, checkpoint(_autocast_copy, self.weight, use_reentrant=False), self.bias)
+        return super().forward(x)
+
+
+def _autocast_copy(w):
+    return w.to(torch.get_autocast_dtype(w.device.type))
+
+
 def rope_cos_sin(pos: torch.Tensor, head_dim: int, theta: float, dtype):
     """cos, sin [..., head_dim] for integer positions `pos` (default RoPE, computed in float32)."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=pos.device).float() / head_dim))
@@ -61,10 +77,10 @@ class Attention(nn.Module):
         super().__init__()
         H, D = cfg.hidden_size, cfg.head_dim
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, D
-        self.q_proj = nn.Linear(H, self.nh * D, bias=False)
-        self.k_proj = nn.Linear(H, self.nkv * D, bias=False)
-        self.v_proj = nn.Linear(H, self.nkv * D, bias=False)
-        self.o_proj = nn.Linear(self.nh * D, H, bias=False)
+        self.q_proj = Linear(H, self.nh * D, bias=False)
+        self.k_proj = Linear(H, self.nkv * D, bias=False)
+        self.v_proj = Linear(H, self.nkv * D, bias=False)
+        self.o_proj = Linear(self.nh * D, H, bias=False)
         self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
 
@@ -111,9 +127,9 @@ class DrafterCache:
 class MLP(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):   # silu(gate) * up is recomputed in the backward: only gate and up [B, Q, I] are kept
         g, u = self.gate_proj(x), self.up_proj(x)
