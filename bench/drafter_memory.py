@@ -1,13 +1,15 @@
 """Where the drafter step's memory goes, counted on the CPU: the tensors autograd saves for the backward of one
-drafter layer and of the step's glue (fc, norms, loss), at small shapes, scaled to the H200 shapes.
+drafter layer (bf16 autocast), at small shapes, scaled to the H200 shapes.
 
-    PYTHONPATH=. python bench/drafter_memory.py [--compile]
+    PYTHONPATH=. python bench/drafter_memory.py [--compile inductor|aot_eager_decomp_partition]
+                                               [--recompute-weight-casts]
 
 Shapes are chosen so every dimension is a distinct number (S 80, Q 96, S+Q 176, H 256, I 768, kv 64, D 32,
 8/2 heads), so each saved tensor's shape maps to the full-size one (S 3072, Q 8192, H 4096, I 12288, kv 1024,
 D 128, 32/8 heads). Attention is a stand-in that saves exactly what flex_attention saves (q, k, v, out and the
-float32 log-sum-exp). `--compile` compiles the layer with AOTAutograd's min-cut partitioner (what Inductor
-uses to decide what to save), without Inductor's code generation.
+float32 log-sum-exp). `--compile aot_eager_decomp_partition` compiles the layer with AOTAutograd's min-cut
+partitioner (what Inductor uses to decide what to save); `--compile inductor` runs Inductor's CPU code generation
+too. Parameters are not counted; the bf16 copies of the weights that autocast makes are.
 """
 from __future__ import annotations
 
@@ -100,6 +102,7 @@ def count_saved(fn, params):
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--compile", choices=["", "inductor", "aot_eager_decomp_partition"], default="")
+    p.add_argument("--recompute-weight-casts", action="store_true", help="as train.recompute_weight_casts")
     args = p.parse_args()
     import dflash.model.drafter as dm
     from dflash.model import DrafterConfig
@@ -121,6 +124,7 @@ def main():
         return flex_like(q.to(dt), k.to(dt), v.to(dt), _MASK["m"])[0]   # flex's autocast rule: one low dtype
     dm.attention = attn   # the stand-in: flex's saved set
     layer = dm.Layer(cfg, 0)
+    dm.Linear.recompute_cast = args.recompute_weight_casts
     if args.compile:
         layer.compile(backend=args.compile, fullgraph=True, dynamic=False)
     x = torch.randn(1, s["Q"], s["H"], dtype=torch.bfloat16, requires_grad=True)
