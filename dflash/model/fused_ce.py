@@ -22,9 +22,13 @@ def ce_chunk(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor):
     w = torch.where(labels >= 0, weights.to(lf.dtype), torch.zeros_like(lse))
     loss = ((lse - picked) * w).sum()
     hits = (lf.argmax(-1) == labels)
-    onehot = torch.arange(lf.shape[1], device=lf.device) == safe[:, None]       # pointwise: fuses when compiled
-    grad = torch.exp(lf - lse[:, None]) - onehot.to(lf.dtype)                     # softmax - onehot
-    logits.copy_(grad * w[:, None])
+    if torch.compiler.is_compiling():   # (softmax - onehot) * w: one fused pass, stored straight into the logits
+        onehot = torch.arange(lf.shape[1], device=lf.device) == safe[:, None]
+        logits.copy_((torch.exp(lf - lse[:, None]) - onehot.to(lf.dtype)) * w[:, None])
+    else:                               # eager: in place, one float32 [n, V] buffer besides the logits
+        grad = (lf - lse[:, None]).exp_()
+        grad[torch.arange(grad.shape[0], device=grad.device), safe] -= 1
+        logits.copy_(grad.mul_(w[:, None]))
     return loss, hits
 
 
