@@ -191,8 +191,11 @@ def drafter_variants():
                 continue
             if r.returncode:
                 out[key] = {"error": r.stderr[-3000:]}
+                print("drafter_variants", key, "failed:", r.stderr[-500:], flush=True)
                 continue
-            out.update({f"{key}_{k}": v for k, v in json.loads(r.stdout.strip().splitlines()[-1]).items()})
+            res = json.loads(r.stdout.strip().splitlines()[-1])
+            print("drafter_variants", key, json.dumps(res), flush=True)   # seen even if a later variant times out
+            out.update({f"{key}_{k}": v for k, v in res.items()})
     return out
 
 
