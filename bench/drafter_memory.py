@@ -29,7 +29,8 @@ _MASK = {}
 
 
 @torch.library.custom_op("dflash_bench::flex_like", mutates_args=())
-def flex_like(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def flex_like(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention opaque to the partitioner that saves what compiled flex_attention saves: q, k, v, out, lse."""
     g = q.shape[1] // k.shape[1]
     s = (q.float() @ k.repeat_interleave(g, 1).float().transpose(-1, -2)) * q.shape[-1] ** -0.5

@@ -3,7 +3,8 @@
 For N scored positions the logits [N, V] never exist at once: per chunk of rows the forward computes the logits,
 the weighted CE and its gradient w.r.t. the hidden states (softmax - onehot) @ W, and keeps only that [n, H]
 gradient. The logits' gradient is written over the logits, and a chunk's buffer is released before the next
-chunk's is made, so the loss needs one [chunk, V] buffer (1.2 GB at chunk 4096, vocabulary 151936, bf16). Backward just scales it. Two matmuls per chunk (no recompute, no checkpointing) instead of the three
+chunk's is made, so the loss needs one [chunk, V] buffer (1.2 GB at chunk 4096, vocabulary 151936, bf16).
+Backward just scales the kept gradient. Two matmuls per chunk (no recompute, no checkpointing) instead of the three
 of a checkpointed chunked loss. The LM head is the target's, frozen: no gradient for it.
 """
 from __future__ import annotations
