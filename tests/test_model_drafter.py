@@ -273,3 +273,40 @@ def test_recomputed_weight_casts_same_gradients_and_no_bf16_weight_kept():
     assert kept[0] >= 7 and kept[1] == 0     # q, k, v, o, gate, up, down: bf16 copies kept only by default
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+def _layer_case(cfg, dtype):
+    from dflash.model.drafter import Layer, rope_cos_sin
+    S, Bk = 6, cfg.block_size
+    anchors = anchors_of([[1, 4]], [[True, True]], Bk)
+    torch.manual_seed(0)
+    layer = Layer(cfg, 0).to(dtype)
+    x = torch.randn(1, 2 * Bk, cfg.hidden_size, dtype=dtype, requires_grad=True)
+    ctx = torch.randn(1, S, cfg.hidden_size, dtype=dtype, requires_grad=True)
+    qpos = (anchors.pos[:, :, None] + torch.arange(Bk)).reshape(1, -1)
+    rope = [rope_cos_sin(p, cfg.head_dim, cfg.rope_theta, dtype) for p in (torch.arange(S)[None], qpos)]
+    return layer, x, ctx, rope, make_mask(anchors, S, "sdpa")
+
+
+def test_layer_norms_recomputed_in_the_backward_same_gradients():
+    """The layer's two norms are recomputed in the backward (not kept): the same values and float64 gradients as the
+    plain composition of its parts; compiled under bf16 autocast (min-cut partition, as Inductor) it keeps three
+    [Q, H] activations besides its input, q and the attention output (was five: each norm output kept twice)."""
+    cfg = tiny_cfg(num_layers=1)
+    layer, x, ctx, rope, masks = _layer_case(cfg, torch.float64)
+    h = x + layer.self_attn(layer.input_layernorm(x), ctx, *rope, masks[None])
+    plain = h + layer.mlp(layer.post_attention_layernorm(h))
+    args = [x, ctx, *layer.parameters()]
+    ref = torch.autograd.grad(plain.square().sum(), args)
+    out = layer(x, ctx, *rope, masks)
+    torch.testing.assert_close(out, plain, rtol=1e-12, atol=1e-12)
+    for a, b in zip(torch.autograd.grad(out.square().sum(), args), ref):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    layer, x, ctx, rope, masks = _layer_case(cfg, torch.float32)
+    fn = torch.compile(layer, backend="aot_eager_decomp_partition", fullgraph=True, dynamic=False)
+    saved = []
+    with torch.autocast("cpu", dtype=torch.bfloat16), \
+            torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        fn(x.to(torch.bfloat16), ctx, *rope, masks)
+    QH = x.shape[1] * cfg.hidden_size
+    assert sum(t.numel() == QH and t.dtype == torch.bfloat16 for t in saved) == 6   # + q and attention out

@@ -151,8 +151,21 @@ class Layer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, ctx, ctx_rope, q_rope, masks: dict, cache: LayerKV | None = None):
-        x = x + self.self_attn(self.input_layernorm(x), ctx, ctx_rope, q_rope, masks[self.window], cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.self_attn(_normed(self.input_layernorm, x), ctx, ctx_rope, q_rope, masks[self.window], cache)
+        return x + self.mlp(_normed(self.post_attention_layernorm, x))
+
+
+def _normed(norm: RMSNorm, x):
+    """norm(x), in the dtype the projections read it in (autocast's); under grad, recomputed in the backward from x
+    (kept anyway) instead of keeping a second [B, Q, H] copy for the projections' weight gradients."""
+    if not torch.is_grad_enabled():
+        return norm(x)
+    return checkpoint(_norm_cast, norm, x, use_reentrant=False)
+
+
+def _norm_cast(norm, x):
+    y = norm(x)
+    return y.to(torch.get_autocast_dtype(x.device.type)) if torch.is_autocast_enabled(x.device.type) else y
 
 
 def _weight(m) -> torch.Tensor:
