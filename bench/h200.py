@@ -248,61 +248,104 @@ def loss():
 
 
 def drafter_variants():
-    """The production drafter step (build_drafter + micro_step + AdamW), as train runs it, in several variants."""
+    """The production drafter step (build_drafter + micro_step + AdamW), as train runs it, per variant and shape,
+    each in a fresh process (so each peak is its own). Environment:
+      BENCH_VARIANTS  comma list of [base:]BACKEND[+compile][:chunk=N][:casts=recompute] (default
+                      flex+compile,flex,sdpa); `base:` runs the tree at BENCH_BASE (another commit's whole tree,
+                      e.g. from `git archive`, for before/after in one run); `:chunk=N` sets train.loss_chunk
+                      (config/h200.yaml: 4096), `:casts=recompute` train.recompute_weight_casts
+      BENCH_SHAPES    comma list of CONTEXTxANCHORS (default 3072x512); keys of other shapes end in @CONTEXTxANCHORS
+      BENCH_PROFILE   a file for a CUDA profile of the first variant at the first shape
+    Per variant: step_ms (median of 10), peak_gb (max allocated, GiB, weights and AdamW state included),
+    peak_reserved_gb, first_step_s, drafter_only_ktok_s."""
+    variants = os.environ.get("BENCH_VARIANTS", "flex+compile,flex,sdpa").split(",")
+    shapes = os.environ.get("BENCH_SHAPES", f"{S}x{A}").split(",")
+    out = {}
+    for i, shape in enumerate(shapes):
+        for j, name in enumerate(variants):
+            tree, spec = (os.environ.get("BENCH_BASE"), name[5:]) if name.startswith("base:") else (str(REPO), name)
+            key = name if shape == f"{S}x{A}" else f"{name}@{shape}"
+            if tree is None:
+                out[key] = {"error": "base: variant without BENCH_BASE"}
+                continue
+            profile = os.environ.get("BENCH_PROFILE", "") if i == j == 0 else ""
+            code = (f"import sys; sys.path.insert(0, {str(REPO / 'bench')!r}); import h200; "
+                    f"h200._drafter_step({str(Path(tree).resolve())!r}, {spec!r}, {shape!r}, {profile!r})")
+            try:
+                r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=900)
+            except subprocess.TimeoutExpired:
+                out[key] = {"error": "timed out after 900 s"}
+                continue
+            if r.returncode:
+                out[key] = {"error": r.stderr[-3000:]}
+                print("drafter_variants", key, "failed:", r.stderr[-500:], flush=True)
+                continue
+            res = json.loads(r.stdout.strip().splitlines()[-1])
+            print("drafter_variants", key, json.dumps(res), flush=True)   # seen even if a later variant times out
+            out.update({f"{key}_{k}": v for k, v in res.items()})
+    return out
+
+
+def _drafter_step(tree: str, spec: str, shape: str, profile: str = ""):
+    """One drafter_variants measurement in this process, with the dflash package of `tree`; prints one JSON line."""
+    sys.path.insert(0, tree)
     from types import SimpleNamespace
 
     from dflash import config as C
+    from dflash.fingerprint import collect, compile_cache_dir
     from dflash.model import DrafterConfig
     from dflash.train import optim
+    from dflash.train.compile_guard import use_compile_cache
     from dflash.train.context import RunContext
     from dflash.train.step import build_drafter, micro_step, random_head
-    from dflash.fingerprint import collect, compile_cache_dir
-    from dflash.train.compile_guard import use_compile_cache
     use_compile_cache(compile_cache_dir(REPO / "results", collect()["hash"]))  # share the train stage's cache
-    loaded = C.load(REPO / "config" / "h200.yaml")
+    name, *opts = spec.split(":")
+    s, a = (int(x) for x in shape.split("x"))
+    sets = {"train.num_anchors": a}
+    for o in opts:
+        k, v = o.split("=")
+        sets[{"chunk": "train.loss_chunk", "casts": "train.recompute_weight_casts"}[k]] = (
+            v == "recompute" if k == "casts" else int(v))
+    loaded = C.load(REPO / "config" / "h200.yaml", sets)
     tconf = SimpleNamespace(hidden_size=H, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                             intermediate_size=12288, num_hidden_layers=36, vocab_size=V, rms_norm_eps=1e-6,
                             rope_theta=1e6, max_position_embeddings=40960)
     dcfg = DrafterConfig.from_target(tconf, loaded.cfg.drafter, 151669)
-    feats = torch.randn(1, S, 5 * H, device=DEV, dtype=torch.bfloat16)
-    ids = torch.randint(0, V, (1, S), device=DEV)
-    mask = torch.ones(1, S, dtype=torch.bool, device=DEV)
-    variants = os.environ.get("BENCH_VARIANTS", "flex+compile,flex,sdpa").split(",")
-    out = {}
-    for name in variants:
-        backend, compiled = name.split("+")[0], name.endswith("+compile")
-        setup = RunContext(loaded, None, backend, Path("/tmp"), Path("/tmp"), tconf, dcfg, 7.0, {}, compiled)
-        embed, head = random_head(setup, DEV, torch.bfloat16)
-        model = build_drafter(setup, embed, head, DEV)
-        opt, sched = optim.build([p for p in model.parameters() if p.requires_grad], loaded.cfg.train, DEV)
-        counter = [0]
+    feats = torch.randn(1, s, 5 * H, device=DEV, dtype=torch.bfloat16)
+    ids = torch.randint(0, V, (1, s), device=DEV)
+    mask = torch.ones(1, s, dtype=torch.bool, device=DEV)
+    backend, compiled = name.split("+")[0], name.endswith("+compile")
+    setup = RunContext(loaded, None, backend, Path("/tmp"), Path("/tmp"), tconf, dcfg, 7.0, {}, compiled)
+    embed, head = random_head(setup, DEV, torch.bfloat16)
+    model = build_drafter(setup, embed, head, DEV)
+    opt, sched = optim.build([p for p in model.parameters() if p.requires_grad], loaded.cfg.train, DEV)
+    counter = [0]
 
-        def step():
-            counter[0] += 1
-            res = micro_step(model, feats, ids, mask, counter[0], setup, torch.bfloat16)
-            res.loss.backward()
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-        torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        out[f"{name}_first_step_s"] = round(time.perf_counter() - t0, 1)
-        out[f"{name}_step_ms"] = round(bench(step, warmup=3, reps=10), 2)
-        out[f"{name}_peak_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-        out[f"{name}_drafter_only_ktok_s"] = round(S / out[f"{name}_step_ms"], 2)
-        if os.environ.get("BENCH_PROFILE") and name == variants[0]:
-            from torch.profiler import ProfilerActivity, profile
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(3):
-                    step()
-                torch.cuda.synchronize()
-            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90)
-            Path(os.environ["BENCH_PROFILE"]).write_text(table)
-        model = opt = sched = embed = head = step = None  # free the replica before the next variant
-        torch.cuda.empty_cache()
-    return out
+    def step():
+        counter[0] += 1
+        res = micro_step(model, feats, ids, mask, counter[0], setup, torch.bfloat16)
+        res.loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    step()
+    torch.cuda.synchronize()
+    out = {"first_step_s": round(time.perf_counter() - t0, 1)}
+    out["step_ms"] = round(bench(step, warmup=3, reps=10), 2)
+    out["peak_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    out["peak_reserved_gb"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+    out["drafter_only_ktok_s"] = round(s / out["step_ms"], 2)
+    if profile:
+        from torch.profiler import ProfilerActivity, profile as prof_
+        with prof_(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90)
+        Path(profile).write_text(table)
+    print(json.dumps(out), flush=True)
 
 
 # ---- the drafter step against SpecForge's (same process, same shapes) ------------------------------------------

@@ -217,3 +217,96 @@ def test_block_mask_build_is_fast_on_cuda():
     print(f"block_mask build: {ms:.3f} ms")
     assert bm.kv_num_blocks.shape == (1, 1, 64)
     assert ms < 2.0
+
+
+def test_mlp_keeps_only_gate_and_up_for_the_backward():
+    """silu(gate) * up is recomputed in the backward: same output and gradients (float64) as the plain MLP, and
+    compiled (AOTAutograd's min-cut partition, as Inductor) only gate and up of the [*, I] activations are saved."""
+    from dflash.model.drafter import MLP
+    cfg = tiny_cfg()
+    torch.manual_seed(0)
+    mlp = MLP(cfg).double()
+    x = torch.randn(2, 5, cfg.hidden_size, dtype=torch.float64, requires_grad=True)
+    plain = mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+    ref = torch.autograd.grad(plain.square().sum(), [x, *mlp.parameters()])
+    weights = {p.data_ptr() for p in mlp.parameters()}
+    for fn in (mlp, torch.compile(mlp, backend="aot_eager_decomp_partition", fullgraph=True)):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = fn(x)
+        got = torch.autograd.grad(out.square().sum(), [x, *mlp.parameters()])
+        torch.testing.assert_close(out, plain, rtol=1e-12, atol=1e-12)
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    acts = [t for t in saved if t.shape[-1] == cfg.intermediate_size and t.data_ptr() not in weights]
+    assert len(acts) == 2
+
+
+def test_recomputed_weight_casts_same_gradients_and_no_bf16_weight_kept():
+    """train.recompute_weight_casts: under bf16 autocast a compiled layer (min-cut partition, as Inductor) keeps no
+    bf16 copy of a weight for the backward, and the gradients are those of the default path, bit for bit."""
+    from dflash.model.drafter import Layer, Linear, rope_cos_sin
+    cfg = tiny_cfg(num_layers=1)
+    S, A, Bk = 6, 2, cfg.block_size
+    anchors = anchors_of([[1, 4]], [[True, True]], Bk)
+    masks = make_mask(anchors, S, "sdpa")
+    torch.manual_seed(0)
+    layer = Layer(cfg, 0)
+    x = torch.randn(1, A * Bk, cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    ctx = torch.randn(1, S, cfg.hidden_size, requires_grad=True)
+    qpos = (anchors.pos[:, :, None] + torch.arange(Bk)).reshape(1, -1)
+    rope = [rope_cos_sin(p, cfg.head_dim, cfg.rope_theta, torch.bfloat16) for p in (torch.arange(S)[None], qpos)]
+    shapes = {tuple(p.shape) for p in layer.parameters() if p.dim() == 2}
+    grads, kept = [], []
+    for recompute in (False, True):
+        for m in layer.modules():
+            if isinstance(m, Linear):
+                m.recompute_cast = recompute
+        fn = torch.compile(layer, backend="aot_eager_decomp_partition", fullgraph=True, dynamic=False)
+        torch._dynamo.reset()
+        saved = []
+        with torch.autocast("cpu", dtype=torch.bfloat16), \
+                torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = fn(x, ctx, *rope, masks)
+        grads.append(torch.autograd.grad(out.float().square().sum(), [x, ctx, *layer.parameters()]))
+        kept.append(sum(t.dtype == torch.bfloat16 and tuple(t.shape) in shapes for t in saved))
+    assert kept[0] >= 7 and kept[1] == 0     # q, k, v, o, gate, up, down: bf16 copies kept only by default
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def _layer_case(cfg, dtype):
+    from dflash.model.drafter import Layer, rope_cos_sin
+    S, Bk = 6, cfg.block_size
+    anchors = anchors_of([[1, 4]], [[True, True]], Bk)
+    torch.manual_seed(0)
+    layer = Layer(cfg, 0).to(dtype)
+    x = torch.randn(1, 2 * Bk, cfg.hidden_size, dtype=dtype, requires_grad=True)
+    ctx = torch.randn(1, S, cfg.hidden_size, dtype=dtype, requires_grad=True)
+    qpos = (anchors.pos[:, :, None] + torch.arange(Bk)).reshape(1, -1)
+    rope = [rope_cos_sin(p, cfg.head_dim, cfg.rope_theta, dtype) for p in (torch.arange(S)[None], qpos)]
+    return layer, x, ctx, rope, make_mask(anchors, S, "sdpa")
+
+
+def test_layer_norms_recomputed_in_the_backward_same_gradients():
+    """The layer's two norms are recomputed in the backward (not kept): the same values and float64 gradients as the
+    plain composition of its parts; compiled under bf16 autocast (min-cut partition, as Inductor) it keeps three
+    [Q, H] activations besides its input, q and the attention output (was five: each norm output kept twice)."""
+    cfg = tiny_cfg(num_layers=1)
+    layer, x, ctx, rope, masks = _layer_case(cfg, torch.float64)
+    h = x + layer.self_attn(layer.input_layernorm(x), ctx, *rope, masks[None])
+    plain = h + layer.mlp(layer.post_attention_layernorm(h))
+    args = [x, ctx, *layer.parameters()]
+    ref = torch.autograd.grad(plain.square().sum(), args)
+    out = layer(x, ctx, *rope, masks)
+    torch.testing.assert_close(out, plain, rtol=1e-12, atol=1e-12)
+    for a, b in zip(torch.autograd.grad(out.square().sum(), args), ref):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    layer, x, ctx, rope, masks = _layer_case(cfg, torch.float32)
+    fn = torch.compile(layer, backend="aot_eager_decomp_partition", fullgraph=True, dynamic=False)
+    saved = []
+    with torch.autocast("cpu", dtype=torch.bfloat16), \
+            torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        fn(x.to(torch.bfloat16), ctx, *rope, masks)
+    QH = x.shape[1] * cfg.hidden_size
+    assert sum(t.numel() == QH and t.dtype == torch.bfloat16 for t in saved) == 6   # + q and attention out

@@ -2,6 +2,7 @@
 largest tensor does not grow with the number of positions."""
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -132,3 +133,32 @@ def test_fused_loss_equals_checkpointed_loss_and_gradients():
     g_ref, = torch.autograd.grad(ref.loss * 2.5, hidden)
     g_out, = torch.autograd.grad(out.loss * 2.5, hidden)
     torch.testing.assert_close(g_out, g_ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_ce_chunk_overwrites_the_logits_with_their_gradient(compiled):
+    """The fused loss's kernel: weighted CE, argmax hits, and d(CE)/d(logits) written over the logits (one
+    [n, V] buffer per chunk); compiled (Inductor, CPU) it allocates no [n, V] buffer of its own."""
+    from torch._inductor.utils import run_and_get_code
+
+    from dflash.model.fused_ce import ce_chunk
+    g = torch.Generator().manual_seed(5)
+    n, V = 6, 33
+    logits = torch.randn(n, V, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, V, (n,), generator=g)
+    labels[2] = IGNORE
+    weights = torch.rand(n, generator=g, dtype=torch.float64)
+    x = logits.clone().requires_grad_()
+    ref = (F.cross_entropy(x, labels, ignore_index=IGNORE, reduction="none") * weights).sum()
+    ref.backward()
+    buf = logits.clone()
+    if compiled:
+        kernel = torch.compile(ce_chunk, fullgraph=True, dynamic=False)
+        (loss, hits), code = run_and_get_code(kernel, buf, labels, weights)
+        allocs = [line for line in "\n".join(code).splitlines() if "empty_strided_cpu(" in line]
+        assert allocs and not any(f"({n}, {V})" in line for line in allocs)   # no [n, V] buffer: written in place
+    else:
+        loss, hits = ce_chunk(buf, labels, weights)
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(buf, x.grad, rtol=1e-10, atol=1e-12)
+    assert torch.equal(hits, logits.argmax(-1) == labels)

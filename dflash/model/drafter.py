@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .anchors import Anchors, build_blocks
 from .attention import Mask, attention, make_mask
@@ -38,6 +39,22 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose autocast copy of the weight can be recast in the backward instead of kept from the forward
+    (`recompute_cast`, for compiled layers: Inductor's partition then keeps the float32 weight, alive anyway, not its
+    bf16 copy). Same values and gradients; state_dict names as nn.Linear."""
+    recompute_cast = False
+
+    def forward(self, x):
+        if self.recompute_cast and torch.is_grad_enabled() and torch.is_autocast_enabled(x.device.type):
+            return F.linear(x, checkpoint(_autocast_copy, self.weight, use_reentrant=False), self.bias)
+        return super().forward(x)
+
+
+def _autocast_copy(w):
+    return w.to(torch.get_autocast_dtype(w.device.type))
 
 
 def rope_cos_sin(pos: torch.Tensor, head_dim: int, theta: float, dtype):
@@ -60,10 +77,10 @@ class Attention(nn.Module):
         super().__init__()
         H, D = cfg.hidden_size, cfg.head_dim
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, D
-        self.q_proj = nn.Linear(H, self.nh * D, bias=False)
-        self.k_proj = nn.Linear(H, self.nkv * D, bias=False)
-        self.v_proj = nn.Linear(H, self.nkv * D, bias=False)
-        self.o_proj = nn.Linear(self.nh * D, H, bias=False)
+        self.q_proj = Linear(H, self.nh * D, bias=False)
+        self.k_proj = Linear(H, self.nkv * D, bias=False)
+        self.v_proj = Linear(H, self.nkv * D, bias=False)
+        self.o_proj = Linear(self.nh * D, H, bias=False)
         self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
 
@@ -110,12 +127,18 @@ class DrafterCache:
 class MLP(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x):   # silu(gate) * up is recomputed in the backward: only gate and up [B, Q, I] are kept
+        g, u = self.gate_proj(x), self.up_proj(x)
+        a = checkpoint(_silu_mul, g, u, use_reentrant=False) if torch.is_grad_enabled() else _silu_mul(g, u)
+        return self.down_proj(a)
+
+
+def _silu_mul(g, u):
+    return F.silu(g) * u
 
 
 class Layer(nn.Module):
@@ -128,8 +151,21 @@ class Layer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, ctx, ctx_rope, q_rope, masks: dict, cache: LayerKV | None = None):
-        x = x + self.self_attn(self.input_layernorm(x), ctx, ctx_rope, q_rope, masks[self.window], cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.self_attn(_normed(self.input_layernorm, x), ctx, ctx_rope, q_rope, masks[self.window], cache)
+        return x + self.mlp(_normed(self.post_attention_layernorm, x))
+
+
+def _normed(norm: RMSNorm, x):
+    """norm(x), in the dtype the projections read it in (autocast's); under grad, recomputed in the backward from x
+    (kept anyway) instead of keeping a second [B, Q, H] copy for the projections' weight gradients."""
+    if not torch.is_grad_enabled():
+        return norm(x)
+    return checkpoint(_norm_cast, norm, x, use_reentrant=False)
+
+
+def _norm_cast(norm, x):
+    y = norm(x)
+    return y.to(torch.get_autocast_dtype(x.device.type)) if torch.is_autocast_enabled(x.device.type) else y
 
 
 def _weight(m) -> torch.Tensor:
@@ -204,7 +240,9 @@ class DFlashDrafter(nn.Module):
             x = layer(x, ctx, ctx_rope, q_rope, masks, cache.layers[i] if cache is not None else None)
         if cache is not None:
             cache.length = P + m
-        return self.norm(x)
+        # in the blocks' dtype (bf16 under autocast): the LM head reads it in that dtype anyway, and no float32
+        # [B, Q, H] copy outlives the norm (same values and gradients as rounding it there)
+        return self.norm(x).to(x.dtype)
 
     def new_cache(self) -> DrafterCache:
         return DrafterCache(self.cfg.num_layers)

@@ -2,7 +2,9 @@
 
 For N scored positions the logits [N, V] never exist at once: per chunk of rows the forward computes the logits,
 the weighted CE and its gradient w.r.t. the hidden states (softmax - onehot) @ W, and keeps only that [n, H]
-gradient. Backward just scales it. Two matmuls per chunk (no recompute, no checkpointing) instead of the three
+gradient. The logits' gradient is written over the logits, and a chunk's buffer is released before the next
+chunk's is made, so the loss needs one [chunk, V] buffer (1.2 GB at chunk 4096, vocabulary 151936, bf16).
+Backward just scales the kept gradient. Two matmuls per chunk (no recompute, no checkpointing) instead of the three
 of a checkpointed chunked loss. The LM head is the target's, frozen: no gradient for it.
 """
 from __future__ import annotations
@@ -11,8 +13,9 @@ import torch
 
 
 def ce_chunk(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor):
-    """logits [n, V] (any float dtype), labels [n] (< 0: ignored), weights [n] ->
-    (sum of weighted CE [], hits [n] bool, grad_logits [n, V] in the logits dtype)."""
+    """logits [n, V] (any float dtype), labels [n] (< 0: ignored), weights [n] -> (sum of weighted CE [],
+    hits [n] bool). The logits are overwritten with the gradient of that sum w.r.t. them (in their dtype), so a
+    chunk holds one [n, V] buffer, not a second one for its gradient."""
     lf = logits.to(torch.promote_types(logits.dtype, torch.float32))
     lse = torch.logsumexp(lf, dim=-1)                                            # [n]
     safe = labels.clamp(min=0)
@@ -20,9 +23,14 @@ def ce_chunk(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor):
     w = torch.where(labels >= 0, weights.to(lf.dtype), torch.zeros_like(lse))
     loss = ((lse - picked) * w).sum()
     hits = (lf.argmax(-1) == labels)
-    grad = torch.exp(lf - lse[:, None])
-    grad = grad.scatter_add(1, safe[:, None], -torch.ones_like(picked)[:, None])
-    return loss, hits, (grad * w[:, None]).to(logits.dtype)
+    if torch.compiler.is_compiling():   # (softmax - onehot) * w: one fused pass, stored straight into the logits
+        onehot = torch.arange(lf.shape[1], device=lf.device) == safe[:, None]
+        logits.copy_((torch.exp(lf - lse[:, None]) - onehot.to(lf.dtype)) * w[:, None])
+    else:                               # eager: in place, one float32 [n, V] buffer besides the logits
+        grad = (lf - lse[:, None]).exp_()
+        grad[torch.arange(grad.shape[0], device=grad.device), safe] -= 1
+        logits.copy_(grad.mul_(w[:, None]))
+    return loss, hits
 
 
 class _FusedLinearCE(torch.autograd.Function):
@@ -37,12 +45,13 @@ class _FusedLinearCE(torch.autograd.Function):
         hits = torch.empty(h.shape[0], dtype=torch.bool, device=h.device)
         for s in range(0, h.shape[0], chunk):
             e = min(s + chunk, h.shape[0])
-            logits = hc_all[s:e] @ w.t()                                            # [n, V]
-            loss, hit, g = kernel(logits, labels[s:e], weights[s:e])
+            g = hc_all[s:e] @ w.t()                                                 # [n, V] logits
+            loss, hit = kernel(g, labels[s:e], weights[s:e])                         # g: now d(loss)/d(logits)
             total += loss
             hits[s:e] = hit
             if grad_h is not None:
                 grad_h[s:e] = g @ w                                                  # [n, H]
+            del g   # before the next chunk's logits: one [n, V] buffer at a time
         ctx.save_for_backward(grad_h)
         ctx.in_dtype = h.dtype
         ctx.mark_non_differentiable(hits)

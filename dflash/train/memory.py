@@ -10,7 +10,10 @@ of S tokens, Q = num_anchors * block_size block queries and T = S + Q keys, unco
   attention mask           sdpa: the boolean mask made additive, saved per layer (4*b*Q*T on CPU, e*b*Q*T on
                            GPU, where k and v are also repeated for GQA); eager: the probabilities (2 copies of
                            b*nh*Q*T floats); flex: none (a block mask of tiles).
-Compiled layers save only the matmul inputs, e * (4*b*Q*H + b*T*H + 2*b*Q*nh*D + 2*b*T*nkv*D + 3*b*Q*I).
+Compiled layers save only the matmul inputs, e * (4*b*Q*H + b*T*H + 2*b*Q*nh*D + 2*b*T*nkv*D + 2*b*Q*I) (the MLP
+keeps gate and up; silu(gate)*up is recomputed), and under bf16 autocast the bf16 copies of the weights (2 bytes per
+parameter) unless `train.recompute_weight_casts` recasts them in the backward (`bench/drafter_memory.py` lists
+what one layer keeps).
 The b*Q*T terms dominate at many anchors: `num_anchors=1000` on the CPU demo needs ~11.6 GiB per replica.
 
 Calibrated on CPU (float32, uncompiled, the demo drafter: H 128, 4/2 heads of 32, I 384, vocab 2048, block 16)
@@ -73,7 +76,7 @@ def estimate(d, train, max_len: int, backend: str, device_type: str = "cpu", num
     else:   # flex: a block mask of 128x128 tiles, negligible
         mask_layer, mask_once, gqa = 0, 0, 0
     if compiled:   # Inductor keeps the matmul inputs and recomputes the pointwise work (norms, rope, SiLU)
-        saved = e * (4 * b * Q * H + b * T * H + 2 * b * Q * nh * D + 2 * b * T * nkv * D + 3 * b * Q * I)
+        saved = e * (4 * b * Q * H + b * T * H + 2 * b * Q * nh * D + 2 * b * T * nkv * D + 2 * b * Q * I)
     else:          # eager autograd: every intermediate, the norms' in float32
         saved = (4 * (4 * b * Q * H + 2 * b * Q * nh * D + 2 * b * T * nkv * D)
                  + e * (3 * b * Q * H + b * T * H + 4 * b * Q * nh * D + 2 * b * T * nkv * D + 4 * b * Q * I))
@@ -82,17 +85,19 @@ def estimate(d, train, max_len: int, backend: str, device_type: str = "cpu", num
             + e * b * Q * H + 2 * e * b * T * D)                                # block embeddings, rope cos/sin
     N = b * A * (Bk - 1)                                                         # scored positions
     C = min(train.loss_chunk, N)
-    # hidden rows and d(hidden); per chunk the logits and their gradient (+ float32 softmax work when not fused)
-    loss = 2 * e * N * H + C * V * (2 * e if compiled else e + 12)
+    # hidden rows and d(hidden); per chunk the logits, overwritten by their gradient (+ float32 work when eager)
+    loss = 2 * e * N * H + C * V * (e if compiled else e + 12)
     backward = saved + gqa + (4 * b * nh * Q * T if backend == "eager" else 0)   # one layer's gradients at a time
     parts = {
         "weights": 4 * P, "grads": 4 * P, "optimizer": 8 * P,
+        "weight_casts": 2 * P if bf16 and not (compiled and getattr(train, "recompute_weight_casts", False)) else 0,
         "features": (train.queue_size + 1) * b * S * (k * H * e + 9),
         "activations": L * per_layer + once, "loss": loss, "backward": backward,
         "grad_buffers": 12 * P,   # flat gradients, their sum across replicas, the average (after the backward)
     }
     parts["total"] = (sum(parts[x] for x in ("weights", "grads", "optimizer", "features"))
-                      + max(parts["activations"] + parts["loss"] + parts["backward"], parts["grad_buffers"]))
+                      + max(parts["activations"] + parts["loss"] + parts["backward"] + parts["weight_casts"],
+                            parts["grad_buffers"]))
     return parts
 
 

@@ -34,6 +34,10 @@ def build_drafter(ctx, embed, head, device: torch.device):
         with torch.device(device):
             drafter = DFlashDrafter(ctx.drafter_config, embed, head)
     if ctx.compile:
+        from dflash.model.drafter import Linear
+        for m in drafter.modules():   # train.recompute_weight_casts: bf16 weight copies recast in the backward
+            if isinstance(m, Linear):
+                m.recompute_cast = bool(ctx.cfg.train.recompute_weight_casts)
         for layer in drafter.layers:  # compiled in place (state_dict names unchanged); traced in the warm-up
             layer.compile(fullgraph=True, dynamic=False)
     return drafter.to(device).train()
