@@ -101,3 +101,22 @@ def test_check_refuses_what_cannot_fit_naming_the_keys(monkeypatch):
     # a GPU's own weights count: the target bound there leaves less room
     with pytest.raises(UserError, match="lower train.num_anchors"):
         M.check(demo(), train(), 512, "cpu", "sdpa", resident=20 * GiB)
+
+
+def test_estimate_covers_the_measured_h200_drafter_step_without_wild_excess():
+    """GPU calibration: the drafter step (one replica, no reduction buffers) measured on an H200 at three shapes
+    (`bench/h200.py --sections specforge`, committed JSON) against the estimate for the same config."""
+    from dflash import config as C
+    repo = Path(__file__).resolve().parent.parent
+    bench = json.loads((repo / "bench/results/2026-11-29-h200-r2/bench-specforge-loss-profile.json").read_text())
+    tconf = SimpleNamespace(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                            intermediate_size=12288, num_hidden_layers=36, vocab_size=151936, rms_norm_eps=1e-6,
+                            rope_theta=1e6, max_position_embeddings=40960)
+    for shape in ("3072/512", "8192/1024", "16384/2048"):
+        S, A = (int(x) for x in shape.split("/"))
+        loaded = C.load(repo / "config" / "h200.yaml", {"train.num_anchors": A, "train.batch_size": 1})
+        d = DrafterConfig.from_target(tconf, loaded.cfg.drafter, 151669)
+        est = M.estimate(d, loaded.cfg.train, S, "flex", "cuda", reduce="none")
+        measured = bench["specforge"][shape]["ours"]["peak_gb"] * GiB
+        assert 1.0 <= (est["total"] - est["features"]) / measured <= 1.2, shape
+        assert M.estimate(d, loaded.cfg.train, S, "flex", "cuda")["grad_buffers"] == 12 * M.num_params(d)

@@ -18,10 +18,10 @@ The b*Q*T terms dominate at many anchors: `num_anchors=1000` on the CPU demo nee
 
 Calibrated on CPU (float32, uncompiled, the demo drafter: H 128, 4/2 heads of 32, I 384, vocab 2048, block 16)
 against the peak RSS one micro-step (forward, backward, AdamW) adds to the process (`CALIBRATION`: the estimate is
-1.01-1.23x each; tests/test_memory.py re-measures one). On a GPU (bf16, compiled flex) it is not calibrated: for
-config/h200.yaml it gives 43 GiB (1 replica + the target's weights) and 99 GiB (3 replicas) where the committed
-H200 runs peaked at 57 and 118 GiB (max_memory_allocated), so it refuses what is far out of reach, not what is
-borderline.
+1.01-1.23x each; tests/test_memory.py re-measures one). On a GPU (bf16, compiled flex, one replica, no reduction
+buffers) against the drafter step of `bench/h200.py --sections specforge` (bench/results/2026-11-29-h200-r2/): 24.3,
+30.1 and 41.5 GiB estimated (features excluded) for 21.9, 26.7 and 36.5 GiB measured at 3072/512, 8192/1024 and
+16384/2048 (1.11-1.14x; tests/test_memory.py holds it to that file): it errs on the safe side.
 """
 from __future__ import annotations
 
@@ -53,10 +53,12 @@ def num_params(d) -> int:
 
 
 def estimate(d, train, max_len: int, backend: str, device_type: str = "cpu", num_anchors: int | None = None,
-             compiled: bool | None = None) -> dict:
+             compiled: bool | None = None, reduce: str = "flat") -> dict:
     """Bytes one drafter replica of config `d` needs for `train` (batch_size, num_anchors, loss_chunk, dtype,
     queue_size, compile) at sequences of `max_len` tokens: per part, and `total` (the parameters, their state and
-    the feature queue, plus the larger of the forward/backward peak and the gradient reduction's buffers)."""
+    the feature queue, plus the larger of the forward/backward peak and the gradient reduction's buffers).
+    `reduce`: how the replicas' gradients are summed: "flat" (threads, several replicas: flat copies, 12 bytes per
+    parameter), "ddp" (DDP's buckets, 4 bytes per parameter) or "none" (one replica: scaled in place)."""
     b, S = train.batch_size, max_len
     A = num_anchors if num_anchors is not None else train.num_anchors
     compiled = (train.compile and backend != "eager") if compiled is None else compiled
@@ -93,7 +95,8 @@ def estimate(d, train, max_len: int, backend: str, device_type: str = "cpu", num
         "weight_casts": 2 * P if bf16 and not (compiled and getattr(train, "recompute_weight_casts", False)) else 0,
         "features": (train.queue_size + 1) * b * S * (k * H * e + 9),
         "activations": L * per_layer + once, "loss": loss, "backward": backward,
-        "grad_buffers": 12 * P,   # flat gradients, their sum across replicas, the average (after the backward)
+        # flat gradients, their sum across replicas and the average (after the backward); DDP's buckets; nothing
+        "grad_buffers": {"flat": 12 * P, "ddp": 4 * P, "none": 0}[reduce],
     }
     parts["total"] = (sum(parts[x] for x in ("weights", "grads", "optimizer", "features"))
                       + max(parts["activations"] + parts["loss"] + parts["backward"] + parts["weight_casts"],
@@ -111,7 +114,7 @@ def capacity(device) -> tuple[int, str]:
 
 
 def check(d, train, max_len: int, device, backend: str, replicas: int = 1, resident: int = 0,
-          num_anchors: int | None = None, compiled: bool | None = None) -> dict:
+          num_anchors: int | None = None, compiled: bool | None = None, reduce: str = "flat") -> dict:
     """Refuse (UserError, one line naming the keys to change) a run whose `replicas` drafter replicas on `device`
     plus `resident` bytes already bound there (on a GPU: the target's weights, a copy of its embedding and LM
     head; on the CPU they are out of the available RAM already) would not fit. Call it before the replicas are
@@ -120,9 +123,9 @@ def check(d, train, max_len: int, device, backend: str, replicas: int = 1, resid
     A = num_anchors if num_anchors is not None else train.num_anchors
 
     def need(a):
-        return replicas * estimate(d, train, max_len, backend, device.type, a, compiled)["total"] + resident
+        return replicas * estimate(d, train, max_len, backend, device.type, a, compiled, reduce)["total"] + resident
 
-    part = estimate(d, train, max_len, backend, device.type, A, compiled)
+    part = estimate(d, train, max_len, backend, device.type, A, compiled, reduce)
     total, (cap, what) = need(A), capacity(device)
     if total <= FIT * cap:
         return dict(part, device_total=total, capacity=cap)

@@ -270,7 +270,7 @@ def worker_main(loaded, args) -> int:
         from dflash.train import memory
         longest = max(n for _, n in ctx.shapes)
         memory.check(ctx.drafter_config, cfg.train, longest, device, ctx.backend,
-                     num_anchors=ctx.anchors_for(longest), compiled=ctx.compile)
+                     num_anchors=ctx.anchors_for(longest), compiled=ctx.compile, reduce="ddp" if D > 1 else "none")
         metrics = RunMetrics(ctx, progress=False) if r == 0 else None
         sync = DistSync(drafter_group, D)
         rep = Replica(ctx, r, D, device, build_drafter(ctx, e, h, device), sync, metrics, fail=maybe_fail)

@@ -336,7 +336,8 @@ def check_memory(ctx, targets):
                            for p in tw.model.parameters())
         memory.check(ctx.drafter_config, ctx.cfg.train, longest, dev, ctx.backend,
                      replicas=ctx.placement.drafters.count(dev), resident=resident,
-                     num_anchors=ctx.anchors_for(longest), compiled=ctx.compile)
+                     num_anchors=ctx.anchors_for(longest), compiled=ctx.compile,
+                     reduce="flat" if len(ctx.placement.drafters) > 1 else "none")
 
 
 def _on_signal(shared: Shared, signum: int):
