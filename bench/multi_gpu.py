@@ -39,11 +39,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 ONE_GPU = REPO / "bench/results/2026-11-29-h200-runtime/summary-1t1d-b.json"   # 1 target + 1 drafter on one H200
 FX_ERROR = "symbolically trace a dynamo-optimized function"
-CRITERION = ("Ktok/s per GPU against the one-GPU figure (1 target + 1 drafter on one H200, 11.17 Ktok/s): in a "
+CRITERION = ("Ktok/s per GPU against the one-GPU figure (1 target + 1 drafter on one H200, {k:.2f} Ktok/s): in a "
              "split layout every GPU serves the one pipeline that a single GPU runs alone there, so 'the one-GPU "
-             "figure times the number of GPUs doing the same work' is 11.17 x N and the bar is 0.9 x 11.17 = 10.05 "
-             "Ktok/s per GPU. A split layout reaches it only when its T target GPUs and D drafter GPUs are equally "
-             "busy (T/t = D/d for per-micro-batch times t, d); the run's placement line says how far from that it is.")
+             "figure times the number of GPUs doing the same work' is {k:.2f} x N and the bar is 0.9 x {k:.2f} = "
+             "{bar:.2f} Ktok/s per GPU. A split layout reaches it only when its T target GPUs and D drafter GPUs are "
+             "equally busy (T/t = D/d for per-micro-batch times t, d); the run's placement line says how far from "
+             "that it is.")
 RANK_FAILED = re.compile(r"rank (\d+) = (\S+) \(([^)]*)\) failed with exit code (-?\d+)")
 
 
@@ -317,7 +318,8 @@ def main(argv=None) -> int:
               "date": datetime.now(timezone.utc).isoformat(), "layout": {"targets": drv.targets,
                                                                          "drafters": drv.drafters},
               "one_gpu_ktok_per_s": one_gpu_figure(), "one_gpu_source": str(ONE_GPU.relative_to(REPO)),
-              "per_gpu_criterion": CRITERION, "parts": {}}
+              "per_gpu_criterion": CRITERION.format(k=one_gpu_figure() or float("nan"),
+                                                    bar=0.9 * (one_gpu_figure() or float("nan"))), "parts": {}}
     try:
         import torch
         result["torch"] = torch.__version__

@@ -76,11 +76,14 @@ def parse_variant(v: str) -> dict:
 def run_variant(model, tokenizer, prompts, new_tokens, var, device):
     import torch
 
+    from dflash.data.decode import release
     from dflash.data.expand import regenerate
     cuda = device.startswith("cuda")
+    release(model)                              # the previous variant's decoder: each variant sizes its own
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+    attn = [model.config._attn_implementation]
     if var["kind"] == "cb":
         from transformers import GenerationConfig
         gen = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
@@ -100,12 +103,13 @@ def run_variant(model, tokenizer, prompts, new_tokens, var, device):
                                decoder=var["decoder"], compile=var["compile"], ignore_eos=True)
             if cuda:
                 torch.cuda.synchronize()
+            attn[0] = st["attn_implementation"]
             return st["tokens"], time.time() - t, st["batch_size"]
     _, warm_s, _ = go(prompts, min(16, new_tokens))     # warm-up: the same batches, fewer tokens
     tokens, seconds, bs = go(prompts, new_tokens)
     batches = -(-len(prompts) // bs) if bs else None
     return {"variant": var["name"], "batch_size": bs, "tokens": tokens, "seconds": round(seconds, 3),
-            "attn_implementation": model.config._attn_implementation,
+            "attn_implementation": attn[0],
             "tokens_per_s": round(tokens / seconds, 1), "warmup_s": round(warm_s, 3),
             "ms_per_decode_step": round(1000 * seconds / (batches * new_tokens), 2) if batches else None,
             "peak_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None}

@@ -242,7 +242,8 @@ def test_static_decoder_and_auto_batch_give_the_greedy_turns_of_generate(talking
     static, st2 = regenerate(model, tok, prompts, 12, batch_size=3, progress=False, decoder="static")
     auto, st3 = regenerate(model, tok, prompts, 12, batch_size=0, progress=False)
     assert st["decoder"] == st3["decoder"] == "generate" and st2["decoder"] == "static"   # auto on CPU: generate
-    assert model.config._attn_implementation == "grouped_sdpa"        # the static decoder's grouped decode attention
+    assert st2["attn_implementation"] == "grouped_sdpa"               # the static decoder's grouped decode attention
+    assert model.config._attn_implementation == "sdpa"                # ... only while it runs
     assert static == ref == auto and st2["tokens"] == st["tokens"] > 7 * 3
     stop = [ref[0][4]]                                              # a token the turns do produce, as the stop token
     cut_g, _ = regenerate(model, tok, prompts, 12, batch_size=3, progress=False, stop_ids=stop)
@@ -350,3 +351,18 @@ def test_grouped_decode_attention_equals_transformers_sdpa():
     torch.testing.assert_close(gqa_attention(Mod(), q, k2, v, mask, scaling=0.25)[0], out, rtol=0, atol=1e-12)
     k2[0, :, 5] += 5.0
     assert not torch.allclose(gqa_attention(Mod(), q, k2, v, mask, scaling=0.25)[0], out)
+
+
+def test_static_decoder_is_reused_while_it_fits_and_its_cache_freed_when_replaced(talking_target):
+    from transformers import AutoModelForCausalLM
+
+    from dflash.data import decode
+    model = AutoModelForCausalLM.from_pretrained(str(talking_target)).eval()
+    d1 = decode.decoder_for(model, 3, 40, compile=False)
+    assert (d1.B, d1.L) == (3, 256) and d1.cache is not None
+    assert decode.decoder_for(model, None, 200, compile=False) is d1          # any batch, fits: reused
+    assert decode.decoder_for(model, 3, 256, compile=False) is d1
+    d2 = decode.decoder_for(model, 3, 300, compile=False)                     # longer: a new one (384)
+    assert d2 is not d1 and d2.L == 384 and d1.cache is None                  # the old cache freed at once
+    assert decode.decoder_for(model, None, 10 ** 4, compile=False) is None    # nothing fits, no batch size given
+    assert id(model) not in decode._LAST and d2.cache is None

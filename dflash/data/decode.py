@@ -8,7 +8,7 @@ launches on an 8B target (88 ms per step at batch 32, 113 ms at batch 128 on an 
 Prompts are left-padded (B, W) with W + max_new_tokens <= max_len; W may change from call to call (prefill runs
 eagerly), B may not. Greedy picks inside the graph; sampling (temperature > 0) draws from the graph's logits.
 `decoder_for(model, batch_size, need_len, compile)` keeps the last decoder of a model (its KV cache and compiled
-graph) for the next call that fits it, so a stage compiles once, not once per chunk.
+graph) for the next call that fits it, so a stage compiles once, not once per chunk; `release(model)` frees it.
 
 Attention: with a padding mask transformers' sdpa path repeats K and V for every query head of a KV group (4x the
 cache read per step for Qwen3-8B: 100 ms per step at batch 256 on an H200); the decoder registers `grouped_sdpa`,
@@ -42,37 +42,54 @@ def _register():
     AttentionMaskInterface.register(GQA, sdpa_mask)
 
 
+def _forward(model, cache, ids, pos, mask):          # ids, pos (B, T); mask (B, L) -> last logits (B, V)
+    out = model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=cache, use_cache=True,
+                logits_to_keep=1)
+    return out.logits[:, -1]
+
+
+def _step_greedy(model, cache, ids, pos, mask):
+    return _forward(model, cache, ids, pos, mask).argmax(-1)
+
+
+def _step_logits(model, cache, ids, pos, mask):
+    return _forward(model, cache, ids, pos, mask).float()
+
+
 class StaticDecoder:
     def __init__(self, model, batch_size: int, max_len: int, compile: bool = True, check_every: int = 32):
         from transformers import StaticCache
         self.model, self.B, self.L, self.check_every = model, batch_size, max_len, check_every
         self.device = next(model.parameters()).device
         self.cache = StaticCache(config=model.config, max_cache_len=max_len)
-        if model.config._attn_implementation == "sdpa":
-            _register()
-            model.set_attn_implementation(GQA)
+        # grouped decode attention while this decoder runs (the caller's model keeps its own setting otherwise)
+        self.attn = GQA if model.config._attn_implementation in ("sdpa", GQA) else model.config._attn_implementation
         self.graphs = compile and self.device.type == "cuda"
-        self._greedy = torch.compile(self._step_greedy, mode="reduce-overhead", fullgraph=True) if self.graphs \
-            else self._step_greedy
-        self._logits = torch.compile(self._step_logits, mode="reduce-overhead", fullgraph=True) if self.graphs \
-            else self._step_logits
+        self._greedy = torch.compile(_step_greedy, mode="reduce-overhead", fullgraph=True) if self.graphs \
+            else _step_greedy
+        self._logits = torch.compile(_step_logits, mode="reduce-overhead", fullgraph=True) if self.graphs \
+            else _step_logits
 
-    def _forward(self, ids, pos, mask):                 # ids, pos (B, T); mask (B, L) -> last logits (B, V)
-        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=self.cache,
-                         use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1]
+    def close(self) -> None:
+        """Free the KV cache now (not whenever the garbage collector gets to it)."""
+        self.cache = self._greedy = self._logits = None
 
-    def _step_greedy(self, ids, pos, mask):
-        return self._forward(ids, pos, mask).argmax(-1)
-
-    def _step_logits(self, ids, pos, mask):
-        return self._forward(ids, pos, mask).float()
-
-    @torch.inference_mode()
     def generate(self, ids, attention_mask, max_new_tokens: int, stop_ids=(), temperature: float = 0.0,
                  generator=None):
         """ids, attention_mask (B, W) left-padded -> generated ids (B, max_new_tokens); after a row's first stop
         token its ids are meaningless. Stops early once every row has stopped (checked every `check_every` steps)."""
+        prev = self.model.config._attn_implementation
+        if prev != self.attn:
+            _register()
+            self.model.set_attn_implementation(self.attn)
+        try:
+            return self._generate(ids, attention_mask, max_new_tokens, stop_ids, temperature, generator)
+        finally:
+            if prev != self.attn:
+                self.model.set_attn_implementation(prev)
+
+    @torch.inference_mode()
+    def _generate(self, ids, attention_mask, max_new_tokens, stop_ids, temperature, generator):
         B, W = ids.shape
         if B != self.B or W + max_new_tokens > self.L:
             raise ValueError(f"StaticDecoder: batch {B} x width {W} + {max_new_tokens} does not fit its fixed "
@@ -85,7 +102,7 @@ class StaticDecoder:
         pos = (att.cumsum(-1) - 1).clamp_min(0)                          # left padding: first real token at 0
         pick = (lambda lg: lg.argmax(-1)) if temperature <= 0 else (
             lambda lg: torch.multinomial(torch.softmax(lg.float() / temperature, -1), 1, generator=generator)[:, 0])
-        nxt = pick(self._forward(ids, pos, mask))                        # prefill: eager, any width
+        nxt = pick(_forward(self.model, self.cache, ids, pos, mask))     # prefill: eager, any width
         out = torch.empty(B, max_new_tokens, dtype=torch.long, device=dev)
         out[:, 0] = nxt
         stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=dev)
@@ -96,7 +113,7 @@ class StaticDecoder:
                 break
             if self.graphs:
                 torch.compiler.cudagraph_mark_step_begin()
-            args = (out[:, t - 1:t].clone(), last + t, mask)
+            args = (self.model, self.cache, out[:, t - 1:t].clone(), last + t, mask)
             nxt = self._greedy(*args) if temperature <= 0 else pick(self._logits(*args))
             out[:, t] = nxt
             done |= torch.isin(nxt, stop)
@@ -115,18 +132,28 @@ def cache_len(need: int) -> int:
     return n
 
 
-def decoder_for(model, batch_size: int | None, need_len: int, compile: bool = True) -> StaticDecoder:
+def release(model) -> None:
+    """Drop the model's kept decoder and free its KV cache (end of a stage, between benchmark variants)."""
+    import gc
+    dec = _LAST.pop(id(model), None)
+    if dec is not None:
+        dec.close()
+    del dec
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def decoder_for(model, batch_size: int | None, need_len: int, compile: bool = True) -> StaticDecoder | None:
     """The model's last decoder if it is long enough and has the asked batch size (None: any), else a new one
-    (the old one's cache is freed first)."""
+    (the old one's cache is freed first); None when there is nothing to reuse and no batch size is given."""
     last = _LAST.get(id(model))
     if last is not None and last.model is model and last.L >= need_len and batch_size in (None, last.B) \
             and last.graphs == (compile and last.device.type == "cuda"):
         return last
-    _LAST.pop(id(model), None)
     del last
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    release(model)
     if batch_size is None:
-        raise ValueError("decoder_for: no decoder to reuse and no batch size")
+        return None
     _LAST[id(model)] = dec = StaticDecoder(model, batch_size, cache_len(need_len), compile=compile)
     return dec

@@ -133,10 +133,7 @@ def regenerate(model, tokenizer, prompts, max_new_tokens, temperature=0.0, batch
     dec = None
     if static:
         from dflash.data.decode import cache_len, decoder_for
-        try:                                            # the decoder of the previous call, if it fits (no recompile)
-            dec = decoder_for(model, batch_size or None, longest + max_new_tokens, compile)
-        except ValueError:
-            pass
+        dec = decoder_for(model, batch_size or None, longest + max_new_tokens, compile)   # the last one, if it fits
     if not batch_size and dec is None:
         width = cache_len(longest + max_new_tokens) - max_new_tokens if static else longest
         batch_size = auto_batch_size(model, width, max_new_tokens, memory_fraction=0.6)
@@ -181,7 +178,8 @@ def regenerate(model, tokenizer, prompts, max_new_tokens, temperature=0.0, batch
             bar.set_postfix(tok_s=f"{tokens / max(time.time() - t0, 1e-9):.0f}")
     seconds = time.time() - t0
     return out, {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
-                 "batch_size": batch_size, "decoder": "static" if static else "generate"}
+                 "batch_size": batch_size, "decoder": "static" if static else "generate",
+                 "attn_implementation": dec.attn if static else model.config._attn_implementation}
 
 
 # ---- the stage ---------------------------------------------------------------------------------------------------

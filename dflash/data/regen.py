@@ -322,5 +322,8 @@ def regenerate_stream(convs, total: int, tokenizer, cfg, cache_dir, stats: dict,
     if chunk:
         yield from process(chunk)
     bar.close()
+    if isinstance(engine, HFEngine):
+        from dflash.data.decode import release
+        release(engine.model)                           # its static decoder's KV cache
     stats["seconds"] = round(t_gen, 3)
     stats["tokens_per_s"] = round(stats["tokens"] / max(t_gen, 1e-9), 1)

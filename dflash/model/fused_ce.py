@@ -27,7 +27,7 @@ def ce_chunk(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor):
         onehot = torch.arange(lf.shape[1], device=lf.device) == safe[:, None]
         logits.copy_((torch.exp(lf - lse[:, None]) - onehot.to(lf.dtype)) * w[:, None])
     else:                               # eager: in place, one float32 [n, V] buffer besides the logits
-        grad = (lf - lse[:, None]).exp_()
+        grad = lf.sub_(lse[:, None]).exp_()      # lf: a float32 copy, or the logits (overwritten anyway)
         grad[torch.arange(grad.shape[0], device=grad.device), safe] -= 1
         logits.copy_(grad.mul_(w[:, None]))
     return loss, hits

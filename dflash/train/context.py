@@ -83,8 +83,10 @@ def set_shapes(ctx: RunContext, shapes) -> None:
     n = ctx.cfg.train.num_anchors
     capped = [s for _, s in ctx.shapes if ctx.anchors_for(s) < ctx.anchors_wanted(s)]
     if capped:
-        log.warning("train.num_anchors=%d exceeds the positions of bucket(s) %s: capped to length-1 there "
-                    "(anchors beyond the positions would be padding, computed for nothing)", n, capped)
+        key = (f"train.anchors_per_token={ctx.cfg.train.anchors_per_token}" if ctx.cfg.train.anchors_per_token
+               else f"train.num_anchors={n}")
+        log.warning("%s asks for more anchors than the positions of bucket(s) %s: capped to length-1 there "
+                    "(anchors beyond the positions would be padding, computed for nothing)", key, capped)
 
 
 def git_state() -> dict:

@@ -181,43 +181,45 @@ class Replica:
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         t_fwd, t_opt = DeviceTimer(self.device), DeviceTimer(self.device)
         prof = StepProfiler(cfg.train.profile, self.ctx.run_dir, self.rank) if cfg.train.profile else None
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for step in range(self.start_step, cfg.train.steps):
-                if prof:
-                    prof.at(step)
-                self.fail(step + 1)
-                wait, target_t, micros = 0.0, [], []
-                for a in range(accum):
-                    t = time.perf_counter()
-                    with torch.profiler.record_function("queue_wait"):
-                        m = take(self.index(step, a))
-                    wait += time.perf_counter() - t
-                    target_t.append(m.target_time)
-                    if m.ready is not None:   # features made on another stream: wait for them, keep them alive
-                        stream.wait_event(m.ready)
-                        for x in (m.feats, m.input_ids, m.loss_mask):
-                            x.record_stream(stream)
-                    micros.append(m)
-                with t_fwd, torch.profiler.record_function("drafter_fwd_bwd"):
-                    stats, stop = self.accumulate(micros, want_stop())
-                del micros
-                with t_opt, torch.profiler.record_function("optimizer"):
-                    gnorm = self.optimizer_step()
-                self.steps = step + 1
-                self._inject_divergence(step + 1)
-                final = step + 1 == cfg.train.steps
-                if check and ((step + 1) % check == 0 or final or stop):
-                    self.check_replicas(step + 1)
-                if self.rank == 0:
-                    self.metrics.step_done(step + 1, stats, gnorm, self.scheduler.get_last_lr()[0],
-                                           {"queue_wait": wait, "target": target_t, "drafter": t_fwd.pop(),
-                                            "optimizer": t_opt.pop()}, queue_depth())
-                    if stop or final or (every and (step + 1) % every == 0):
-                        self.save(step + 1)
-                if stop:
-                    raise StopRun
-        if prof:
-            prof.close()
+        try:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                for step in range(self.start_step, cfg.train.steps):
+                    if prof:
+                        prof.at(step)
+                    self.fail(step + 1)
+                    wait, target_t, micros = 0.0, [], []
+                    for a in range(accum):
+                        t = time.perf_counter()
+                        with torch.profiler.record_function("queue_wait"):
+                            m = take(self.index(step, a))
+                        wait += time.perf_counter() - t
+                        target_t.append(m.target_time)
+                        if m.ready is not None:   # features made on another stream: wait for them, keep them alive
+                            stream.wait_event(m.ready)
+                            for x in (m.feats, m.input_ids, m.loss_mask):
+                                x.record_stream(stream)
+                        micros.append(m)
+                    with t_fwd, torch.profiler.record_function("drafter_fwd_bwd"):
+                        stats, stop = self.accumulate(micros, want_stop())
+                    del micros
+                    with t_opt, torch.profiler.record_function("optimizer"):
+                        gnorm = self.optimizer_step()
+                    self.steps = step + 1
+                    self._inject_divergence(step + 1)
+                    final = step + 1 == cfg.train.steps
+                    if check and ((step + 1) % check == 0 or final or stop):
+                        self.check_replicas(step + 1)
+                    if self.rank == 0:
+                        self.metrics.step_done(step + 1, stats, gnorm, self.scheduler.get_last_lr()[0],
+                                               {"queue_wait": wait, "target": target_t, "drafter": t_fwd.pop(),
+                                                "optimizer": t_opt.pop()}, queue_depth())
+                        if stop or final or (every and (step + 1) % every == 0):
+                            self.save(step + 1)
+                    if stop:
+                        raise StopRun
+        finally:   # the trace is written however the loop ends (StopRun, a failure)
+            if prof:
+                prof.close()
 
     @functools.cached_property
     def identity(self) -> dict:

@@ -60,7 +60,7 @@ def section(*keys):
 TRAIN_ONLY = ("steps", "runtime", "lr", "betas", "weight_decay", "warmup_ratio", "min_lr_ratio", "grad_clip",
               "grad_accum", "checkpoint_every", "log_every", "resume", "warmup_steps_excluded", "matmul_tflops",
               "ready_timeout_s", "stall_timeout_s", "fail_at_step", "queue_size", "rendezvous", "check_every",
-              "diverge_at_step", "stop_timeout_s")
+              "diverge_at_step", "stop_timeout_s", "profile")
 
 
 def warmup_section():
