@@ -195,6 +195,12 @@ class RunMetrics:
                 f.write(json.dumps(row) + "\n")
         check_finite(step, loss if loss is not None else 0.0, gnorm)
 
+    def measured_window(self) -> tuple[float | None, float | None]:
+        """(start, end) in perf_counter seconds of the measured steps (those Ktok/s counts); (None, None) before."""
+        if self.t_measure is None or not self.totals["seconds"]:
+            return None, None
+        return self.t_measure, self.t_measure + self.totals["seconds"]
+
     def rows_upto(self, step: int) -> list[dict]:
         with self.lock:
             return [r for r in self.rows if r["step"] <= step]

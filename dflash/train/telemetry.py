@@ -2,17 +2,19 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
 
 class GpuSampler:
-    """Samples NVML utilisation (percent) and used memory every `period` seconds for the given CUDA devices."""
+    """Samples NVML utilisation (percent) every `period` seconds for the given CUDA devices, each sample stamped with
+    `time.perf_counter()` so a mean can cover the measured steps only (not a run's first steps or its last save)."""
 
     def __init__(self, devices, period: float = 0.5):
         self.devices = [d for d in devices if d.type == "cuda"]
         self.period = period
-        self.samples: dict[str, list[float]] = {str(d): [] for d in self.devices}
+        self.samples: dict[str, list[tuple[float, float]]] = {str(d): [] for d in self.devices}
         self._stop = threading.Event()
         self._thread = None
 
@@ -35,7 +37,8 @@ class GpuSampler:
         while not self._stop.wait(self.period):
             for name, h in handles.items():
                 try:
-                    self.samples[name].append(float(pynvml.nvmlDeviceGetUtilizationRates(h).gpu))
+                    self.samples[name].append((time.perf_counter(),
+                                               float(pynvml.nvmlDeviceGetUtilizationRates(h).gpu)))
                 except Exception:
                     pass
 
@@ -44,9 +47,13 @@ class GpuSampler:
         if self._thread:
             self._thread.join(timeout=2)
 
-    def mean(self, device) -> float | None:
-        s = self.samples.get(str(device))
-        return sum(s) / len(s) if s else None
+    def mean(self, device, since: float | None = None, until: float | None = None) -> float | None:
+        """Mean utilisation of the samples taken in [since, until] (perf_counter seconds; None: unbounded); all of
+        them when that window holds none (a run too short to sample its measured steps)."""
+        s = self.samples.get(str(device)) or []
+        inside = [u for t, u in s if (since is None or t >= since) and (until is None or t <= until)]
+        use = inside or [u for _, u in s]
+        return sum(use) / len(use) if use else None
 
 
 def nvml_handle(index: int):
@@ -64,13 +71,14 @@ def nvml_handle(index: int):
     return pynvml.nvmlDeviceGetHandleByUUID(entry)
 
 
-def device_report(placement, sampler: GpuSampler | None) -> list[dict]:
+def device_report(placement, sampler: GpuSampler | None, window=(None, None)) -> list[dict]:
+    """Per device: roles, peak memory, mean utilisation over `window` (the measured steps, see RunMetrics)."""
     out = []
     for d in placement.devices:
         roles = [r for r, devs in (("target", placement.targets), ("drafter", placement.drafters)) if d in devs]
         row = {"device": str(d), "roles": roles, "peak_memory_gb": None, "util_mean": None}
         if d.type == "cuda":
             row["peak_memory_gb"] = round(torch.cuda.max_memory_allocated(d) / 2**30, 3)
-            row["util_mean"] = sampler.mean(d) if sampler else None
+            row["util_mean"] = sampler.mean(d, *window) if sampler else None
         out.append(row)
     return out

@@ -300,7 +300,7 @@ def worker_main(loaded, args) -> int:
         # drafter rank 0 puts it in the summary's time split, which the report's placement suggestion reads
         measured_from = data_index + cfg.train.warmup_steps_excluded * per_step
         clock = ForwardClock(device)
-        sampler = GpuSampler([device]).start()
+        sampler, sampling = GpuSampler([device]), False     # started with the first measured micro-batch
         for i in range(data_index, end_index):
             if i % T != rank:
                 continue
@@ -311,6 +311,9 @@ def worker_main(loaded, args) -> int:
             b = reader.batch(i)
             dst = T + i % D
             ids = b.input_ids.to(device, non_blocking=True)
+            if i >= measured_from and not sampling:
+                sampler.start()
+                sampling = True
             with torch.inference_mode(), clock if i >= measured_from else contextlib.nullcontext():
                 feats = capture(ids)
             msgs = [torch.tensor([i, b.tokens, *b.input_ids.shape], dtype=torch.long, device=device),
@@ -376,7 +379,7 @@ def worker_main(loaded, args) -> int:
         sampler.stop()
         desc = {"name": name, "role": "drafter", "device": str(device), "steps": rep.steps,
                 "checksum": weight_checksum(rep.drafter).tolist(), "peak_memory_gb": _peak(device),
-                "util_mean": sampler.mean(device)}
+                "util_mean": sampler.mean(device, *(metrics.measured_window() if metrics else (None, None)))}
     everyone = [None] * (T + D)
     dist.all_gather_object(everyone, desc)
     if rank == T:

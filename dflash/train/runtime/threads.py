@@ -314,7 +314,7 @@ def run(ctx, reader, metrics) -> int:
     for w in workers:  # every worker polls the stop flag: they end within a poll interval
         w.join(max(0.0, deadline - time.perf_counter()))
     compile_guard.allow_compiles()
-    summary.write(ctx, metrics, [w.describe() for w in workers], status, device_report(pl, metrics.sampler),
+    summary.write(ctx, metrics, [w.describe() for w in workers], status, device_report(pl, metrics.sampler, metrics.measured_window()),
                   checksums=[weight_checksum(rep.drafter).tolist() for rep in replicas], failure=failure)
     code = 0 if status == "completed" else 128 + (shared.signum or signal.SIGINT) if status == "interrupted" else 1
     stuck = [w.name for w in workers if w.is_alive()]
