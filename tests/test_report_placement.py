@@ -22,15 +22,29 @@ def test_a_drafter_twice_the_target_gets_more_drafter_gpus():
     assert p["suggested"] == {"targets": 3, "drafters": 5}              # min(3/0.2, 5/0.4) = 12.5 mb/s, the best
     assert p["waiting"] == "target" and p["wait_share"] == pytest.approx(0.7)   # targets make 25, drafters take 7.5
     assert p["expected_speedup"] == pytest.approx(12.5 / 7.5, abs=1e-4)
+    assert p["colocated_speedup"] == pytest.approx((8 / 0.6) / 7.5, abs=1e-4)   # 13.3 mb/s: beats the best split
     assert p["sentence"] == ("target 0.20 s vs drafter 0.40 s per micro-batch: on 8 GPUs run 3 targets : 5 drafters "
-                             "(now 5 : 3, the target GPUs wait 70% of the time); up to 1.67x the micro-batches per second.")
+                             "(now 5 : 3, the target GPUs wait 70% of the time); up to 1.67x the micro-batches per second; "
+                             "co-locating (target and drafter on every GPU, data-parallel drafters, train.runtime: "
+                             "threads) up to 1.78x.")
+
+
+def test_two_gpus_split_one_to_one_name_co_location():
+    """The measured x2 runs (bench/results/2026-11-29-x2-multigpu): 1 : 1 is the best split, co-locating is better."""
+    s = _with_split(0.0853, 0.1276, 0.0124)
+    s["devices"] = [{"device": "cuda:0", "roles": ["target"]}, {"device": "cuda:1", "roles": ["drafter"]}]
+    p = suggest(s)
+    assert p["suggested"] == p["current"] == {"targets": 1, "drafters": 1}
+    assert p["colocated_speedup"] == pytest.approx((2 / 0.2253) / (1 / 0.14), abs=1e-3)     # ~1.24x
+    assert "keep 1 target : 1 drafter" in p["sentence"] and "co-locating" in p["sentence"]
 
 
 def test_a_balanced_run_keeps_its_split():
     p = suggest(_with_split(0.5, 0.25, 0.05))                           # 5/0.5 == 3/0.3
     assert p["suggested"] == p["current"] == {"targets": 5, "drafters": 3}
     assert p["waiting"] is None and p["wait_share"] == pytest.approx(0.0, abs=1e-9) and p["expected_speedup"] == pytest.approx(1.0)
-    assert "keep 5 targets : 3 drafters (now 5 : 3, neither side waits)." in p["sentence"]
+    assert "keep 5 targets : 3 drafters (now 5 : 3, neither side waits)." in p["sentence"]   # co-located: 8/0.8, no gain
+    assert p["colocated_speedup"] == pytest.approx(1.0)
 
 
 def test_drafters_that_wait_get_more_target_gpus():
