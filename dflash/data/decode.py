@@ -148,7 +148,7 @@ def decoder_for(model, batch_size: int | None, need_len: int, compile: bool = Tr
     """The model's last decoder if it is long enough and has the asked batch size (None: any), else a new one
     (the old one's cache is freed first); None when there is nothing to reuse and no batch size is given."""
     last = _LAST.get(id(model))
-    if last is not None and last.model is model and last.L >= need_len and batch_size in (None, last.B) \
+    if last is not None and last.L >= need_len and batch_size in (None, last.B) \
             and last.graphs == (compile and last.device.type == "cuda"):
         return last
     del last

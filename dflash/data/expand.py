@@ -130,18 +130,20 @@ def regenerate(model, tokenizer, prompts, max_new_tokens, temperature=0.0, batch
     static = decoder == "static" or (decoder == "auto" and device.type == "cuda")
     order = sorted(range(len(prompts)), key=lambda i: (-len(prompts[i]), i))
     longest = len(prompts[order[0]]) if prompts else 1
+    need = longest + max_new_tokens
     dec = None
-    if static:
+    if static:       # the model's kept decoder if it fits (batch_size 0: whatever its batch), else one of batch_size
         from dflash.data.decode import cache_len, decoder_for
-        dec = decoder_for(model, batch_size or None, longest + max_new_tokens, compile)   # the last one, if it fits
+        dec = decoder_for(model, batch_size or None, need, compile)
     if not batch_size and dec is None:
-        width = cache_len(longest + max_new_tokens) - max_new_tokens if static else longest
+        width = cache_len(need) - max_new_tokens if static else longest
         batch_size = auto_batch_size(model, width, max_new_tokens, memory_fraction=0.6)
         if static and prompts:                          # equal batches (the last one is filled to the fixed shape)
             batch_size = -(-len(prompts) // -(-len(prompts) // max(1, batch_size)))
         log.info("regeneration batch size %d (from free GPU memory)", batch_size)
+        if static:
+            dec = decoder_for(model, batch_size, need, compile)
     if static:
-        dec = dec or decoder_for(model, batch_size, longest + max_new_tokens, compile)
         batch_size = dec.B
         gen_g = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
     else:
