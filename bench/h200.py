@@ -414,35 +414,35 @@ def specforge_step(num_anchors, feats, ids, loss_mask, vocab=V, layers=5, heads=
 
 
 def our_step(num_anchors, feats, ids, loss_mask):
-    """This project's drafter step as train runs it: build_drafter (compiled flex layers) + micro_step (fused loss)
-    + AdamW (fused) with its schedule; config/h200.yaml with train.num_anchors = num_anchors."""
+    """This project's drafter step as train runs it: build_drafter (compiled flex layers, warmed up for this shape)
+    and the trainer's Replica: micro_step (fused loss), then optimizer_step (the global-weight-sum scale and the
+    clip folded into the fused AdamW's grad_scale) with its schedule; config/h200.yaml with train.num_anchors =
+    num_anchors."""
     from types import SimpleNamespace
 
     from dflash import config as C
     from dflash.model import DrafterConfig
-    from dflash.train import optim
     from dflash.train.context import RunContext
-    from dflash.train.step import build_drafter, micro_step, random_head
+    from dflash.train.runtime.threads import GradSync
+    from dflash.train.step import build_drafter, random_head
+    from dflash.train.trainer import Micro, Replica
     loaded = C.load(REPO / "config" / "h200.yaml", {"train.num_anchors": num_anchors})
     tconf = SimpleNamespace(hidden_size=H, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                             intermediate_size=12288, num_hidden_layers=36, vocab_size=V, rms_norm_eps=1e-6,
                             rope_theta=1e6, max_position_embeddings=40960)
     dcfg = DrafterConfig.from_target(tconf, loaded.cfg.drafter, 151669)
     setup = RunContext(loaded, None, "flex", Path("/tmp"), Path("/tmp"), tconf, dcfg, 7.0, {}, True)
+    setup.shapes = [tuple(ids.shape)]
     embed, head = random_head(setup, feats.device, torch.bfloat16)
-    model = build_drafter(setup, embed, head, feats.device)
-    opt, sched = optim.build([p for p in model.parameters() if p.requires_grad], loaded.cfg.train, feats.device)
+    rep = Replica(setup, 0, 1, feats.device, build_drafter(setup, embed, head, feats.device), GradSync(1))
+    rep.warm_up()
     counter = [0]
 
     def step():
         counter[0] += 1
-        res = micro_step(model, feats, ids, loss_mask, counter[0], setup, torch.bfloat16)
-        res.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        return res.loss.detach()
+        stats, _ = rep.accumulate([Micro(counter[0], ids.numel(), feats, ids, loss_mask)])
+        rep.optimizer_step()
+        return stats[0] / stats[1]
     return step
 
 

@@ -46,3 +46,11 @@ def test_verdicts_hold_each_run_to_issue_18():
     parts["dist"]["steps"] = 150
     v = mg.verdicts(parts, None, 200)
     assert v["threads_zero_recompiles"] is False and v["dist_completed"] is False and "dist_per_gpu_vs_one_gpu" not in v
+    # co-located: a target and a drafter replica on every GPU, held to 0.9 x the one-GPU figure per GPU
+    parts["coloc"] = {**parts["threads"], "recompiles_after_warmup": 0, "replicas_identical": False,
+                      "ktok_per_s_per_gpu": 10.1}
+    v = mg.verdicts(parts, 11.17, 200)
+    assert v["coloc_completed"] and v["coloc_zero_recompiles"] and v["coloc_replicas_identical"] is False
+    assert v["coloc_per_gpu_vs_one_gpu"] == round(10.1 / 11.17, 4) and v["coloc_per_gpu_within_10pct"] is True
+    parts["coloc"]["ktok_per_s_per_gpu"] = 9.9
+    assert mg.verdicts(parts, 11.17, 200)["coloc_per_gpu_within_10pct"] is False

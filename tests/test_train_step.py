@@ -56,8 +56,8 @@ def in_threads(fn, n: int, timeout: float = 60) -> list:
     return out
 
 
-def grads(rep):
-    return [p.grad.clone() for p in rep.params]
+def grads(rep):   # the step's gradient: what accumulate leaves, times the scale optimizer_step applies
+    return [p.grad * rep.grad_scale.to(p.grad.dtype) for p in rep.params]
 
 
 @pytest.mark.parametrize("n,accum", [(2, 2), (1, 4), (4, 1)])
@@ -86,6 +86,38 @@ def test_split_batch_has_the_gradient_of_the_whole_batch(n, accum):
         assert float(out[r][0][0] / out[r][0][1]) == pytest.approx(want_loss, rel=1e-10)
         for g, g0 in zip(got, grads(reps[0])):
             assert torch.equal(g, g0)             # bit-identical across replicas
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("clip", [0.0, 1e-3, 1e6])
+def test_optimizer_step_is_clip_then_adamw_on_the_step_gradient(fused, clip):
+    """optimizer_step folds the 1/weight-sum scale and the clip coefficient into one factor (the fused AdamW's
+    grad_scale, or one multiply): the weights after it equal torch's clip_grad_norm_ + AdamW on the step gradient."""
+    cfg = tiny_cfg()
+    feats, ids, mask = sequences(cfg)
+    ctx = context(grad_clip=clip)
+    rep = Replica(ctx, 0, 1, torch.device("cpu"), make_drafter(cfg), GradSync(1))
+    rep.optimizer.defaults["fused"] = fused
+    for g in rep.optimizer.param_groups:
+        g["fused"], g["foreach"] = fused, None if fused else True
+    ref = make_drafter(cfg)
+    ref.load_state_dict(rep.drafter.state_dict())
+    ref_params = [p for p in ref.parameters() if p.requires_grad]
+    ref_opt = torch.optim.AdamW(ref_params, lr=ctx.cfg.train.lr, betas=tuple(ctx.cfg.train.betas),
+                                weight_decay=ctx.cfg.train.weight_decay)
+    for step in range(2):
+        rep.accumulate([micro(feats.float(), ids, mask, [0, 1], step)])
+        for p, g in zip(ref_params, grads(rep)):
+            p.grad = g.clone()
+        want_norm = torch.nn.utils.clip_grad_norm_(ref_params, clip) if clip else None
+        ref_opt.param_groups[0]["lr"] = rep.optimizer.param_groups[0]["lr"]   # the schedule's lr of this step
+        ref_opt.step()
+        gnorm = rep.optimizer_step()
+        if clip:
+            assert float(gnorm) == pytest.approx(float(want_norm), rel=1e-5)
+            assert (float(want_norm) > clip) == (clip == 1e-3)        # one case clips, the other does not
+        for p, q in zip(rep.params, ref_params):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
 
 
 def test_mean_of_micro_batch_means_is_not_the_objective():

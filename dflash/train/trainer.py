@@ -6,7 +6,9 @@ Step s of replica `rank` (of n) consumes stream indices data_index + (s - start)
 The step's loss is the weighted mean over every scored position of every micro-batch of every replica (normalised
 by the global weight sum), so splitting a batch over replicas or accumulation never changes the gradient:
 each micro-batch back-propagates its weighted *sum*, replicas sum gradients and weight sums, and every replica
-divides by the same global weight sum before clipping and the optimizer step.
+divides by the same global weight sum before clipping and the optimizer step. That division and the clip are
+one factor applied where the optimizer reads the gradients (in the fused AdamW's own kernel on GPUs), not extra
+passes over them.
 """
 from __future__ import annotations
 
@@ -135,8 +137,9 @@ class Replica:
 
     # -- one optimizer step ---------------------------------------------------------------------------------
     def accumulate(self, micros, want_stop: bool = False):
-        """Forward+backward every micro-batch, reduce over replicas and normalise by the global weight sum:
-        afterwards every parameter's .grad is the gradient of the step's loss. Returns (summed stats, stop)."""
+        """Forward+backward every micro-batch and reduce over replicas: afterwards every parameter's
+        `.grad * self.grad_scale` is the gradient of the step's loss (the replicas' summed weighted sums over the
+        global weight sum; `grad_scale` a 0-dim tensor, applied by optimizer_step). Returns (summed stats, stop)."""
         dtype = P.autocast_dtype(self.ctx.cfg.train, self.device)
         stats = None
         for i, m in enumerate(micros):
@@ -150,28 +153,35 @@ class Replica:
             stats = s if stats is None else stats + s
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         if self.sync.reduces_in_backward or self.n == 1:
-            # gradients already summed (DDP averaged them over n replicas): scale in place, no copies
+            # gradients already summed (DDP averaged them over n replicas): no copies
             (stats,), stop = self.sync.reduce(self.rank, [stats], want_stop)
-            scale = (self.n / stats[1].clamp(min=1e-12)).to(grads[0].dtype)
-            torch._foreach_mul_(grads, scale)
-            for p, g in zip(self.params, grads):
-                p.grad = g
+            self.grad_scale = self.n / stats[1].clamp(min=1e-12)
         else:
             flat = torch._utils._flatten_dense_tensors(grads)
             (flat, stats), stop = self.sync.reduce(self.rank, [flat, stats], want_stop)
-            flat = flat / stats[1].clamp(min=1e-12).to(flat.dtype)
-            for p, g in zip(self.params, torch._utils._unflatten_dense_tensors(flat, grads)):
-                p.grad = g
+            self.grad_scale = 1 / stats[1].clamp(min=1e-12)
+            grads = torch._utils._unflatten_dense_tensors(flat, grads)
+        for p, g in zip(self.params, grads):
+            p.grad = g
         return stats, stop
 
     def optimizer_step(self):
-        cfg = self.ctx.cfg.train
-        gnorm = (torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip) if cfg.grad_clip
-                 else torch.zeros((), device=self.device))
+        """Clip to train.grad_clip and step, as clip_grad_norm_ + AdamW on `.grad * grad_scale`, with one factor
+        (grad_scale x the clip coefficient) applied where the optimizer reads the gradients: the fused AdamW divides
+        by its `grad_scale` in its own kernel; otherwise one in-place multiply. Returns the gradient's norm."""
+        clip = self.ctx.cfg.train.grad_clip
+        grads = [p.grad for p in self.params]
+        scale = self.grad_scale.double()
+        gnorm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True).double() * scale
+        factor = scale * (torch.clamp(clip / (gnorm + 1e-6), max=1.0) if clip else 1.0)   # clip_grad_norm_'s coef
+        if self.optimizer.defaults.get("fused"):
+            self.optimizer.grad_scale = (1 / factor).float()
+        else:
+            torch._foreach_mul_(grads, factor.to(grads[0].dtype))
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return gnorm
+        return gnorm.to(grads[0].dtype)
 
     # -- the loop ---------------------------------------------------------------------------------------------
     def run(self, take: Callable[[int], Micro], want_stop: Callable[[], bool], queue_depth: Callable[[], int]):
