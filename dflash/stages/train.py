@@ -22,7 +22,6 @@ def run(loaded, args):
     from dflash.train import compile_guard
     from dflash.train.context import prepare, set_shapes
     from dflash.train.metrics import RunMetrics
-    from dflash.train.reader import ShardReader
     from dflash.train.runtime import threads
     from dflash.train.telemetry import GpuSampler
 
@@ -33,7 +32,7 @@ def run(loaded, args):
     compile_guard.use_compile_cache(compile_cache_dir(cfg.results_dir, ctx.env["hash"]))
     ctx.run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(ctx.run_dir / "config.yaml", yaml.safe_dump(loaded.raw, sort_keys=False))
-    reader = ShardReader(ctx.data_dir, cfg.train.batch_size, cfg.seed, ctx.pad_id)
+    reader = ctx.open_reader()
     set_shapes(ctx, reader.shapes())
     log.info("run %s: %s runtime, targets %s, drafters %s, attention %s, buckets %s", cfg.run_name,
              ctx.placement.runtime, [str(d) for d in ctx.placement.targets],

@@ -18,7 +18,6 @@ def run(loaded, args):
     from dflash import paths
     from dflash.fingerprint import compile_cache_dir
     from dflash.train import compile_guard, placement as P
-    from dflash.train.reader import ShardReader
     from dflash.train.context import prepare, set_shapes
     from dflash.train.step import build_drafter, random_head, warm_up
 
@@ -30,7 +29,7 @@ def run(loaded, args):
     if device not in ctx.placement.drafters:
         log.warning("%s runs no drafter in this placement; warming it up anyway", device)
     cache = compile_guard.use_compile_cache(compile_cache_dir(loaded.cfg.results_dir, ctx.env["hash"]))
-    reader = ShardReader(ctx.data_dir, loaded.cfg.train.batch_size, loaded.cfg.seed, ctx.pad_id)
+    reader = ctx.open_reader()
     set_shapes(ctx, reader.shapes())
     dtype = P.autocast_dtype(loaded.cfg.train, device) or torch.float32
     drafter = build_drafter(ctx, *random_head(ctx, device, dtype), device)

@@ -36,6 +36,17 @@ class RunContext:
     def cfg(self):
         return self.loaded.cfg
 
+    @property
+    def batches_per_step(self) -> int:
+        """Micro-batches one optimizer step consumes over every replica: drafter replicas x train.grad_accum."""
+        return len(self.placement.drafters) * self.cfg.train.grad_accum
+
+    def open_reader(self):
+        """The run's batch stream: a step's micro-batches from one length bucket (equal work on every replica)."""
+        from dflash.train.reader import ShardReader
+        t = self.cfg.train
+        return ShardReader(self.data_dir, t.batch_size, self.cfg.seed, self.pad_id, group=self.batches_per_step)
+
     def anchors_wanted(self, length: int) -> int:
         """num_anchors, or round(length * anchors_per_token) up to num_anchors where that is set."""
         t = self.cfg.train

@@ -1,7 +1,10 @@
 """ShardReader: a deterministic, resumable stream of fixed-shape batches from the length-bucketed Arrow shards.
 
-Batch i of the stream is a pure function of (seed, i): every batch holds `batch_size` rows of one bucket, padded to
-the bucket edge (the shapes the warm-up compiled). Resuming at index i reproduces the same order exactly.
+Batch i of the stream is a pure function of (seed, group, i): every batch holds `batch_size` rows of one bucket,
+padded to the bucket edge (the shapes the warm-up compiled). Resuming at index i reproduces the same order exactly.
+`group` consecutive batches (aligned: indices g*group .. g*group+group-1) come from one bucket, so the micro-batches
+of one optimizer step (replicas x accumulation) cost the same and no replica waits for a longer one at the gradient
+sum; the batches that do not fill a group close the epoch. group 1 is the plain shuffle.
 """
 from __future__ import annotations
 
@@ -41,7 +44,7 @@ def _check_row(tok, lm, edge: int) -> None:
 
 
 class ShardReader:
-    def __init__(self, data_dir: str | Path, batch_size: int, seed: int = 0, pad_id: int = 0):
+    def __init__(self, data_dir: str | Path, batch_size: int, seed: int = 0, pad_id: int = 0, group: int = 1):
         import datasets
 
         self.data_dir = Path(data_dir)
@@ -49,7 +52,7 @@ class ShardReader:
         if not manifest.is_file():
             raise UserError(f"{manifest}: dataset manifest not found (run the data stage first)")
         self.manifest = read_json(manifest)
-        self.batch_size, self.seed, self.pad_id = batch_size, seed, pad_id
+        self.batch_size, self.seed, self.pad_id, self.group = batch_size, seed, pad_id, max(1, group)
         self.buckets: dict[int, "datasets.Dataset"] = {}
         files = self.manifest.get("files")
         if files is None:
@@ -76,14 +79,17 @@ class ShardReader:
 
     def _plan(self, epoch: int) -> list[tuple[int, list[int]]]:
         if epoch not in self._plans:
-            plan = []
+            groups, rest, g = [], [], self.group
             for edge, ds in sorted(self.buckets.items()):
                 rows = list(range(len(ds)))
                 random.Random(f"{self.seed}-{epoch}-{edge}").shuffle(rows)
                 n = len(rows) // self.batch_size * self.batch_size
-                plan += [(edge, rows[k:k + self.batch_size]) for k in range(0, n, self.batch_size)]
-            random.Random(f"{self.seed}-{epoch}").shuffle(plan)
-            self._plans = {epoch: plan}  # keep one epoch in memory
+                batches = [(edge, rows[k:k + self.batch_size]) for k in range(0, n, self.batch_size)]
+                full = len(batches) // g * g
+                groups += [batches[k:k + g] for k in range(0, full, g)]
+                rest += batches[full:]
+            random.Random(f"{self.seed}-{epoch}").shuffle(groups)
+            self._plans = {epoch: [b for grp in groups for b in grp] + rest}  # keep one epoch in memory
         return self._plans[epoch]
 
     def batch(self, index: int) -> Batch:

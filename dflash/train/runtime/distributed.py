@@ -205,7 +205,6 @@ def worker_main(loaded, args) -> int:
     from dflash.train.context import prepare, set_shapes
     from dflash.train.features import LayerCapture
     from dflash.train.metrics import RunMetrics
-    from dflash.train.reader import ShardReader
     from dflash.train.step import build_drafter
     from dflash.train.trainer import Diverged, Micro, NonFinite, Replica, StopRun, weight_checksum
 
@@ -243,7 +242,7 @@ def worker_main(loaded, args) -> int:
     for s in (signal.SIGINT, signal.SIGUSR1):   # SIGTERM stays fatal: the agent sends it when a peer failed
         signal.signal(s, lambda *a: stop.__setitem__("flag", True))
     compile_guard.use_compile_cache(compile_cache_dir(cfg.results_dir, ctx.env["hash"]))
-    reader = ShardReader(ctx.data_dir, cfg.train.batch_size, cfg.seed, ctx.pad_id)
+    reader = ctx.open_reader()
     set_shapes(ctx, reader.shapes())
     maybe_fail(0)
     t_start = time.perf_counter()
@@ -288,7 +287,7 @@ def worker_main(loaded, args) -> int:
     latest, start_step, data_index = holder[0]
     if not is_target and r != 0 and latest:
         rep.resume(latest)
-    per_step = D * cfg.train.grad_accum
+    per_step = ctx.batches_per_step
     end_index = data_index + max(0, cfg.train.steps - start_step) * per_step
 
     code, status, failure = 0, "completed", None

@@ -297,7 +297,7 @@ def run(ctx, reader, metrics) -> int:
     metrics.set_warmup(warm, time.perf_counter() - t0)
 
     # 5. workers
-    end_index = data_index + (cfg.train.steps - start_step) * D * cfg.train.grad_accum
+    end_index = data_index + (cfg.train.steps - start_step) * ctx.batches_per_step
     feeder = Feeder(reader, data_index, end_index, work, shared, pin=any(d.type == "cuda" for d in pl.targets))
     drafters = [DrafterWorker(rep, inboxes[rep.rank], shared) for rep in replicas]
     workers = [feeder, *targets, *drafters]
