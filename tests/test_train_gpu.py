@@ -73,11 +73,12 @@ def test_gradsync_reads_only_finished_tensors_and_keeps_them_alive(devices):
                 flat = torch.empty(size, device=devs[r])
                 torch.cuda._sleep(20_000_000 * (r + 1))      # ~10 ms of GPU time before the value exists
                 flat.fill_(float(r + 1 + i))
-                (total,), _ = sync.reduce(r, [flat])
-                flat.fill_(-1e6)                             # the producer reuses its memory right away
+                (total,), _ = sync.reduce(r, [flat])         # in place: total is flat, summed
                 want = sum(j + 1 + i for j in range(n))
-                if not torch.all(total == want).item():
-                    bad.append((r, i, float(total.min()), float(total.max()), want))
+                good, lo, hi = torch.all(total == want), total.min(), total.max()   # queued before the reuse
+                flat.fill_(-1e6)                             # the producer reuses its memory right away
+                if not good.item():
+                    bad.append((r, i, float(lo), float(hi), want))
 
     in_threads(replica, n, timeout=120)
     assert not bad, bad[:5]

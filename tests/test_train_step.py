@@ -88,6 +88,24 @@ def test_split_batch_has_the_gradient_of_the_whole_batch(n, accum):
             assert torch.equal(g, g0)             # bit-identical across replicas
 
 
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_gradsync_sums_in_place_by_shards(n):
+    """Reduce-scatter then all-gather: every replica ends with the rank-order sum, bit-identical, in its own tensors,
+    for sizes that do not split evenly and tensors smaller than n."""
+    g = torch.Generator().manual_seed(n)
+    data = [[torch.randn(7, generator=g, dtype=torch.float64), torch.randn(2, generator=g, dtype=torch.float64)]
+            for _ in range(n)]
+    want = [sum(data[r][k] for r in range(n)) for k in range(2)]
+    mine = [[t.clone() for t in ts] for ts in data]
+    sync = GradSync(n)
+    out = in_threads(lambda r: sync.reduce(r, mine[r])[0], n)
+    for r in range(n):
+        assert all(o is m for o, m in zip(out[r], mine[r]))                   # in place
+        for k in range(2):
+            torch.testing.assert_close(out[r][k], want[k], rtol=1e-15, atol=1e-15)
+            assert torch.equal(out[r][k], out[0][k])
+
+
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("clip", [0.0, 1e-3, 1e6])
 def test_optimizer_step_is_clip_then_adamw_on_the_step_gradient(fused, clip):

@@ -3,7 +3,8 @@
 Per replica: weights, gradients and AdamW state (float32: 16 bytes per parameter) and the feature queue
 (`train.queue_size` + 1 micro-batches of target features), plus the larger of two phases: the forward/backward of
 one micro-batch at the largest bucket (saved activations, the chunked loss, one layer's gradients) or the gradient
-reduction after it (12 bytes per parameter: flat gradients, their sum, the average). Per layer, with b sequences
+reduction after it (at most 8 bytes per parameter: the flat gradients, this replica's shard of their sum and one
+peer's shard in flight). Per layer, with b sequences
 of S tokens, Q = num_anchors * block_size block queries and T = S + Q keys, uncompiled (e: 4 fp32, 2 bf16):
   norms (float32 always)   4 * (4*b*Q*H + 2*b*Q*nh*D + 2*b*T*nkv*D)
   linears, attention, MLP  e * (3*b*Q*H + b*T*H + 4*b*Q*nh*D + 2*b*T*nkv*D + 4*b*Q*I)
@@ -57,8 +58,8 @@ def estimate(d, train, max_len: int, backend: str, device_type: str = "cpu", num
     """Bytes one drafter replica of config `d` needs for `train` (batch_size, num_anchors, loss_chunk, dtype,
     queue_size, compile) at sequences of `max_len` tokens: per part, and `total` (the parameters, their state and
     the feature queue, plus the larger of the forward/backward peak and the gradient reduction's buffers).
-    `reduce`: how the replicas' gradients are summed: "flat" (threads, several replicas: flat copies, 12 bytes per
-    parameter), "ddp" (DDP's buckets, 4 bytes per parameter) or "none" (one replica: scaled in place)."""
+    `reduce`: how the replicas' gradients are summed: "flat" (threads, several replicas: a flat copy reduced by
+    shards, at most 8 bytes per parameter), "ddp" (DDP's buckets, 4 bytes per parameter) or "none" (one replica: scaled in place)."""
     b, S = train.batch_size, max_len
     A = num_anchors if num_anchors is not None else train.num_anchors
     compiled = (train.compile and backend != "eager") if compiled is None else compiled
@@ -95,8 +96,8 @@ def estimate(d, train, max_len: int, backend: str, device_type: str = "cpu", num
         "weight_casts": 2 * P if bf16 and not (compiled and getattr(train, "recompute_weight_casts", False)) else 0,
         "features": (train.queue_size + 1) * b * S * (k * H * e + 9),
         "activations": L * per_layer + once, "loss": loss, "backward": backward,
-        # flat gradients, their sum across replicas and the average (after the backward); DDP's buckets; nothing
-        "grad_buffers": {"flat": 12 * P, "ddp": 4 * P, "none": 0}[reduce],
+        # flat gradients, my shard of their sum and a peer's shard in flight (1/n each, n >= 2); DDP's buckets; none
+        "grad_buffers": {"flat": 8 * P, "ddp": 4 * P, "none": 0}[reduce],
     }
     parts["total"] = (sum(parts[x] for x in ("weights", "grads", "optimizer", "features"))
                       + max(parts["activations"] + parts["loss"] + parts["backward"] + parts["weight_casts"],

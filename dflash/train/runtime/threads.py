@@ -161,24 +161,31 @@ class TargetWorker(Worker):
 
 
 class GradSync:
-    """Sums tensors across the replica threads, correct on CUDA streams and across devices by construction:
-    1. each replica waits until its own stream has finished the tensors it offers (no reader sees a tensor
-       whose kernels are still queued), then a barrier;
-    2. each replica sums every slot in rank order on its own stream (a cross-device read is a copy ordered
-       after the producer's completed work) and waits for that stream before the second barrier, so no
-       producer frees or overwrites a tensor another replica still reads.
-    Every replica adds the same tensors in the same order with the same kernels: the sums are bit-identical.
-    The host waits cost little: the optimizer step after them is a small share of a step."""
+    """Sums tensors across the replica threads in place, correct on CUDA streams and across devices by construction:
+    1. each replica waits until its own stream has finished the tensors it offers (no reader sees a tensor whose
+       kernels are still queued), then a barrier;
+    2. reduce-scatter: replica r sums shard r (1/n of every tensor) over all replicas in rank order on its own stream
+       (a cross-device read is a copy ordered after the producer's completed work), waits for its stream, barrier;
+    3. all-gather: each replica copies every shard's sum into its own tensors, waits for its stream, barrier, so no
+       replica frees or overwrites a tensor another one still reads.
+    Each element is summed once, in rank order, and copied: the sums are bit-identical on every replica. A replica
+    reads 2(n-1)/n of the gradients from its peers whatever n is (a ring's traffic), not n-1 whole copies."""
 
     reduces_in_backward = False
 
     def __init__(self, n: int):
         self.n = n
         self.slots: list = [None] * n
+        self.shards: list = [None] * n
         self.barrier = threading.Barrier(n)
         self.stop_after = False
 
+    def _bounds(self, numel: int, j: int) -> tuple[int, int]:
+        step = -(-numel // self.n)
+        return min(j * step, numel), min((j + 1) * step, numel)
+
     def reduce(self, rank: int, tensors: list[torch.Tensor], want_stop: bool = False):
+        """Every replica's `tensors` (contiguous, the same shapes on each) summed over the replicas, in place."""
         if self.n == 1:
             return tensors, want_stop
         dev = tensors[0].device
@@ -186,10 +193,22 @@ class GradSync:
         if rank == 0:
             self.stop_after = want_stop
         self._wait()
-        out = [sum(self.slots[j][k].to(dev) for j in range(self.n)) for k in range(len(tensors))]
+        mine = []
+        for k, t in enumerate(tensors):                                    # 2. my shard, summed in rank order
+            lo, hi = self._bounds(t.numel(), rank)
+            acc = self.slots[0][k].view(-1)[lo:hi].to(dev, copy=True)
+            for j in range(1, self.n):
+                acc += self.slots[j][k].view(-1)[lo:hi].to(dev)
+            mine.append(acc)
         stop = self.stop_after
+        self._publish_shard(rank, mine, dev)
+        for k, t in enumerate(tensors):                                    # 3. every shard's sum, into mine
+            flat = t.view(-1)
+            for j in range(self.n):
+                lo, hi = self._bounds(t.numel(), j)
+                flat[lo:hi].copy_(self.shards[j][k])
         self._consumed(dev)
-        return out, stop
+        return tensors, stop
 
     def gather(self, rank: int, value: torch.Tensor) -> list[torch.Tensor]:
         dev = value.device
@@ -203,6 +222,11 @@ class GradSync:
         if dev.type == "cuda":
             torch.cuda.current_stream(dev).synchronize()
         self.slots[rank] = tensors
+
+    def _publish_shard(self, rank, shards, dev):
+        """My shards' sums are complete on my stream and every replica has finished reading the slots."""
+        self.shards[rank] = shards
+        self._consumed(dev)
 
     def _consumed(self, dev):
         if dev.type == "cuda":
