@@ -7,8 +7,8 @@ forward right before the first layer not needed (a pre-hook on it), so neither l
 
 `train.compile_target`: `LayerCapture.compile()` compiles, in place, every module the capture runs through (decoder
 layers 0..last, the final norm when captured), one by one: regional compilation, so identical layers share one graph
-per input shape. The capture hooks are traced into those graphs (they only store the output); the stop hook sits on
-a layer that is never compiled. `warm_up` compiles every shape bucket single-threaded; after it, `guarded` calls
+per input shape. The hooks stay outside the graphs (only `forward` is compiled), and the stop hook sits on a layer
+that is never compiled. `warm_up` compiles every shape bucket single-threaded; after it, `guarded` calls
 hold the FX guard shared and fail on any new graph (see compile_guard).
 """
 from __future__ import annotations
@@ -92,9 +92,12 @@ class LayerCapture:
 
     # ---- train.compile_target ---------------------------------------------------------------------------------
     def compile(self) -> None:
-        """Compile every module the capture runs through in place (state_dict names unchanged); traced in warm_up."""
+        """Compile the forward of every module the capture runs through, in place (state_dict names unchanged);
+        traced in warm_up. The forward, not the module's whole call (`module.compile()`): the hooks then run eagerly
+        around the graph in any torch version, while dynamo's handling of hooks inside a compiled call varies
+        (it does not guard on them by default, so a graph traced with one layer's hook could serve another layer)."""
         for m in self.modules:
-            m.compile(fullgraph=True, dynamic=False)
+            m.forward = torch.compile(m.forward, fullgraph=True, dynamic=False)
         self.compiled = True
 
     def warm_up(self, device: torch.device, shapes, vocab_size: int) -> dict:
