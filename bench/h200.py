@@ -6,7 +6,8 @@
 specforge: the drafter step at 3072/512, 8192/1024, 16384/2048 (context/anchors), this project's and SpecForge's
 (`OnlineDFlashModel`, flex; its wheel carried) in one process. loss: training's fused loss beside torch's and Liger's,
 with agreement checks. profile: the train stage under torch.profiler (train.profile), reduced to where GPU time goes.
-e2e: train runs (BENCH_E2E_RUNS: 1t1d, restart, 1t3d, x2-*, long = config/h200-long.yaml).
+e2e: train runs (BENCH_E2E_RUNS: 1t1d, restart, 1t3d, x2-*, long = config/h200-long.yaml, 1t1d-tc = 1t1d with
+     train.compile_target; long and 1t1d-tc run only when named).
 
 Every section writes into one JSON (`<out>/bench.json`): the command, device, torch version and date are recorded
 with the numbers, so a result under bench/results/ can be rerun. Shapes are the issue's: 3072-token context,
@@ -525,10 +526,17 @@ def target():
         full = bench(lambda: model(ids), warmup=2, reps=5)
     cap = LayerCapture(model, [1, 9, 17, 25, 33])
     ms = bench(lambda: cap(ids), warmup=2, reps=10)
-    model = cap = None
+    want = cap(ids)
+    cap.compile()                                    # train.compile_target: layers 0..33 compiled in place
+    warm = cap.warm_up(DEV, [(1, S)], V)
+    cms = bench(lambda: cap(ids), warmup=2, reps=10)
+    diff = (cap(ids).float() - want.float()).abs().max().item()
+    model = cap = want = None
     torch.cuda.empty_cache()
     return {"capture_ms": round(ms, 2), "capture_ktok_s": round(S / ms, 2), "full_forward_ms": round(full, 2),
-            "full_forward_ktok_s": round(S / full, 2), "build_s": round(build_s, 1)}
+            "full_forward_ktok_s": round(S / full, 2), "build_s": round(build_s, 1),
+            "capture_compiled_ms": round(cms, 2), "capture_compiled_ktok_s": round(S / cms, 2),
+            "compiled_vs_eager_max_abs_diff": diff, "compile_warmup_s": warm["seconds"], "compile_graphs": warm["graphs"]}
 
 
 def dflash_stage(*args, timeout=900):
@@ -541,11 +549,13 @@ def dflash_stage(*args, timeout=900):
 H200, LONG = "config/h200.yaml", "config/h200-long.yaml"
 
 
-def e2e(out_dir: Path, steps: int, extra=()):
-    """The train stage end to end, one run per BENCH_E2E_RUNS entry (default: every entry but `long`); each config's
-    target and data stages run once, before its first run."""
+OPT_IN = ("long", "1t1d-tc")   # e2e runs only when BENCH_E2E_RUNS names them
+
+
+def e2e_runs() -> dict:
+    """name -> (config, --set arguments; None for the warm restart)."""
     one = ["--set", 'train.drafters=["cuda:0"]']
-    runs = {"1t1d": (H200, one),
+    return {"1t1d": (H200, one),
             "restart": (H200, None),
             "1t3d": (H200, ["--set", 'train.drafters=["cuda:0","cuda:0","cuda:0"]']),
             # two GPUs: the split layout (target on one, drafter on the other) in both runtimes, and data-parallel
@@ -554,8 +564,16 @@ def e2e(out_dir: Path, steps: int, extra=()):
             "x2-split-threads": (H200, ["--set", 'train.drafters=["cuda:1"]', "--set", "train.runtime=threads"]),
             "x2-dp-threads": (H200, ["--set", 'train.drafters=["cuda:0","cuda:1"]', "--set", "train.runtime=threads"]),
             # long context: 4K/8K/16K buckets, 512/1024/2048 anchors (config/h200-long.yaml), 1 target + 1 drafter
-            "long": (LONG, one)}
-    wanted = os.environ.get("BENCH_E2E_RUNS", ",".join(k for k in runs if k != "long")).split(",")
+            "long": (LONG, one),
+            # 1t1d with the target's captured layers compiled (train.compile_target)
+            "1t1d-tc": (H200, [*one, "--set", "train.compile_target=true"])}
+
+
+def e2e(out_dir: Path, steps: int, extra=()):
+    """The train stage end to end, one run per BENCH_E2E_RUNS entry (default: every entry but those in OPT_IN); each
+    config's target and data stages run once, before its first run."""
+    runs = e2e_runs()
+    wanted = os.environ.get("BENCH_E2E_RUNS", ",".join(k for k in runs if k not in OPT_IN)).split(",")
     res, ready = {}, {}
     for name, (config, sets) in runs.items():
         if name not in wanted:

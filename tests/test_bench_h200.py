@@ -109,3 +109,19 @@ def test_specforge_computes_our_loss_with_our_weights_and_anchors():
     assert their_loss.item() == pytest.approx(loss.item(), rel=1e-9)
     for name in ("fc.weight", "layers.0.self_attn.k_proj.weight", "layers.1.mlp.down_proj.weight"):
         torch.testing.assert_close(dict(theirs.named_parameters())[name].grad, dict(ours.named_parameters())[name].grad)
+
+
+def test_e2e_run_table_loads_every_config():
+    """Each e2e run's config and --set arguments load as the train stage loads them (a dry run of the table)."""
+    from dflash import config as C
+    from dflash.cli import _parse_value
+    runs = h200.e2e_runs()
+    assert set(h200.OPT_IN) <= set(runs)
+    for name, (path, sets) in runs.items():
+        items = (sets or [])[1::2]
+        assert (sets or [])[0::2] == ["--set"] * len(items), name
+        cfg = C.load(REPO / path, {k: _parse_value(v) for k, _, v in (i.partition("=") for i in items)}).cfg
+        assert cfg.train.compile_target is (name == "1t1d-tc"), name
+        if name == "1t1d-tc":   # 1t1d with the compiled target: one GPU, one target and one drafter thread
+            assert (path, tuple(cfg.train.targets), tuple(cfg.train.drafters), cfg.train.runtime) == \
+                (h200.H200, ("cuda:0",), ("cuda:0",), "threads")

@@ -3,12 +3,22 @@
 Features for target layer id are `hidden_states[id + 1]` of HF's output_hidden_states, as the reference, SGLang
 and our evaluator take them: the output of decoder layer `id`, except for the last layer (id = L-1), whose entry
 is after the decoder's final norm. We hook those layers' outputs (the final norm's for L-1) directly and stop the
-forward right after the last one needed, so neither later layers nor the LM head run.
+forward right before the first layer not needed (a pre-hook on it), so neither later layers nor the LM head run.
+
+`train.compile_target`: `LayerCapture.compile()` compiles, in place, every module the capture runs through (decoder
+layers 0..last, the final norm when captured), one by one: regional compilation, so identical layers share one graph
+per input shape. The hooks stay outside the graphs (only `forward` is compiled), and the stop hook sits on a layer
+that is never compiled. `warm_up` compiles every shape bucket single-threaded; after it, `guarded` calls
+hold the FX guard shared and fail on any new graph (see compile_guard).
 """
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
+
+from dflash.train import compile_guard
 
 
 class _Done(Exception):
@@ -31,10 +41,12 @@ class LayerCapture:
         if bad:
             raise ValueError(f"target layer ids {bad} out of range for a {len(layers)}-layer target")
         self.last = max(self.layer_ids)
+        self.compiled = False
         self._out: dict[int, torch.Tensor] = {}
         self._active = False     # hooks act only during this capture's own call (several captures may share a model)
         self._handles = []
         L = len(layers)
+        self.modules = list(layers[:self.last + 1])     # what the capture runs through (what compile() compiles)
         for i in set(self.layer_ids):
             module = layers[i]
             if i == L - 1:   # hidden_states[L] is the final norm's output
@@ -42,7 +54,10 @@ class LayerCapture:
                 if not isinstance(module, nn.Module):
                     raise ValueError(f"target layer id {i} is the last layer, but the decoder "
                                      f"{type(self.decoder).__name__} has no final `norm` to take its features after")
+                self.modules.append(module)
             self._handles.append(module.register_forward_hook(self._hook(i)))
+        if self.last + 1 < L:  # the first layer not needed stops the forward before it runs
+            self._handles.append(layers[self.last + 1].register_forward_pre_hook(self._stop))
 
     def remove(self) -> None:
         """Detach the hooks from the model."""
@@ -52,12 +67,13 @@ class LayerCapture:
 
     def _hook(self, i):
         def hook(module, args, output):
-            if not self._active:
-                return
-            self._out[i] = output[0] if isinstance(output, tuple) else output
-            if i == self.last:
-                raise _Done
+            if self._active:
+                self._out[i] = output[0] if isinstance(output, tuple) else output
         return hook
+
+    def _stop(self, module, args):
+        if self._active:
+            raise _Done
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -73,3 +89,42 @@ class LayerCapture:
         out = torch.cat([self._out[i] for i in self.layer_ids], dim=-1)
         self._out = {}
         return out
+
+    # ---- train.compile_target ---------------------------------------------------------------------------------
+    def compile(self) -> None:
+        """Compile the forward of every module the capture runs through, in place (state_dict names unchanged);
+        traced in warm_up. The forward, not the module's whole call (`module.compile()`): the hooks then run eagerly
+        around the graph in any torch version, while dynamo's handling of hooks inside a compiled call varies
+        (it does not guard on them by default, so a graph traced with one layer's hook could serve another layer)."""
+        for m in self.modules:
+            m.forward = torch.compile(m.forward, fullgraph=True, dynamic=False)
+        self.compiled = True
+
+    def warm_up(self, device: torch.device, shapes, vocab_size: int) -> dict:
+        """Run (compile, when compiled) the capture for every (batch, length) shape, single-threaded, holding the FX
+        guard exclusively. The record has the drafter warm-up's keys (summary.json's compile section sums both)."""
+        before, t0, per_shape = compile_guard.counters(), time.perf_counter(), []
+        with compile_guard.FX_GUARD.exclusive():
+            compile_guard.allow_compiles()
+            compile_guard.configure_thread(len(shapes))
+            for b, s in shapes:
+                t = time.perf_counter()
+                g = torch.Generator(device="cpu").manual_seed(s)
+                self(torch.randint(0, vocab_size, (b, s), generator=g).to(device))
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                per_shape.append({"batch": b, "length": s, "seconds": round(time.perf_counter() - t, 3)})
+        after = compile_guard.counters()
+        return {"device": str(device), "role": "target", "compiled": self.compiled, "shapes": per_shape,
+                "modules": len(self.modules), "graphs": after["graphs"] - before["graphs"],
+                "cache_hits": after["cache_hits"] - before["cache_hits"],
+                "cache_misses": after["cache_misses"] - before["cache_misses"],
+                "seconds": round(time.perf_counter() - t0, 3)}
+
+    def guarded(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The capture after warm-up: a compiled one holds the FX guard shared and fails on any new graph."""
+        if not self.compiled:
+            return self(input_ids)
+        with compile_guard.FX_GUARD.shared(), \
+                compile_guard.no_new_graphs(f"target batch {tuple(input_ids.shape)} on {input_ids.device}"):
+            return self(input_ids)

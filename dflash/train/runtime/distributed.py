@@ -293,6 +293,14 @@ def worker_main(loaded, args) -> int:
     code, status, failure = 0, "completed", None
     store = dist.distributed_c10d._get_default_store()
     if is_target:
+        warm = None
+        if cfg.train.compile_target:   # compiled for every bucket shape before the first micro-batch
+            capture.compile()
+            warm = capture.warm_up(device, ctx.shapes, ctx.drafter_config.vocab_size)
+            log.info("warm-up of %s on %s (compiled target): %d graph(s), %d cache hit(s), %.1f s", name, device,
+                     warm["graphs"], warm["cache_hits"], warm["seconds"])
+            compile_guard.forbid_recompiles()
+            compile_guard.configure_thread(len(ctx.shapes))
         pending: deque = deque()
         produced = 0
         # the forward time of the measured micro-batches (those of the steps past train.warmup_steps_excluded):
@@ -314,7 +322,7 @@ def worker_main(loaded, args) -> int:
                 sampler.start()
                 sampling = True
             with torch.inference_mode(), clock if i >= measured_from else contextlib.nullcontext():
-                feats = capture(ids)
+                feats = capture.guarded(ids)
             msgs = [torch.tensor([i, b.tokens, *b.input_ids.shape], dtype=torch.long, device=device),
                     feats.contiguous(), b.input_ids.to(device), b.loss_mask.to(device=device, dtype=torch.uint8)]
             pending.append([dist.isend(m, dst=dst) for m in msgs] + msgs)
@@ -331,7 +339,7 @@ def worker_main(loaded, args) -> int:
         sampler.stop()
         desc = {"name": name, "role": "target", "device": str(device), "steps": produced,
                 "forward_s": clock.mean(), "forward_batches": clock.n,
-                "peak_memory_gb": _peak(device), "util_mean": sampler.mean(device)}
+                "peak_memory_gb": _peak(device), "util_mean": sampler.mean(device), "warmup": warm}
     else:
         record = rep.warm_up()                      # compiles on the bare module, before DDP wraps it
         if ctx.compile:
@@ -385,6 +393,9 @@ def worker_main(loaded, args) -> int:
         devices = [{"device": d["device"], "roles": [d["role"]], "peak_memory_gb": d["peak_memory_gb"],
                     "util_mean": d["util_mean"], "rank": i} for i, d in enumerate(everyone)]
         checksums = [d.pop("checksum") for d in everyone if "checksum" in d]
+        warm = [w for d in everyone if (w := d.pop("warmup", None))]
+        if warm:   # the compiled targets' warm-up records join the summary's compile section (this rank writes it)
+            metrics.set_warmup(metrics.warmup + warm, metrics.warmup_s)
         timed = [(d["forward_s"], d["forward_batches"]) for d in everyone if d.get("forward_batches")]
         if timed:   # the mean target forward per micro-batch, times the micro-batches of one replica's step
             mean = sum(s * n for s, n in timed) / sum(n for _, n in timed)

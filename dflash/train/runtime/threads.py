@@ -127,11 +127,20 @@ class TargetWorker(Worker):
         from dflash.target import load_target
         self.model = load_target(self.ctx.cfg.target, device=self.device, seed=self.ctx.cfg.seed)
         self.capture = LayerCapture(self.model, self.ctx.drafter_config.target_layer_ids)
+        if self.ctx.cfg.train.compile_target:
+            self.capture.compile()
+
+    def warm_up(self) -> dict:
+        """train.compile_target: compile the capture for every bucket shape (on the main thread, before any worker
+        starts, like the drafter replicas' warm-up)."""
+        return self.capture.warm_up(self.device, self.ctx.shapes, self.ctx.drafter_config.vocab_size)
 
     def body(self):
         self.maybe_fail(0)
         if self.model is None:
             self.load()
+        if self.capture.compiled:
+            compile_guard.configure_thread(len(self.ctx.shapes))
         cuda = self.device.type == "cuda"
         # high priority: the drafters wait on the features, so the target's kernels go first on a shared GPU
         stream = torch.cuda.Stream(self.device, priority=-1) if cuda else None
@@ -147,7 +156,7 @@ class TargetWorker(Worker):
                     # every copy below runs on this stream (a cross-device copy runs on the source's current
                     # stream), so the event recorded after them covers the features on `dst` too
                     ids = batch.input_ids.to(self.device, non_blocking=True)
-                    feats = self.capture(ids)  # an inference tensor: autograd may not save it, so copy it out
+                    feats = self.capture.guarded(ids)  # an inference tensor: autograd may not save it, so copy it out
                     feats = feats.to(dst, non_blocking=True) if dst != self.device else feats.clone()
                     ids_dst = ids.to(dst, non_blocking=True)
                     mask = batch.loss_mask.to(dst, non_blocking=True)
@@ -310,13 +319,19 @@ def run(ctx, reader, metrics) -> int:
         return 0
 
     # 4. warm-up: every compile, single-threaded, before any worker thread starts; every replica (a compiled
-    #    graph may belong to one module)
+    #    graph may belong to one module), then every target when train.compile_target is on
     warm = []
     for rep in replicas:
         warm.append(rep.warm_up())
         log.info("warm-up of drafter-%d on %s: %d graph(s), %d cache hit(s), %.1f s", rep.rank, rep.device,
                  warm[-1]["graphs"], warm[-1]["cache_hits"], warm[-1]["seconds"])
-    if ctx.compile:
+    if cfg.train.compile_target:
+        for tw in targets:
+            if tw.model is not None:
+                warm.append(tw.warm_up())
+                log.info("warm-up of %s on %s (compiled target): %d graph(s), %d cache hit(s), %.1f s", tw.name,
+                         tw.device, warm[-1]["graphs"], warm[-1]["cache_hits"], warm[-1]["seconds"])
+    if ctx.compile or cfg.train.compile_target:
         compile_guard.forbid_recompiles()
     metrics.set_warmup(warm, time.perf_counter() - t0)
 

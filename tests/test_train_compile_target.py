@@ -1,0 +1,59 @@
+"""train.compile_target: the threads runtime compiles the target's captured layers for every bucket in the warm-up
+(its record in summary.json's compile section), trains with 0 recompiles after it, and the compiled capture equals
+the eager one: through the final norm (last layer captured) and stopped before an uncompiled layer."""
+import json
+
+import pytest
+import torch
+import yaml
+
+from dflash.cli import main
+from dflash.target import load_target
+from dflash.train.features import LayerCapture
+from test_train import prepared, run_dir
+
+pytestmark = pytest.mark.slow
+
+
+def check(tmp_path, device: str, tol: float, **train):
+    cfg = prepared(tmp_path, targets=[device], drafters=[device], compile_target=True, steps=4, checkpoint_every=0,
+                   log_every=1, warmup_steps_excluded=1, **train)
+    assert main(["train", "--config", str(cfg), "--no-progress"]) == 0
+    s = json.loads((run_dir(cfg) / "summary.json").read_text())
+    assert s["status"] == "completed" and s["steps"] == 4, s.get("failure")
+    comp = s["compile"]
+    target = [w for w in comp["per_device"] if w.get("role") == "target"]
+    assert len(target) == 1 and target[0]["compiled"] is True and target[0]["modules"] == 3  # 2 layers + final norm
+    drafter = [w for w in comp["per_device"] if w.get("role") != "target"]
+    assert target[0]["shapes"] and [x["length"] for x in target[0]["shapes"]] == \
+        [x["length"] for x in drafter[0]["shapes"]]                                       # every bucket
+    assert target[0]["graphs"] <= 2 * len(target[0]["shapes"])   # per shape: one layer graph (shared) + the norm's
+    assert comp["graphs"] == sum(w["graphs"] for w in comp["per_device"])
+    assert comp["recompiles_after_warmup"] == 0 and comp["eager_fallbacks"] == 0
+
+    section = yaml.safe_load(cfg.read_text())["target"]
+    dev = torch.device(device)
+    ids = torch.randint(0, 300, (2, 64), generator=torch.Generator().manual_seed(3)).to(dev)
+    for layer_ids, modules in (([0, 1], 3), ([0], 1)):   # [0]: a pre-hook on the uncompiled layer 1 stops the forward
+        eager = LayerCapture(load_target(section, device=dev), layer_ids)
+        compiled = LayerCapture(load_target(section, device=dev), layer_ids)
+        compiled.compile()
+        rec = compiled.warm_up(dev, [(2, 64)], 300)
+        assert rec["compiled"] is True and rec["modules"] == modules
+        ran = []
+        compiled.decoder.layers[1].register_forward_hook(lambda *a: ran.append(1))
+        want, got = eager(ids), compiled.guarded(ids)
+        assert ran == ([1] if modules == 3 else [])
+        assert got.shape == (2, 64, 32 * len(layer_ids)) and got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+        assert ((got.float() - want.float()).norm() / want.float().norm()) < tol / 2
+
+
+def test_compiled_target_on_cpu(tmp_path):
+    check(tmp_path, "cpu", 1e-5)
+
+
+@pytest.mark.gpu
+def test_compiled_target_on_cuda_bf16(tmp_path):
+    # the compiled drafter (flex) beside it in the same process, as on the H200; bf16: a few ulps apart where fused
+    check(tmp_path, "cuda:0", 4e-2, attention="flex", compile=True)
