@@ -13,6 +13,8 @@ part cannot eat the others' time):
            the first checkpoint is written; seconds until every rank is gone and the job exits, the rank named in
            the error; then the same snakemake command again, which resumes the run to its last step
   coloc    (optional) threads with a target and a drafter replica on every GPU, data parallel
+  coloc_dist (optional) the same co-located placement in the distributed runtime: one rank per GPU running its
+           target and its drafter replica, replicas in one DDP group (NCCL)
 Placement on N GPUs: the seed's 5 targets : 3 drafters scaled, round(5N/8) target GPUs (at least one of each side):
 2 GPUs 1 : 1, 4 GPUs 2 : 2, 8 GPUs 5 : 3.
 
@@ -275,12 +277,12 @@ def verdicts(parts: dict, base: float | None, steps: int) -> dict:
             v["dist_per_gpu_within_10pct"] = d["ktok_per_s_per_gpu"] >= 0.9 * base
     # threads: the split layout in one process; coloc: a target and a drafter replica on every GPU, every GPU
     # doing the one-GPU run's work, so its bar is the same 0.9 x base per GPU
-    for name in ("threads", "coloc"):
+    for name in ("threads", "coloc", "coloc_dist"):
         r = parts.get(name) or {}
         if base and r.get("ktok_per_s_per_gpu"):
             v[f"{name}_per_gpu_vs_one_gpu"] = round(r["ktok_per_s_per_gpu"] / base, 4)
-            if name == "coloc":
-                v["coloc_per_gpu_within_10pct"] = r["ktok_per_s_per_gpu"] >= 0.9 * base
+            if name.startswith("coloc"):
+                v[f"{name}_per_gpu_within_10pct"] = r["ktok_per_s_per_gpu"] >= 0.9 * base
         if r:
             v[f"{name}_completed"] = r.get("status") == "completed" and r.get("steps") == steps
             v[f"{name}_replicas_identical"] = r.get("replicas_identical")
@@ -301,7 +303,8 @@ def main(argv=None) -> int:
     p.add_argument("--cpu", action="store_true", help="rehearse on the CPU: config/config.yaml, gloo")
     p.add_argument("--config", default="config/seed-2gpu.yaml")
     p.add_argument("--results-dir", default="results")
-    p.add_argument("--parts", default="threads,dist,kill", help="in this order (threads, dist, kill, coloc)")
+    p.add_argument("--parts", default="threads,dist,kill",
+                   help="in this order (threads, dist, kill, coloc, coloc_dist)")
     p.add_argument("--full", default="dist", help="the part whose run goes through the whole pipeline (`all`: "
                    "evaluate, export, report); the others stop at their summary and are in its report's history")
     p.add_argument("--steps", type=int, default=None, help="steps of the dist/threads runs (200; --cpu 16)")
@@ -332,21 +335,22 @@ def main(argv=None) -> int:
         result["devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     except Exception as e:  # noqa: BLE001
         result["torch"] = repr(e)
-    caps = {"dist": 300, "threads": 300, "kill": 240, "coloc": 300}   # the first part builds target, data, warm-up
+    caps = {"dist": 300, "threads": 300, "kill": 240, "coloc": 300, "coloc_dist": 300}   # the first part builds target, data, warm-up
     for part in args.parts.split(","):
         t = time.monotonic()
         if part == "dist":
             r = drv.pipeline("dist", "distributed", caps[part])
         elif part == "threads":
             r = drv.pipeline("threads", "threads", caps[part])
-        elif part == "coloc":
-            devs = drv.targets + drv.drafters if not drv.cpu else ["cpu"]
-            r = drv.pipeline("coloc", "threads", caps[part], targets=devs, drafters=devs)
+        elif part in ("coloc", "coloc_dist"):
+            devs = drv.targets + drv.drafters if not drv.cpu else ["cpu", "cpu"]
+            r = drv.pipeline(part, "threads" if part == "coloc" else "distributed", caps[part], targets=devs,
+                             drafters=devs)
         elif part == "kill":
             r = drv.kill(caps[part])
             r["steps_wanted"] = args.kill_steps
         else:
-            p.error(f"--parts: unknown part {part!r} (dist, threads, kill, coloc)")
+            p.error(f"--parts: unknown part {part!r} (dist, threads, kill, coloc, coloc_dist)")
         r["part_s"] = round(time.monotonic() - t, 1)
         result["parts"][part] = r
         print(line(part, r), flush=True)

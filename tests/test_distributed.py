@@ -50,6 +50,27 @@ def test_gloo_matches_threads_and_replicas_stay_identical(tmp_path):
         assert abs(x - y) <= 1e-4 * abs(y), (a, b)
 
 
+def test_colocated_ranks_each_run_a_target_and_a_replica(tmp_path):
+    """train.targets == train.drafters: 2 ranks, each with its own target and a drafter replica (no feature
+    transport); the same losses as the threads runtime on that placement, identical replicas."""
+    two = {"targets": ["cpu", "cpu"], "drafters": ["cpu", "cpu"]}
+    dist_cfg, thr_cfg = prepared(tmp_path / "d", steps=8, **two), prepared(tmp_path / "t", steps=8, **two)
+    r = train(dist_cfg, "distributed")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "2 rank(s) on this node" in r.stderr
+    assert train(thr_cfg, "threads").returncode == 0
+    s = json.loads((run_dir(dist_cfg) / "summary.json").read_text())
+    assert s["status"] == "completed" and s["steps"] == 8 and s["replicas_identical"] is True
+    assert {w["name"] for w in s["workers"]} == {"drafter-0", "drafter-1"}
+    assert [d["roles"] for d in s["devices"]] == [["target", "drafter"]] * 2
+    assert all(w["forward_batches"] >= s["measured_steps"] for w in s["workers"]) and s["time_split_s"]["target"] > 0
+    a, b = losses(dist_cfg), losses(thr_cfg)
+    assert len(a) == len(b) == 4
+    for x, y in zip(a, b):
+        assert abs(x - y) <= 1e-4 * abs(y), (a, b)
+    assert role_of(C.load(dist_cfg), 1) == "drafter-1 + target (cpu)"
+
+
 def test_killed_rank_stops_the_job_named_and_resume_works(tmp_path):
     cfg = prepared(tmp_path, steps=12, checkpoint_every=2)
     proc = subprocess.Popen([sys.executable, "-m", "dflash", "train", "--config", str(cfg), "--no-progress",
@@ -97,6 +118,11 @@ def test_torchrun_command_construction(tmp_path):
     with pytest.raises(UserError, match="endpoint"):
         torchrun_command(C.from_dict({"train": {"targets": ["0", "1"], "drafters": ["2", "3"],
                                                 "rendezvous": {"nnodes": 2}}}))
+    # co-located: every GPU in both lists (either spelling), one rank each
+    eight = C.from_dict({"train": {"targets": [str(i) for i in range(8)],
+                                   "drafters": [f"cuda:{i}" for i in range(8)]}}, "8gpu.yaml")
+    assert launch_config(eight).nproc_per_node == 8 and "--nproc-per-node=8" in torchrun_command(eight)
+    assert role_of(eight, 3) == "drafter-3 + target (cuda:3)"
 
 
 def test_sigterm_to_the_launcher_checkpoints_and_exits_143(tmp_path):

@@ -25,8 +25,8 @@ def test_a_drafter_twice_the_target_gets_more_drafter_gpus():
     assert p["colocated_speedup"] == pytest.approx((8 / 0.6) / 7.5, abs=1e-4)   # 13.3 mb/s: beats the best split
     assert p["sentence"] == ("target 0.20 s vs drafter 0.40 s per micro-batch: on 8 GPUs run 3 targets : 5 drafters "
                              "(now 5 : 3, the target GPUs wait 70% of the time); up to 1.67x the micro-batches per second; "
-                             "co-locating (target and drafter on every GPU, data-parallel drafters, train.runtime: "
-                             "threads) up to 1.78x.")
+                             "co-locating (the same GPUs in train.targets and train.drafters: a target and a drafter "
+                             "replica on each) up to 1.78x.")
 
 
 def test_two_gpus_split_one_to_one_name_co_location():

@@ -91,7 +91,7 @@ def suggest(summary: dict) -> dict | None:
     gain = f"; up to {out['expected_speedup']:.2f}x the micro-batches per second" \
         if out["expected_speedup"] and out["expected_speedup"] >= 1.005 else ""
     if disjoint and coloc >= 1.02 * rate_new:
-        gain += (f"; co-locating (target and drafter on every GPU, data-parallel drafters, train.runtime: threads) "
-                 f"up to {out['colocated_speedup']:.2f}x")
+        gain += (f"; co-locating (the same GPUs in train.targets and train.drafters: a target and a drafter replica "
+                 f"on each) up to {out['colocated_speedup']:.2f}x")
     out["sentence"] = f"{costs}: on {g} GPUs {verb} {_n(k, 'target')} : {_n(g - k, 'drafter')} ({now}){gain}."
     return out

@@ -29,11 +29,23 @@ def parse_device(spec: str | int) -> torch.device:
     return dev
 
 
+def _norm(spec) -> str:
+    s = str(spec).strip()
+    return f"cuda:{s}" if s.isdigit() else ("cuda:0" if s == "cuda" else s)
+
+
+def colocated(train_cfg) -> bool:
+    """train.targets and train.drafters list the same devices in the same order: in the distributed runtime each rank
+    then runs a target and a drafter replica on its device (no feature transport; replicas in one DDP group)."""
+    return [_norm(d) for d in train_cfg.targets] == [_norm(d) for d in train_cfg.drafters]
+
+
 @dataclass(frozen=True)
 class Placement:
     targets: tuple[torch.device, ...]
     drafters: tuple[torch.device, ...]
     runtime: str  # threads | distributed
+    colocated: bool = False   # distributed: rank r runs a target and drafter replica r on drafters[r]
 
     @property
     def devices(self) -> tuple[torch.device, ...]:
@@ -56,10 +68,15 @@ def resolve(train_cfg) -> Placement:
     shared = sorted({str(d) for d in gpu_ranks if gpu_ranks.count(d) > 1})
     if runtime == "auto":   # a process per GPU where every worker has its own GPU; threads otherwise
         runtime = "distributed" if len(set(gpu_ranks)) > 1 and not shared else "threads"
+    coloc = runtime == "distributed" and colocated(train_cfg)
+    if coloc:   # one rank per drafter entry, each with its target: only a GPU listed twice is shared
+        shared = sorted({str(d) for d in drafters if d.type == "cuda" and drafters.count(d) > 1})
     if runtime == "distributed" and shared:
         raise UserError(f"train.runtime is distributed but {', '.join(shared)} hold several workers (targets + "
-                        "drafters): NCCL takes one rank per GPU; use train.runtime: threads for shared GPUs")
-    return Placement(targets, drafters, runtime)
+                        "drafters): NCCL takes one rank per GPU; use train.runtime: threads for shared GPUs, or list "
+                        "the same GPUs, once each, in train.targets and train.drafters (each rank then runs a target "
+                        "and a drafter replica)")
+    return Placement(targets, drafters, runtime, coloc)
 
 
 def attention_backend(train_cfg, drafter_devices) -> str:

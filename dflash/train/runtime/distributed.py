@@ -5,6 +5,8 @@ is computed by target rank i % T and sent point-to-point (NCCL on GPU, gloo on C
 at most `queue_size` sends in flight per target (back-pressure). Drafter replicas are one DistributedDataParallel
 group: bucketed gradient all-reduces overlap the backward. Drafter rank 0 writes metrics, checkpoints and the
 summary exactly as in the threads runtime.
+Co-located (train.targets == train.drafters): D ranks, rank r runs a target and drafter replica r on drafters[r] and
+computes its own micro-batches' features (T = 0 target-only ranks, nothing sent).
 
 Supervision: the elastic agent (in a thread of this launcher) stops every rank when one fails; we name it (rank,
 role, device, exit code). Stop signals (SIGINT, SIGTERM, SIGUSR1) reach the launcher, which forwards SIGUSR1 to
@@ -13,6 +15,7 @@ SIGTERM from the agent itself (a peer failed) ends a rank at once.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
@@ -28,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from dflash.errors import UserError
+from dflash.train.placement import colocated
 from dflash.train.metrics import DeviceTimer, seconds
 from dflash.train.telemetry import GpuSampler
 
@@ -40,7 +44,8 @@ STOP_KEY = "dflash/stop_index"
 
 # ---- launcher ------------------------------------------------------------------------------------------------
 def world_size(loaded) -> int:
-    return len(loaded.cfg.train.targets) + len(loaded.cfg.train.drafters)
+    t = loaded.cfg.train
+    return len(t.drafters) if colocated(t) else len(t.targets) + len(t.drafters)
 
 
 def launch_config(loaded):
@@ -89,6 +94,8 @@ def torchrun_command(loaded, overrides=()) -> list[str]:
 
 
 def role_of(loaded, rank: int) -> str:
+    if colocated(loaded.cfg.train):
+        return f"drafter-{rank} + target ({loaded.cfg.train.drafters[rank]})"
     T = len(loaded.cfg.train.targets)
     return (f"target-{rank} ({loaded.cfg.train.targets[rank]})" if rank < T
             else f"drafter-{rank - T} ({loaded.cfg.train.drafters[rank - T]})")
@@ -209,8 +216,9 @@ def worker_main(loaded, args) -> int:
     from dflash.train.trainer import Diverged, Micro, NonFinite, Replica, StopRun, weight_checksum
 
     cfg = loaded.cfg
-    T, D = len(cfg.train.targets), len(cfg.train.drafters)
-    specs = list(cfg.train.targets) + list(cfg.train.drafters)
+    coloc = colocated(cfg.train)
+    T, D = 0 if coloc else len(cfg.train.targets), len(cfg.train.drafters)   # T: target-only ranks
+    specs = ([] if coloc else list(cfg.train.targets)) + list(cfg.train.drafters)
     rank = int(os.environ["RANK"])
     if int(os.environ["WORLD_SIZE"]) != T + D:
         raise UserError(f"the launcher started {os.environ['WORLD_SIZE']} processes; the placement needs {T + D}")
@@ -234,7 +242,7 @@ def worker_main(loaded, args) -> int:
             raise RuntimeError(f"{name}: injected failure at {'init' if step == 0 else f'step {step}'}")
 
     ctx = prepare(loaded, run_dir=getattr(args, "run_dir", None), data_dir=getattr(args, "data", None))
-    ctx.placement = ctx.placement.__class__(ctx.placement.targets, ctx.placement.drafters, "distributed")
+    ctx.placement = dataclasses.replace(ctx.placement, runtime="distributed", colocated=coloc)
     atomic_write_json(ctx.run_dir / "ranks" / f"rank-{rank}.json",
                       {"rank": rank, "name": name, "device": str(device), "pid": os.getpid(), "backend": backend,
                        "host": os.uname().nodename})
@@ -247,28 +255,35 @@ def worker_main(loaded, args) -> int:
     maybe_fail(0)
     t_start = time.perf_counter()
 
-    # embedding + LM head: target rank 0 has them; it sends them to every drafter rank
-    if is_target:
+    # embedding + LM head: target rank 0 has them; it sends them to every drafter rank (co-located: its own target's)
+    if is_target or coloc:
         from dflash.target import load_target
         model = load_target(cfg.target, device=device, seed=cfg.seed)
         capture = LayerCapture(model, ctx.drafter_config.target_layer_ids)
         embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-        if rank == 0:
+        if rank == 0 and not coloc:
             for j in range(T, T + D):
                 dist.send(torch.tensor([DTYPES.index(embed.dtype)], device=device), dst=j)
                 dist.send(embed.detach().contiguous(), dst=j)
                 dist.send(head.detach().contiguous(), dst=j)
-    else:
-        V, H = ctx.drafter_config.vocab_size, ctx.drafter_config.hidden_size
-        code_t = torch.zeros(1, dtype=torch.long, device=device)
-        dist.recv(code_t, src=0)
-        dtype = DTYPES[int(code_t.item())]
-        e, h = torch.empty(V, H, dtype=dtype, device=device), torch.empty(V, H, dtype=dtype, device=device)
-        dist.recv(e, src=0)
-        dist.recv(h, src=0)
+    if not is_target:
+        if coloc:
+            from dflash.train.step import frozen_head
+            e, h = frozen_head(model, device)
+            dtype = e.dtype
+        else:
+            V, H = ctx.drafter_config.vocab_size, ctx.drafter_config.hidden_size
+            code_t = torch.zeros(1, dtype=torch.long, device=device)
+            dist.recv(code_t, src=0)
+            dtype = DTYPES[int(code_t.item())]
+            e, h = torch.empty(V, H, dtype=dtype, device=device), torch.empty(V, H, dtype=dtype, device=device)
+            dist.recv(e, src=0)
+            dist.recv(h, src=0)
         from dflash.train import memory
         longest = max(n for _, n in ctx.shapes)
-        memory.check(ctx.drafter_config, cfg.train, longest, device, ctx.backend,
+        resident = sum(p.numel() * p.element_size() for p in model.parameters()) \
+            if coloc and device.type == "cuda" else 0     # this rank's own target (the threads runtime counts it so)
+        memory.check(ctx.drafter_config, cfg.train, longest, device, ctx.backend, resident=resident,
                      num_anchors=ctx.anchors_for(longest), compiled=ctx.compile, reduce="ddp" if D > 1 else "none")
         metrics = RunMetrics(ctx, progress=False) if r == 0 else None
         sync = DistSync(drafter_group, D)
@@ -342,7 +357,11 @@ def worker_main(loaded, args) -> int:
                 "peak_memory_gb": _peak(device), "util_mean": sampler.mean(device), "warmup": warm}
     else:
         record = rep.warm_up()                      # compiles on the bare module, before DDP wraps it
-        if ctx.compile:
+        records = [record]
+        if coloc and cfg.train.compile_target:
+            capture.compile()
+            records.append(capture.warm_up(device, ctx.shapes, ctx.drafter_config.vocab_size))
+        if ctx.compile or (coloc and cfg.train.compile_target):
             compile_guard.forbid_recompiles()
         compile_guard.configure_thread(len(ctx.shapes))
         rep.model = DDP(rep.drafter, device_ids=[device] if device.type == "cuda" else None,
@@ -351,10 +370,30 @@ def worker_main(loaded, args) -> int:
         sampler = GpuSampler([device])
         if metrics:
             metrics.sampler = sampler
-            metrics.set_warmup([record], time.perf_counter() - t_start)
+            metrics.set_warmup(records, time.perf_counter() - t_start)
             metrics.start(start_step, getattr(rep, "resumed", {}).get("metrics"))
         else:
             sampler.start()
+
+        clock = ForwardClock(device)
+        measured_from = data_index + cfg.train.warmup_steps_excluded * per_step
+
+        ahead: dict = {}
+        prefetch = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reader") if coloc else None
+        read = (lambda i: reader.batch(i).pin()) if device.type == "cuda" else reader.batch
+
+        def take_local(index: int) -> Micro:
+            """Co-located: this rank's own target makes the micro-batch's features. Its next batch (index + D: a
+            replica's indices step by the number of replicas) is read meanwhile in a thread."""
+            fut = ahead.pop(index, None)
+            b = fut.result() if fut else read(index)
+            if index + D < end_index:
+                ahead[index + D] = prefetch.submit(read, index + D)
+            ids = b.input_ids.to(device, non_blocking=True)
+            with torch.inference_mode(), clock if index >= measured_from else contextlib.nullcontext():
+                feats = capture.guarded(ids)
+            # an inference tensor: autograd may not save it, so copy it out
+            return Micro(index, b.tokens, feats.clone(), ids, b.loss_mask.to(device, non_blocking=True))
 
         def take(index: int) -> Micro:
             src = index % T
@@ -371,7 +410,7 @@ def worker_main(loaded, args) -> int:
             return Micro(index, tokens, feats, ids, mask.bool())
 
         try:
-            rep.run(take, lambda: stop["flag"], lambda: 0)
+            rep.run(take_local if coloc else take, lambda: stop["flag"], lambda: 0)
         except StopRun:
             status = "interrupted"
             if r == 0:
@@ -381,17 +420,22 @@ def worker_main(loaded, args) -> int:
             failure = {"kind": "diverged" if isinstance(e, Diverged) else "non_finite", "worker": name,
                        "message": str(e), **getattr(e, "info", {})}
             log.error("%s", e)
-        if status != "failed":
+        if prefetch:
+            prefetch.shutdown(wait=True, cancel_futures=True)
+        if status != "failed" and not coloc:
             _drain(rep, T, k * H, dtype, device)     # what the targets sent beyond the stop, then their end mark
         sampler.stop()
         desc = {"name": name, "role": "drafter", "device": str(device), "steps": rep.steps,
                 "checksum": weight_checksum(rep.drafter).tolist(), "peak_memory_gb": _peak(device),
                 "util_mean": sampler.mean(device, *(metrics.measured_window() if metrics else (None, None)))}
+        if coloc:
+            desc.update(roles=["target", "drafter"], forward_s=clock.mean(), forward_batches=clock.n)
     everyone = [None] * (T + D)
     dist.all_gather_object(everyone, desc)
     if rank == T:
-        devices = [{"device": d["device"], "roles": [d["role"]], "peak_memory_gb": d["peak_memory_gb"],
-                    "util_mean": d["util_mean"], "rank": i} for i, d in enumerate(everyone)]
+        devices = [{"device": d["device"], "roles": d.pop("roles", [d["role"]]),
+                    "peak_memory_gb": d["peak_memory_gb"], "util_mean": d["util_mean"], "rank": i}
+                   for i, d in enumerate(everyone)]
         checksums = [d.pop("checksum") for d in everyone if "checksum" in d]
         warm = [w for d in everyone if (w := d.pop("warmup", None))]
         if warm:   # the compiled targets' warm-up records join the summary's compile section (this rank writes it)
