@@ -17,10 +17,10 @@ from test_train import REPO, prepared, run_dir, stop_with
 pytestmark = pytest.mark.slow
 
 
-def train(cfg, runtime, **kw):
+def train(cfg, runtime, timeout=600, **kw):
     return subprocess.run([sys.executable, "-m", "dflash", "train", "--config", str(cfg), "--no-progress",
                            "--set", f"train.runtime={runtime}"], cwd=REPO, capture_output=True, text=True,
-                          timeout=600, **kw)
+                          timeout=timeout, **kw)
 
 
 def losses(cfg):
@@ -69,6 +69,18 @@ def test_colocated_ranks_each_run_a_target_and_a_replica(tmp_path):
     for x, y in zip(a, b):
         assert abs(x - y) <= 1e-4 * abs(y), (a, b)
     assert role_of(C.load(dist_cfg), 1) == "drafter-1 + target (cpu)"
+
+
+@pytest.mark.parametrize("fault", ["diverged", "non_finite"])
+def test_a_failed_check_stops_every_rank(tmp_path, fault):
+    """Divergence (replica 1 nudged) and a non-finite loss (an absurd learning rate) stop all ranks at the same step,
+    the target rank included (it stops producing; the replicas take what it already sent): exit 1, named, no hang."""
+    kw = {"diverge_at_step": {"replica": 1, "step": 3}, "check_every": 2} if fault == "diverged" else {"lr": 1e30}
+    cfg = prepared(tmp_path, steps=40, **kw)
+    r = train(cfg, "distributed", timeout=240)
+    assert r.returncode == 1 and (run_dir(cfg) / "summary.json").exists(), r.stderr[-3000:]
+    s = json.loads((run_dir(cfg) / "summary.json").read_text())
+    assert s["status"] == "failed" and s["failure"]["kind"] == fault and s["steps"] <= 4, s["failure"]
 
 
 def test_killed_rank_stops_the_job_named_and_resume_works(tmp_path):

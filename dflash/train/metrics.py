@@ -67,6 +67,24 @@ class DeviceTimer:
         return items
 
 
+def log_due(train_cfg, step: int, start_step: int) -> bool:
+    """Whether step ends a logging interval (its row is written and checked): the last excluded warm-up step, every
+    train.log_every steps and the final one."""
+    return step == start_step + train_cfg.warmup_steps_excluded or step % train_cfg.log_every == 0 \
+        or step == train_cfg.steps
+
+
+def check_pending(pending: list[tuple[int, torch.Tensor, object]]) -> tuple[float | None, float]:
+    """(loss, gradient norm) of a logging interval's (step, stats, gnorm) rows in one host sync; NonFinite when
+    either is not finite (see trainer.check_finite)."""
+    from dflash.train.trainer import check_finite
+    st = split_stats(torch.stack([p[1] for p in pending]).sum(0).tolist())
+    loss = st["loss_sum"] / st["weight_sum"] if st["weight_sum"] else None
+    gnorm = float(pending[-1][2])
+    check_finite(pending[-1][0], loss if loss is not None else 0.0, gnorm)
+    return loss, gnorm
+
+
 def seconds(items) -> float:
     total = 0.0
     for it in items if isinstance(items, list) else [items]:
@@ -139,8 +157,7 @@ class RunMetrics:
         if self.first_step_s is None:
             import dflash
             self.first_step_s = round(time.time() - dflash.PROCESS_START, 2)
-        final = step == self.cfg.train.steps
-        if step == self.exclude_until or step % self.cfg.train.log_every == 0 or final:
+        if log_due(self.cfg.train, step, self.start_step):
             self.flush()
 
     def flush(self):

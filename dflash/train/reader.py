@@ -4,7 +4,9 @@ Batch i of the stream is a pure function of (seed, group, i): every batch holds 
 padded to the bucket edge (the shapes the warm-up compiled). Resuming at index i reproduces the same order exactly.
 `group` consecutive batches (aligned: indices g*group .. g*group+group-1) come from one bucket, so the micro-batches
 of one optimizer step (replicas x accumulation) cost the same and no replica waits for a longer one at the gradient
-sum; the batches that do not fill a group close the epoch. group 1 is the plain shuffle.
+sum. An epoch is a whole number of groups (every epoch starts on a step): the batches that fill no group of their own
+bucket close it in mixed groups, and fewer than `group` left over are skipped (others each epoch: rows reshuffle).
+group 1 is the plain shuffle.
 """
 from __future__ import annotations
 
@@ -70,7 +72,11 @@ class ShardReader:
                 self.buckets[edge] = ds
         if not self.buckets:
             raise UserError(f"{self.data_dir}: no length bucket holds a full batch of {batch_size} rows")
-        self.batches_per_epoch = sum(len(ds) // batch_size for ds in self.buckets.values())
+        batches = sum(len(ds) // batch_size for ds in self.buckets.values())
+        self.batches_per_epoch = batches // self.group * self.group
+        if not self.batches_per_epoch:
+            raise UserError(f"{self.data_dir}: {batches} batch(es) of {batch_size} rows, fewer than one optimizer "
+                            f"step's {self.group} micro-batches (drafter replicas x train.grad_accum)")
         self._plans: dict[int, list[tuple[int, list[int]]]] = {}
 
     @property
@@ -88,8 +94,11 @@ class ShardReader:
                 full = len(batches) // g * g
                 groups += [batches[k:k + g] for k in range(0, full, g)]
                 rest += batches[full:]
-            random.Random(f"{self.seed}-{epoch}").shuffle(groups)
-            self._plans = {epoch: [b for grp in groups for b in grp] + rest}  # keep one epoch in memory
+            rng = random.Random(f"{self.seed}-{epoch}")
+            rng.shuffle(groups)
+            rng.shuffle(rest)
+            plan = [b for grp in groups for b in grp] + rest
+            self._plans = {epoch: plan[:self.batches_per_epoch]}  # keep one epoch in memory
         return self._plans[epoch]
 
     def batch(self, index: int) -> Batch:

@@ -23,7 +23,7 @@ import torch
 
 from dflash.train import checkpoint, compile_guard, optim
 from dflash.train import placement as P
-from dflash.train.metrics import DeviceTimer, loss_stats
+from dflash.train.metrics import DeviceTimer, check_pending, log_due, loss_stats
 from dflash.train.step import micro_step, warm_up
 
 log = logging.getLogger("dflash.train")
@@ -191,6 +191,7 @@ class Replica:
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         t_fwd, t_opt = DeviceTimer(self.device), DeviceTimer(self.device)
         prof = StepProfiler(cfg.train.profile, self.ctx.run_dir, self.rank) if cfg.train.profile else None
+        unchecked: list = []
         try:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 for step in range(self.start_step, cfg.train.steps):
@@ -225,6 +226,14 @@ class Replica:
                                                 "optimizer": t_opt.pop()}, queue_depth())
                         if stop or final or (every and (step + 1) % every == 0):
                             self.save(step + 1)
+                    elif self.sync.reduces_in_backward:
+                        # distributed: the other ranks make replica 0's finiteness check at the same steps (the
+                        # reduced stats and the norm are the same on every rank), so all stop together, none
+                        # waits in the next step's all-reduce for a rank that stopped
+                        unchecked.append((step + 1, stats, gnorm))
+                        if log_due(cfg.train, step + 1, self.start_step):
+                            check_pending(unchecked)
+                            unchecked.clear()
                     if stop:
                         raise StopRun
         finally:   # the trace is written however the loop ends (StopRun, a failure)

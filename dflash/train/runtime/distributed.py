@@ -420,9 +420,11 @@ def worker_main(loaded, args) -> int:
             failure = {"kind": "diverged" if isinstance(e, Diverged) else "non_finite", "worker": name,
                        "message": str(e), **getattr(e, "info", {})}
             log.error("%s", e)
+            if r == 0:   # every replica stopped at this step (both checks are collective): the targets make no more
+                store.set(STOP_KEY, str(rep.index(rep.steps, 0)))
         if prefetch:
             prefetch.shutdown(wait=True, cancel_futures=True)
-        if status != "failed" and not coloc:
+        if not coloc:
             _drain(rep, T, k * H, dtype, device)     # what the targets sent beyond the stop, then their end mark
         sampler.stop()
         desc = {"name": name, "role": "drafter", "device": str(device), "steps": rep.steps,

@@ -217,6 +217,7 @@ class GradSync:
                 lo, hi = self._bounds(t.numel(), j)
                 flat[lo:hi].copy_(self.shards[j][k])
         self._consumed(dev)
+        self.slots[rank] = self.shards[rank] = None    # nobody reads them now: freed before the next step's forward
         return tensors, stop
 
     def gather(self, rank: int, value: torch.Tensor) -> list[torch.Tensor]:
@@ -225,6 +226,7 @@ class GradSync:
         self._wait()
         out = [self.slots[j][0].to("cpu") for j in range(self.n)]
         self._consumed(dev)
+        self.slots[rank] = None
         return out
 
     def _publish(self, rank, tensors, dev):
