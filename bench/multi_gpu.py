@@ -39,7 +39,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-ONE_GPU = REPO / "bench/results/2026-11-29-h200-runtime/summary-1t1d-b.json"   # 1 target + 1 drafter on one H200
+ONE_GPU = REPO / "bench/results/2026-11-29-h200-r3/summary-1t1d-7bbc115.json"   # 1 target + 1 drafter, one H200
 FX_ERROR = "symbolically trace a dynamo-optimized function"
 CRITERION = ("Ktok/s per GPU against the one-GPU figure (1 target + 1 drafter on one H200, {k:.2f} Ktok/s): in a "
              "split layout every GPU serves the one pipeline that a single GPU runs alone there, so 'the one-GPU "
