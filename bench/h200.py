@@ -1,8 +1,9 @@
 """H200 benchmark: ceilings, micro-benchmarks and the real `train` stage on config/h200.yaml.
 
-    python bench/h200.py --out bench/out [--sections ceilings,mask,attention,loss,drafter_variants,specforge,target,
-                                                     profile,e2e] [--steps N]
+    python bench/h200.py --out bench/out [--sections ceilings,mask,attention,flex_tune,loss,drafter_variants,specforge,
+                                                     target,profile,e2e] [--steps N]
 
+flex_tune: the drafter's attention with each flex kernel option set (block sizes, warps, stages, flags), fwd and bwd ms.
 specforge: the drafter step at 3072/512, 8192/1024, 16384/2048 (context/anchors), this project's and SpecForge's
 (`OnlineDFlashModel`, flex; its wheel carried) in one process. loss: training's fused loss beside torch's and Liger's,
 with agreement checks. profile: the train stage under torch.profiler (train.profile), reduced to where GPU time goes.
@@ -510,6 +511,82 @@ def specforge():
     return out
 
 
+# flex kernel options tried by flex_tune: forward (BLOCK_M, BLOCK_N, num_warps, num_stages) and backward
+# (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages); {} = torch's own choice for the device
+FLEX_FWD = [(128, 64, 8, 3), (128, 128, 8, 2), (64, 128, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3)]
+FLEX_BWD = [(64, 128, 128, 64, 8, 3), (64, 128, 128, 64, 4, 3), (32, 128, 128, 32, 4, 3), (64, 64, 64, 64, 4, 3),
+            (32, 64, 64, 32, 4, 3), (64, 128, 128, 64, 8, 2), (128, 128, 128, 128, 8, 2), (32, 128, 128, 32, 8, 3)]
+FLEX_FLAGS = [{"PRESCALE_QK": True}, {"USE_TMA": True}, {"ROWS_GUARANTEED_SAFE": True}]
+
+
+def flex_tune():
+    """The drafter's attention (our BlockMask, GQA 32/8, head dim 128, bf16) with each kernel option set of FLEX_FWD,
+    FLEX_BWD and FLEX_FLAGS, one at a time on top of torch's defaults: forward ms and forward+backward ms (median),
+    and the largest difference of the output and of dq/dk/dv from the default's. BENCH_FLEX_SHAPES: comma list of
+    CONTEXTxANCHORS (default 3072x512)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from dflash.model.masks import block_mask
+    torch._dynamo.config.cache_size_limit = 256
+    torch._dynamo.config.accumulated_cache_size_limit = 1024
+    fn = torch.compile(flex_attention, fullgraph=True, dynamic=False)
+    sets = [("default", {})]
+    sets += [(f"fwd{c}", {"fwd_BLOCK_M": c[0], "fwd_BLOCK_N": c[1], "fwd_num_warps": c[2], "fwd_num_stages": c[3]})
+             for c in FLEX_FWD]
+    sets += [(f"bwd{c}", {"bwd_BLOCK_M1": c[0], "bwd_BLOCK_N1": c[1], "bwd_BLOCK_M2": c[2], "bwd_BLOCK_N2": c[3],
+                          "bwd_num_warps": c[4], "bwd_num_stages": c[5]}) for c in FLEX_BWD]
+    sets += [(",".join(f), f) for f in FLEX_FLAGS]
+    out = {}
+    for shape in os.environ.get("BENCH_FLEX_SHAPES", f"{S}x{A}").split(","):
+        s, a = (int(x) for x in shape.split("x"))
+        anchors = random_anchors(s=s, a=a)
+        Q = a * BK
+        g = torch.Generator(device="cpu").manual_seed(1)
+        q0 = torch.randn(1, 32, Q, 128, generator=g).to(DEV, torch.bfloat16)
+        k0 = torch.randn(1, 8, s + Q, 128, generator=g).to(DEV, torch.bfloat16)
+        v0 = torch.randn(1, 8, s + Q, 128, generator=g).to(DEV, torch.bfloat16)
+        go = torch.randn(1, 32, Q, 128, generator=g).to(DEV, torch.bfloat16)
+        bm = block_mask(anchors, s)
+        ref = None
+        rows = {}
+        for name, opts in sets:
+            q, k, v = (x.clone().requires_grad_() for x in (q0, k0, v0))
+
+            def fwd():
+                return fn(q, k, v, block_mask=bm, enable_gqa=True, kernel_options=dict(opts) or None)
+
+            def fwd_bwd():
+                fwd().backward(go)
+            row = {}
+            try:
+                t0 = time.perf_counter()
+                fwd_bwd()
+                torch.cuda.synchronize()
+                row["compile_s"] = round(time.perf_counter() - t0, 1)
+                with torch.no_grad():
+                    row["fwd_ms"] = round(bench(fwd, warmup=3, reps=20), 3)
+                row["fwd_bwd_ms"] = round(bench(fwd_bwd, warmup=3, reps=20), 3)
+                row["bwd_ms"] = round(row["fwd_bwd_ms"] - row["fwd_ms"], 3)
+                q.grad = k.grad = v.grad = None
+                o = fwd()
+                o.backward(go)
+                got = [o.detach().float(), q.grad.float(), k.grad.float(), v.grad.float()]
+                if ref is None:
+                    ref = got
+                else:
+                    row["max_abs_diff"] = [round((x - y).abs().max().item(), 5) for x, y in zip(got, ref)]
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {e}"[:400]
+            rows[name] = row
+            print("flex_tune", shape, name, json.dumps(row), flush=True)
+        ref = None
+        ok = {n: r for n, r in rows.items() if "fwd_bwd_ms" in r}
+        best_f = min((n for n in ok if n.startswith("fwd") or n == "default"), key=lambda n: ok[n]["fwd_ms"], default=None)
+        best_b = min((n for n in ok if n.startswith("bwd") or n == "default"), key=lambda n: ok[n]["bwd_ms"], default=None)
+        out[shape] = {"rows": rows, "best_fwd": best_f, "best_bwd": best_b}
+    return out
+
+
 def target():
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -754,7 +831,8 @@ def profile(out_dir: Path, config="config/h200.yaml", extra=()):
     return res
 
 
-SECTIONS = ("ceilings", "mask", "attention", "loss", "drafter_variants", "specforge", "target", "profile", "e2e")
+SECTIONS = ("ceilings", "mask", "attention", "flex_tune", "loss", "drafter_variants", "specforge", "target", "profile",
+            "e2e")
 
 
 def parse_args(argv=None):
