@@ -189,7 +189,7 @@ def worker_main(ctx, args) -> int:
     from dflash.train.context import set_shapes
     from dflash.train.features import LayerCapture
     from dflash.train.metrics import RunMetrics
-    from dflash.train.step import build_drafter
+    from dflash.train.step import build_drafter, frozen_head
     from dflash.train.trainer import Diverged, Micro, NonFinite, Replica, StopRun, weight_checksum
 
     loaded, cfg, pl = ctx.loaded, ctx.cfg, ctx.placement
@@ -239,17 +239,15 @@ def worker_main(ctx, args) -> int:
         from dflash.target import load_target
         model = load_target(cfg.target, device=device, seed=cfg.seed)
         capture = LayerCapture(model, ctx.drafter_config.target_layer_ids)
-        embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-        if rank == 0 and not coloc:
-            for j in range(T, T + D):
-                dist.send(torch.tensor([DTYPES.index(embed.dtype)], device=device), dst=j)
-                dist.send(embed.detach().contiguous(), dst=j)
-                dist.send(head.detach().contiguous(), dst=j)
+    if rank == 0 and not coloc:
+        embed, head = frozen_head(model, device)
+        for j in range(T, T + D):
+            dist.send(torch.tensor([DTYPES.index(embed.dtype)], device=device), dst=j)
+            dist.send(embed.contiguous(), dst=j)
+            dist.send(head.contiguous(), dst=j)
     if not is_target:
         if coloc:
-            from dflash.train.step import frozen_head
             e, h = frozen_head(model, device)
-            dtype = e.dtype
         else:
             V, H = ctx.drafter_config.vocab_size, ctx.drafter_config.hidden_size
             code_t = torch.zeros(1, dtype=torch.long, device=device)
@@ -354,12 +352,13 @@ def worker_main(ctx, args) -> int:
         else:
             sampler.start()
 
-        clock = ForwardClock(device)
-        measured_from = data_index + cfg.train.warmup_steps_excluded * per_step
-
-        ahead: dict = {}
-        prefetch = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reader") if coloc else None
-        read = (lambda i: reader.batch(i).pin()) if device.type == "cuda" else reader.batch
+        prefetch = None
+        if coloc:   # this rank's own target: its forward time (measured steps) and the next batch read meanwhile
+            clock = ForwardClock(device)
+            measured_from = data_index + cfg.train.warmup_steps_excluded * per_step
+            ahead: dict = {}
+            prefetch = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reader")
+            read = (lambda i: reader.batch(i).pin()) if device.type == "cuda" else reader.batch
 
         def take_local(index: int) -> Micro:
             """Co-located: this rank's own target makes the micro-batch's features. Its next batch (index + D: a
