@@ -22,3 +22,14 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def repo():
     return REPO
+
+
+@pytest.fixture
+def fake_gpus(monkeypatch):
+    """`fake_gpus(n)`: torch reports n CUDA devices (placement checks only; nothing runs on them)."""
+    import torch
+
+    def fake(n: int = 8):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+    return fake

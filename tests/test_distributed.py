@@ -11,7 +11,8 @@ import pytest
 from dflash import config as C
 from dflash.errors import UserError
 from dflash.report.placement import suggest
-from dflash.train.runtime.distributed import launch_config, role_of, torchrun_command
+from dflash.train.placement import resolve
+from dflash.train.runtime.distributed import launch_config, torchrun_command
 from test_train import REPO, prepared, run_dir, stop_with
 
 pytestmark = pytest.mark.slow
@@ -68,7 +69,7 @@ def test_colocated_ranks_each_run_a_target_and_a_replica(tmp_path):
     assert len(a) == len(b) == 4
     for x, y in zip(a, b):
         assert abs(x - y) <= 1e-4 * abs(y), (a, b)
-    assert role_of(C.load(dist_cfg), 1) == "drafter-1 + target (cpu)"
+    assert resolve(C.load(dist_cfg, {"train.runtime": "distributed"}).cfg.train).role(1) == "drafter-1 + target (cpu)"
 
 
 @pytest.mark.parametrize("fault", ["diverged", "non_finite"])
@@ -108,33 +109,36 @@ def test_killed_rank_stops_the_job_named_and_resume_works(tmp_path):
     assert s["replicas_identical"] is True
 
 
-def test_torchrun_command_construction(tmp_path):
+def test_torchrun_command_construction(tmp_path, fake_gpus):
+    fake_gpus(8)
     one = C.from_dict({"train": {"targets": ["cuda:0", "cuda:1", "cuda:2", "cuda:3", "cuda:4"],
                                  "drafters": ["cuda:5", "cuda:6", "cuda:7"]}}, "seed.yaml")
-    cmd = torchrun_command(one)
+    cmd = torchrun_command(one, resolve(one.cfg.train))
     assert cmd[1:4] == ["-m", "torch.distributed.run", "--nnodes=1"]
     assert "--nproc-per-node=8" in cmd and "--standalone" in cmd and "--max-restarts=0" in cmd
     assert cmd[-5:] == ["dflash", "train", "--config", "seed.yaml", "--no-progress"]
     two = C.from_dict({"train": {"targets": [str(i) for i in range(8)] + [str(i) for i in range(5)],
                                  "drafters": ["5", "6", "7"],
                                  "rendezvous": {"nnodes": 2, "endpoint": "node1:29500", "id": "job42"}}}, "x.yaml")
-    cmd = torchrun_command(two, ["train.steps=5"])
+    cmd = torchrun_command(two, resolve(two.cfg.train), ["train.steps=5"])
     assert "--nnodes=2" in cmd and "--nproc-per-node=8" in cmd and "--rdzv-backend=c10d" in cmd
     assert "--rdzv-endpoint=node1:29500" in cmd and "--rdzv-id=job42" in cmd and "--standalone" not in cmd
     assert cmd[-2:] == ["--set", "train.steps=5"]
-    lc = launch_config(two)
+    lc = launch_config(two, resolve(two.cfg.train))
     assert (lc.min_nodes, lc.max_nodes, lc.nproc_per_node, lc.max_restarts) == (2, 2, 8, 0)
     assert lc.rdzv_endpoint == "node1:29500" and lc.run_id == "job42" and lc.rdzv_backend == "c10d"
-    assert launch_config(one).nproc_per_node == 8 and launch_config(one).rdzv_endpoint == "localhost:0"
-    assert role_of(one, 6) == "drafter-1 (cuda:6)" and role_of(one, 0) == "target-0 (cuda:0)"
+    lc, pl = launch_config(one, resolve(one.cfg.train)), resolve(one.cfg.train)
+    assert lc.nproc_per_node == 8 and lc.rdzv_endpoint == "localhost:0"
+    assert pl.role(6) == "drafter-1 (cuda:6)" and pl.role(0) == "target-0 (cuda:0)"
+    no_endpoint = C.from_dict({"train": {"targets": ["0", "1"], "drafters": ["2", "3"], "rendezvous": {"nnodes": 2}}})
     with pytest.raises(UserError, match="endpoint"):
-        torchrun_command(C.from_dict({"train": {"targets": ["0", "1"], "drafters": ["2", "3"],
-                                                "rendezvous": {"nnodes": 2}}}))
+        torchrun_command(no_endpoint, resolve(no_endpoint.cfg.train))
     # co-located: every GPU in both lists (either spelling), one rank each
-    eight = C.from_dict({"train": {"targets": [str(i) for i in range(8)],
+    eight = C.from_dict({"train": {"runtime": "distributed", "targets": [str(i) for i in range(8)],
                                    "drafters": [f"cuda:{i}" for i in range(8)]}}, "8gpu.yaml")
-    assert launch_config(eight).nproc_per_node == 8 and "--nproc-per-node=8" in torchrun_command(eight)
-    assert role_of(eight, 3) == "drafter-3 + target (cuda:3)"
+    pl = resolve(eight.cfg.train)
+    assert launch_config(eight, pl).nproc_per_node == 8 and "--nproc-per-node=8" in torchrun_command(eight, pl)
+    assert pl.role(3) == "drafter-3 + target (cuda:3)"
 
 
 def test_sigterm_to_the_launcher_checkpoints_and_exits_143(tmp_path):

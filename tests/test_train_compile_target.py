@@ -2,6 +2,7 @@
 (its record in summary.json's compile section), trains with 0 recompiles after it, and the compiled capture equals
 the eager one: through the final norm (last layer captured) and stopped before an uncompiled layer."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import yaml
 from dflash.cli import main
 from dflash.target import load_target
 from dflash.train.features import LayerCapture
-from test_train import prepared, run_dir
+from test_train import dflash, prepared, run_dir
 
 pytestmark = pytest.mark.slow
 
@@ -57,3 +58,27 @@ def test_compiled_target_on_cpu(tmp_path):
 def test_compiled_target_on_cuda_bf16(tmp_path):
     # the compiled drafter (flex) beside it in the same process, as on the H200; bf16: a few ulps apart where fused
     check(tmp_path, "cuda:0", 4e-2, attention="flex", compile=True)
+
+
+def test_warmup_stage_compiles_the_target_for_every_bucket(tmp_path):
+    """`python -m dflash warmup` with train.compile_target: on a device running a target and a drafter, the record
+    holds the drafter's part and the target's (role 'target': graphs, seconds, every bucket shape) as train's
+    summary does; the graphs land in the run's Inductor cache folder."""
+    cfg = prepared(tmp_path, targets=["cpu"], drafters=["cpu"], compile_target=True)
+    r = dflash("warmup", "--config", str(cfg), "--device", "cpu", timeout=600)   # a fresh process, as the rule runs it
+    assert r.returncode == 0, r.stderr[-3000:]
+    rec = json.loads((tmp_path / "results" / "compile" / "cpu.json").read_text())
+    drafter, target = rec["per_role"]
+    assert drafter["role"] == "drafter" and drafter["compiled"] is False       # train.compile off: eager drafter
+    assert target["role"] == "target" and target["compiled"] is True and target["modules"] == 3
+    lengths = [x["length"] for x in target["shapes"]]
+    assert len(lengths) >= 2 and lengths == [x["length"] for x in drafter["shapes"]]    # every bucket
+    assert len(lengths) <= target["graphs"] <= 2 * len(lengths) and target["seconds"] > 0
+    assert rec["graphs"] == target["graphs"] + drafter["graphs"] and rec["device"] == "cpu"
+    assert rec["cache_dir"].startswith(str(tmp_path)) and any(p.is_file() for p in Path(rec["cache_dir"]).rglob("*"))
+    # the train stage's first start (a fresh process) then finds the target's graphs in that cache
+    r = dflash("train", "--config", str(cfg), "--no-progress", "--set", "train.steps=2", timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads((run_dir(cfg) / "summary.json").read_text())
+    warm = next(w for w in s["compile"]["per_device"] if w.get("role") == "target")
+    assert warm["cache_hits"] >= len(lengths) and warm["cache_misses"] == 0, warm

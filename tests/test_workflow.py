@@ -124,7 +124,8 @@ def test_default_dry_run_lists_every_stage_with_the_venv_interpreter(wf):
 
 
 def test_slurm_profile_plans_the_8gpu_job(wf):
-    """The README's cluster command, as a dry run: one warm-up job per drafter GPU, train asks for 8 GPUs."""
+    """The README's cluster command, as a dry run: one warm-up job per drafter GPU (every GPU with
+    train.compile_target), train asks for 8 GPUs."""
     r = snakemake(wf, "-n", "--workflow-profile", "workflow/profiles/slurm", "--configfile", "config/seed-8gpu.yaml")
     assert r.returncode == 0, r.out[-3000:]
     assert r.out.count("rule warmup:") == 3                      # cuda5, cuda6, cuda7
@@ -132,6 +133,12 @@ def test_slurm_profile_plans_the_8gpu_job(wf):
     head = train.split("Shell command")[0]
     assert "gpu=8" in head and "gres=gpu:8" in head
     assert "python -m dflash train --config config/seed-8gpu.yaml" in train
+    # train.compile_target: the target GPUs are warmed up too (their compiled layers), one job per GPU
+    cfg = yaml.safe_load((wf / "config" / "seed-8gpu.yaml").read_text())
+    cfg["train"]["compile_target"] = True
+    r = snakemake(wf, "-n", "-p", "--configfile", write_config(wf, "ct.yaml", cfg))
+    assert r.returncode == 0, r.out[-3000:]
+    assert r.out.count("rule warmup:") == 8 and all(f"--device cuda{i}" in r.out for i in range(8))
 
 
 def test_two_configfiles_refused(wf):

@@ -28,7 +28,7 @@ def run(loaded, args):
     ctx = prepare(loaded, run_dir=args.run_dir, data_dir=args.data)
     if ctx.placement.runtime == "distributed":
         from dflash.train.runtime import distributed
-        return distributed.launch(loaded, args, ctx.run_dir)
+        return distributed.launch(ctx, args)
     compile_guard.use_compile_cache(compile_cache_dir(cfg.results_dir, ctx.env["hash"]))
     ctx.run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(ctx.run_dir / "config.yaml", yaml.safe_dump(loaded.raw, sort_keys=False))

@@ -1,5 +1,7 @@
-"""Stage `warmup`: compile the drafter's forward and backward for every length bucket on one device, single-threaded,
-into the persistent Inductor cache of this environment; write results/compile/<device>.json."""
+"""Stage `warmup`: on one device, single-threaded, into the persistent Inductor cache of this environment: compile the
+drafter's forward and backward for every length bucket (a device running a drafter replica) and, with
+train.compile_target, the target's captured layers for every bucket (a device running a target); write
+results/compile/<device>.json."""
 import logging
 
 log = logging.getLogger("dflash.warmup")
@@ -12,31 +14,60 @@ def add_arguments(p):
 
 
 def run(loaded, args):
-    import torch
-
     from dflash.atomic import atomic_write_json
     from dflash import paths
     from dflash.fingerprint import compile_cache_dir
     from dflash.train import compile_guard, placement as P
     from dflash.train.context import prepare, set_shapes
-    from dflash.train.step import build_drafter, random_head, warm_up
 
     spec = args.device
     if spec.startswith("cuda") and spec[4:].isdigit():
         spec = f"cuda:{spec[4:]}"
     device = P.parse_device(spec)
     ctx = prepare(loaded, data_dir=args.data)
-    if device not in ctx.placement.drafters:
-        log.warning("%s runs no drafter in this placement; warming it up anyway", device)
+    target = loaded.cfg.train.compile_target and device in ctx.placement.targets
+    drafter = device in ctx.placement.drafters
+    if not (drafter or target):
+        log.warning("%s runs no drafter (nor a compiled target) in this placement; warming the drafter up anyway",
+                    device)
     cache = compile_guard.use_compile_cache(compile_cache_dir(loaded.cfg.results_dir, ctx.env["hash"]))
     reader = ctx.open_reader()
     set_shapes(ctx, reader.shapes())
-    dtype = P.autocast_dtype(loaded.cfg.train, device) or torch.float32
-    drafter = build_drafter(ctx, *random_head(ctx, device, dtype), device)
-    record = warm_up(drafter, ctx, device, ctx.shapes)
-    record.update({"env_hash": ctx.env["hash"], "cache_dir": str(cache)})
+    records = []   # in the train stage's order: the drafter replicas, then the compiled targets
+    if drafter or not target:
+        records.append({"role": "drafter", **_drafter(ctx, device)})
+    if target:
+        records.append(_target(ctx, device))
+    total = {k: sum(r[k] for r in records) for k in ("graphs", "cache_hits", "cache_misses", "seconds")}
+    record = {"device": str(device), **total, "seconds": round(total["seconds"], 3), "per_role": records,
+              "env_hash": ctx.env["hash"], "cache_dir": str(cache)}
     out = args.out or paths.compile_record(loaded.cfg.results_dir, args.device)
     atomic_write_json(out, record)
-    log.info("warm-up %s: %d shape(s), %d graph(s), %d cache hit(s), %.1f s -> %s", device, len(record["shapes"]),
-             record["graphs"], record["cache_hits"], record["seconds"], out)
+    for r in records:
+        log.info("warm-up %s (%s): %d shape(s), %d graph(s), %d cache hit(s), %.1f s", device, r["role"],
+                 len(r["shapes"]), r["graphs"], r["cache_hits"], r["seconds"])
+    log.info("-> %s", out)
     return 0
+
+
+def _drafter(ctx, device) -> dict:
+    import torch
+
+    from dflash.train import placement as P
+    from dflash.train.step import build_drafter, random_head, warm_up
+
+    dtype = P.autocast_dtype(ctx.cfg.train, device) or torch.float32
+    drafter = build_drafter(ctx, *random_head(ctx, device, dtype), device)
+    return warm_up(drafter, ctx, device, ctx.shapes)
+
+
+def _target(ctx, device) -> dict:
+    """The target's captured layers compiled as the train stage compiles them (LayerCapture.compile / warm_up): the
+    same graphs, so its first start finds them in the cache. The record has role 'target'."""
+    from dflash.target import load_target
+    from dflash.train.features import LayerCapture
+
+    capture = LayerCapture(load_target(ctx.cfg.target, device=device, seed=ctx.cfg.seed),
+                           ctx.drafter_config.target_layer_ids)
+    capture.compile()
+    return capture.warm_up(device, ctx.shapes, ctx.drafter_config.vocab_size)

@@ -74,15 +74,19 @@ def log_due(train_cfg, step: int, start_step: int) -> bool:
         or step == train_cfg.steps
 
 
-def check_pending(pending: list[tuple[int, torch.Tensor, object]]) -> tuple[float | None, float]:
-    """(loss, gradient norm) of a logging interval's (step, stats, gnorm) rows in one host sync; NonFinite when
-    either is not finite (see trainer.check_finite)."""
+def interval_loss(total: list[float]) -> tuple[dict, float | None]:
+    """A logging interval's summed loss_stats -> (split_stats, its loss: the weighted mean; None where nothing was
+    scored). RunMetrics.flush and check_pending both read an interval through this."""
+    st = split_stats(total)
+    return st, (st["loss_sum"] / st["weight_sum"] if st["weight_sum"] else None)
+
+
+def check_pending(pending: list[tuple[int, torch.Tensor, object]]) -> None:
+    """The finiteness check of a logging interval's (step, stats, gnorm) rows in one host sync, as flush makes it
+    (on ranks that write no metrics): NonFinite when the loss or the gradient norm is not finite."""
     from dflash.train.trainer import check_finite
-    st = split_stats(torch.stack([p[1] for p in pending]).sum(0).tolist())
-    loss = st["loss_sum"] / st["weight_sum"] if st["weight_sum"] else None
-    gnorm = float(pending[-1][2])
-    check_finite(pending[-1][0], loss if loss is not None else 0.0, gnorm)
-    return loss, gnorm
+    _, loss = interval_loss(torch.stack([p[1] for p in pending]).sum(0).tolist())
+    check_finite(pending[-1][0], loss, float(pending[-1][2]))
 
 
 def seconds(items) -> float:
@@ -171,8 +175,7 @@ class RunMetrics:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         now = time.perf_counter()
-        total = torch.stack([p[1] for p in pending]).sum(0).tolist()   # the one host sync per interval
-        st = split_stats(total)
+        st, loss = interval_loss(torch.stack([p[1] for p in pending]).sum(0).tolist())   # the one host sync
         n_micro = len(self.ctx.placement.drafters) * self.cfg.train.grad_accum
         split = {k: sum(seconds(p[4][k]) for p in pending) / len(pending) for k in SPLIT}
         measured = self.t_measure is not None and pending[0][0] > self.exclude_until
@@ -189,7 +192,6 @@ class RunMetrics:
             self.t_measure = now
         window = now - getattr(self, "_t_last", self.t_start)
         self._t_last = now
-        loss = st["loss_sum"] / st["weight_sum"] if st["weight_sum"] else None
         gnorm = float(pending[-1][2])
         row = {
             "step": step, "elapsed_s": round(now - self.t_start, 3),
@@ -210,7 +212,7 @@ class RunMetrics:
             self.last = row
             with open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")
-        check_finite(step, loss if loss is not None else 0.0, gnorm)
+        check_finite(step, loss, gnorm)
 
     def measured_window(self) -> tuple[float | None, float | None]:
         """(start, end) in perf_counter seconds of the measured steps (those Ktok/s counts); (None, None) before."""

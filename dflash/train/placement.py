@@ -34,9 +34,7 @@ def _norm(spec) -> str:
     return f"cuda:{s}" if s.isdigit() else ("cuda:0" if s == "cuda" else s)
 
 
-def colocated(train_cfg) -> bool:
-    """train.targets and train.drafters list the same devices in the same order: in the distributed runtime each rank
-    then runs a target and a drafter replica on its device (no feature transport; replicas in one DDP group)."""
+def _same_lists(train_cfg) -> bool:
     return [_norm(d) for d in train_cfg.targets] == [_norm(d) for d in train_cfg.drafters]
 
 
@@ -45,7 +43,10 @@ class Placement:
     targets: tuple[torch.device, ...]
     drafters: tuple[torch.device, ...]
     runtime: str  # threads | distributed
-    colocated: bool = False   # distributed: rank r runs a target and drafter replica r on drafters[r]
+    # distributed, train.targets == train.drafters: rank r runs a target and drafter replica r on drafters[r] (no
+    # feature transport; replicas in one DDP group)
+    colocated: bool = False
+    nnodes: int = 1   # distributed: train.rendezvous.nnodes
 
     @property
     def devices(self) -> tuple[torch.device, ...]:
@@ -59,24 +60,73 @@ class Placement:
     def gpus(self) -> tuple[torch.device, ...]:
         return tuple(d for d in self.devices if d.type == "cuda")
 
+    # ---- the distributed runtime's ranks: the one place that maps rank -> worker -> node -> device ----
+    @property
+    def target_ranks(self) -> int:
+        """Ranks 0..T-1 run a target only, ranks T..T+D-1 drafter replicas 0..D-1 (co-located: T = 0, each
+        drafter rank runs its own target)."""
+        return 0 if self.colocated else len(self.targets)
+
+    @property
+    def ranks(self) -> tuple[torch.device, ...]:
+        """Rank r's device: the entries of train.targets then train.drafters (co-located: train.drafters)."""
+        return self.drafters if self.colocated else self.targets + self.drafters
+
+    @property
+    def per_node(self) -> int:
+        """Local ranks per node (torchrun's --nproc-per-node). Torch's elastic agent numbers every node's local ranks
+        consecutively: rank r = node rank x per_node + local rank, so rank r runs on node r // per_node."""
+        return len(self.ranks) // self.nnodes
+
+    def node_ranks(self, node: int) -> range:
+        return range(node * self.per_node, (node + 1) * self.per_node)
+
+    def worker(self, rank: int) -> str:
+        T = self.target_ranks
+        return (f"drafter-{rank} + target" if self.colocated else
+                f"target-{rank}" if rank < T else f"drafter-{rank - T}")
+
+    def role(self, rank: int) -> str:
+        return f"{self.worker(rank)} ({self.ranks[rank]})"
+
 
 def resolve(train_cfg) -> Placement:
+    # every node checks every entry: the c10d rendezvous decides which host becomes node n, so any node may run any
+    # node's ranks (the nodes are alike: each lists its own local cuda:N)
     targets = tuple(parse_device(d) for d in train_cfg.targets)
     drafters = tuple(parse_device(d) for d in train_cfg.drafters)
-    runtime = train_cfg.runtime
-    gpu_ranks = [d for d in targets + drafters if d.type == "cuda"]
-    shared = sorted({str(d) for d in gpu_ranks if gpu_ranks.count(d) > 1})
-    if runtime == "auto":   # a process per GPU where every worker has its own GPU; threads otherwise
-        runtime = "distributed" if len(set(gpu_ranks)) > 1 and not shared else "threads"
-    coloc = runtime == "distributed" and colocated(train_cfg)
-    if coloc:   # one rank per drafter entry, each with its target: only a GPU listed twice is shared
-        shared = sorted({str(d) for d in drafters if d.type == "cuda" and drafters.count(d) > 1})
-    if runtime == "distributed" and shared:
-        raise UserError(f"train.runtime is distributed but {', '.join(shared)} hold several workers (targets + "
-                        "drafters): NCCL takes one rank per GPU; use train.runtime: threads for shared GPUs, or list "
-                        "the same GPUs, once each, in train.targets and train.drafters (each rank then runs a target "
-                        "and a drafter replica)")
-    return Placement(targets, drafters, runtime, coloc)
+    runtime, nnodes = train_cfg.runtime, train_cfg.rendezvous.nnodes
+    if runtime == "auto":   # a process per GPU where every worker has its own GPU (several nodes: always)
+        gpus = [d for d in targets + drafters if d.type == "cuda"]
+        runtime = "distributed" if nnodes > 1 or 1 < len(set(gpus)) == len(gpus) else "threads"
+    if runtime != "distributed":
+        if nnodes > 1:
+            raise UserError(f"train.runtime is {runtime} (one process on one node) but train.rendezvous.nnodes is "
+                            f"{nnodes}: several nodes need train.runtime: distributed")
+        return Placement(targets, drafters, runtime)
+    p = Placement(targets, drafters, runtime, _same_lists(train_cfg), nnodes)
+    lists = "train.drafters (co-located)" if p.colocated else "train.targets + train.drafters"
+    if len(p.ranks) % nnodes:
+        raise UserError(f"train.rendezvous.nnodes is {nnodes} but the {len(p.ranks)} ranks ({lists}) do not split "
+                        f"evenly over the nodes: every node runs the same number of local ranks")
+    for node in range(nnodes):
+        ranks = p.node_ranks(node)
+        devs = [p.ranks[r] for r in ranks]
+        shared = [d for d in dict.fromkeys(devs) if d.type == "cuda" and devs.count(d) > 1]
+        if not shared:
+            continue
+        held = "; ".join(f"{d} holds " + ", ".join(f"rank {r} = {p.worker(r)}" for r in ranks if p.ranks[r] == d)
+                         for d in shared)
+        if nnodes == 1:
+            raise UserError(f"train.runtime is distributed but a GPU holds several ranks ({held}): NCCL takes one "
+                            "rank per GPU; use train.runtime: threads for shared GPUs, or list the same GPUs, once "
+                            "each, in train.targets and train.drafters (each rank then runs a target and a drafter "
+                            "replica)")
+        first, last = ranks[0], ranks[-1]
+        raise UserError(f"train.rendezvous.nnodes is {nnodes}: node {node} runs ranks {first}-{last} (entries "
+                        f"{first}-{last} of {lists}, {p.per_node} per node) but a GPU there holds several ranks "
+                        f"({held}): NCCL takes one rank per GPU; list each node's local GPUs once each")
+    return p
 
 
 def attention_backend(train_cfg, drafter_devices) -> str:

@@ -271,8 +271,9 @@ class Replica:
             log.warning("drafter-%d: weights perturbed at step %d (train.diverge_at_step test hook)", self.rank, step)
 
 
-def check_finite(step: int, loss: float, gnorm: float) -> None:
+def check_finite(step: int, loss: float | None, gnorm: float) -> None:
+    """NonFinite when the loss (None: nothing scored, no loss) or the gradient norm is not finite."""
     import math
-    if not (math.isfinite(loss) and math.isfinite(gnorm)):
+    if not ((loss is None or math.isfinite(loss)) and math.isfinite(gnorm)):
         raise NonFinite(f"step {step}: loss {loss}, gradient norm {gnorm} is not finite; stopping (lower train.lr, "
                         "check the data, or resume from an earlier checkpoint)")

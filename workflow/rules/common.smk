@@ -46,7 +46,9 @@ DATASET = config["dataset_name"]
 TARGET_DIR = config["target"]["path"]
 LOGS = paths.logs(RESULTS)
 BENCH = paths.benchmarks(RESULTS)
-DRAFTER_DEVICES = sorted({paths.device_slug(d) for d in config["train"]["drafters"]})
+# warm-up jobs: every device running a drafter replica and, with train.compile_target, every device running a target
+WARMUP_DEVICES = sorted({paths.device_slug(d) for d in config["train"]["drafters"]
+                         + (config["train"]["targets"] if config["train"]["compile_target"] else [])})
 TRAIN_GPUS = len({paths.device_slug(d) for d in config["train"]["targets"] + config["train"]["drafters"]} - {"cpu"})
 
 

@@ -5,7 +5,7 @@ rule train:
         env=rules.env.output[0],
         data=rules.data.output.manifest,
         target=TARGET_DIR,
-        warmup=expand(rules.warmup.output[0], device=DRAFTER_DEVICES),
+        warmup=expand(rules.warmup.output[0], device=WARMUP_DEVICES),
     output:
         summary=paths.run(RESULTS, RUN) / "summary.json",
         metrics=paths.run(RESULTS, RUN) / "metrics.jsonl",

@@ -1,5 +1,5 @@
-# Stage 'warmup': one job per drafter device compiles every length bucket single-threaded into this
-# environment's Inductor cache.
+# Stage 'warmup': one job per drafter device (and, with train.compile_target, per target device) compiles every
+# length bucket single-threaded into this environment's Inductor cache: the drafter, the target's captured layers.
 rule warmup:
     input:
         env=rules.env.output[0],

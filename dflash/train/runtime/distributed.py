@@ -1,6 +1,7 @@
 """The `distributed` runtime: one process per device, started by torch's elastic launcher, the same trainer.
 
-Ranks 0..T-1 are target workers, ranks T..T+D-1 drafter replicas (the placement lists, in order). Micro-batch i
+Ranks 0..T-1 are target workers, ranks T..T+D-1 drafter replicas (the placement lists, in order; rank r runs on
+node r // nproc-per-node: dflash/train/placement.py maps rank -> worker -> node -> device). Micro-batch i
 is computed by target rank i % T and sent point-to-point (NCCL on GPU, gloo on CPU) to drafter rank T + i % D, with
 at most `queue_size` sends in flight per target (back-pressure). Drafter replicas are one DistributedDataParallel
 group: bucketed gradient all-reduces overlap the backward. Drafter rank 0 writes metrics, checkpoints and the
@@ -31,7 +32,6 @@ import torch
 import torch.distributed as dist
 
 from dflash.errors import UserError
-from dflash.train.placement import colocated
 from dflash.train.metrics import DeviceTimer, seconds
 from dflash.train.telemetry import GpuSampler
 
@@ -43,24 +43,16 @@ STOP_KEY = "dflash/stop_index"
 
 
 # ---- launcher ------------------------------------------------------------------------------------------------
-def world_size(loaded) -> int:
-    t = loaded.cfg.train
-    return len(t.drafters) if colocated(t) else len(t.targets) + len(t.drafters)
-
-
-def launch_config(loaded):
-    """The elastic launch configuration: one process per entry of train.targets + train.drafters, no restarts."""
+def launch_config(loaded, placement):
+    """The elastic launch configuration: one process per rank of the placement (placement.per_node on each of
+    train.rendezvous.nnodes nodes), no restarts."""
     from torch.distributed.launcher.api import LaunchConfig
 
     rdzv = loaded.cfg.train.rendezvous
-    world = world_size(loaded)
-    if world % rdzv.nnodes:
-        raise UserError(f"{loaded.source}: {world} ranks (targets + drafters) do not split evenly over "
-                        f"train.rendezvous.nnodes={rdzv.nnodes}")
     if rdzv.nnodes > 1 and not rdzv.endpoint:
         raise UserError(f"{loaded.source}: train.rendezvous.endpoint (host:port) is required for "
                         f"{rdzv.nnodes} nodes")
-    kw = dict(min_nodes=rdzv.nnodes, max_nodes=rdzv.nnodes, nproc_per_node=world // rdzv.nnodes,
+    kw = dict(min_nodes=rdzv.nnodes, max_nodes=rdzv.nnodes, nproc_per_node=placement.per_node,
               run_id=rdzv.id if rdzv.endpoint else f"dflash-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
               rdzv_endpoint=rdzv.endpoint or "localhost:0", max_restarts=0, monitor_interval=0.5, role="dflash")
     if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)}:
@@ -79,9 +71,9 @@ def worker_args(loaded, args) -> list[str]:
     return out
 
 
-def torchrun_command(loaded, overrides=()) -> list[str]:
+def torchrun_command(loaded, placement, overrides=()) -> list[str]:
     """The equivalent torchrun command line (for clusters that start ranks themselves)."""
-    cfg = launch_config(loaded)
+    cfg = launch_config(loaded, placement)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={cfg.min_nodes}",
            f"--nproc-per-node={cfg.nproc_per_node}", "--max-restarts=0"]
     rdzv = loaded.cfg.train.rendezvous
@@ -93,21 +85,14 @@ def torchrun_command(loaded, overrides=()) -> list[str]:
     return cmd
 
 
-def role_of(loaded, rank: int) -> str:
-    if colocated(loaded.cfg.train):
-        return f"drafter-{rank} + target ({loaded.cfg.train.drafters[rank]})"
-    T = len(loaded.cfg.train.targets)
-    return (f"target-{rank} ({loaded.cfg.train.targets[rank]})" if rank < T
-            else f"drafter-{rank - T} ({loaded.cfg.train.drafters[rank - T]})")
-
-
-def launch(loaded, args, run_dir) -> int:
+def launch(ctx, args) -> int:
+    loaded, run_dir = ctx.loaded, ctx.run_dir
     if "LOCAL_RANK" in os.environ:          # we are one of the launched ranks
-        return worker_main(loaded, args)
+        return worker_main(ctx, args)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    config = launch_config(loaded)
+    config = launch_config(loaded, ctx.placement)
     argv = worker_args(loaded, args)
     log.info("distributed runtime: %d rank(s) on this node: %s %s", config.nproc_per_node, sys.executable,
              " ".join(argv))
@@ -148,7 +133,7 @@ def launch(loaded, args, run_dir) -> int:
         raise result["error"]
     failures = result.get("failures") or {}
     for rank, f in sorted(failures.items(), key=lambda kv: kv[1].timestamp):
-        print(f"dflash train: rank {rank} = {role_of(loaded, rank)} failed with exit code {f.exitcode}",
+        print(f"dflash train: rank {rank} = {ctx.placement.role(rank)} failed with exit code {f.exitcode}",
               file=sys.stderr)
     if failures:
         return 1
@@ -195,36 +180,32 @@ class DistSync:
         return out
 
 
-def _device(spec: str) -> torch.device:
-    from dflash.train.placement import parse_device
-    dev = parse_device(spec)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    return dev
-
-
-def worker_main(loaded, args) -> int:
+def worker_main(ctx, args) -> int:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from dflash.atomic import atomic_write_json
     from dflash.fingerprint import compile_cache_dir
     from dflash.train import checkpoint, compile_guard, summary
-    from dflash.train.context import prepare, set_shapes
+    from dflash.train.context import set_shapes
     from dflash.train.features import LayerCapture
     from dflash.train.metrics import RunMetrics
-    from dflash.train.step import build_drafter
+    from dflash.train.step import build_drafter, frozen_head
     from dflash.train.trainer import Diverged, Micro, NonFinite, Replica, StopRun, weight_checksum
 
-    cfg = loaded.cfg
-    coloc = colocated(cfg.train)
-    T, D = 0 if coloc else len(cfg.train.targets), len(cfg.train.drafters)   # T: target-only ranks
-    specs = ([] if coloc else list(cfg.train.targets)) + list(cfg.train.drafters)
+    loaded, cfg, pl = ctx.loaded, ctx.cfg, ctx.placement
+    coloc = pl.colocated
+    T, D = pl.target_ranks, len(pl.drafters)   # T: target-only ranks
     rank = int(os.environ["RANK"])
     if int(os.environ["WORLD_SIZE"]) != T + D:
         raise UserError(f"the launcher started {os.environ['WORLD_SIZE']} processes; the placement needs {T + D}")
-    device = _device(specs[rank])
+    if int(os.environ.get("LOCAL_WORLD_SIZE", pl.per_node)) != pl.per_node:
+        raise UserError(f"the launcher started {os.environ['LOCAL_WORLD_SIZE']} local ranks on this node; the "
+                        f"placement needs {pl.per_node} (--nproc-per-node) on each of {pl.nnodes} node(s)")
+    device = pl.ranks[rank]
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     backend = cfg.train.rendezvous.backend
-    on_cpu = {str(s) == "cpu" for s in specs}
+    on_cpu = {d.type == "cpu" for d in pl.ranks}
     if len(on_cpu) > 1:
         raise UserError(f"{loaded.source}: the distributed runtime needs every rank on a GPU (nccl) or every rank "
                         "on the CPU (gloo); use the threads runtime to mix them")
@@ -241,8 +222,6 @@ def worker_main(loaded, args) -> int:
         if fail and fail.get("step") == step:
             raise RuntimeError(f"{name}: injected failure at {'init' if step == 0 else f'step {step}'}")
 
-    ctx = prepare(loaded, run_dir=getattr(args, "run_dir", None), data_dir=getattr(args, "data", None))
-    ctx.placement = dataclasses.replace(ctx.placement, runtime="distributed", colocated=coloc)
     atomic_write_json(ctx.run_dir / "ranks" / f"rank-{rank}.json",
                       {"rank": rank, "name": name, "device": str(device), "pid": os.getpid(), "backend": backend,
                        "host": os.uname().nodename})
@@ -260,17 +239,15 @@ def worker_main(loaded, args) -> int:
         from dflash.target import load_target
         model = load_target(cfg.target, device=device, seed=cfg.seed)
         capture = LayerCapture(model, ctx.drafter_config.target_layer_ids)
-        embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-        if rank == 0 and not coloc:
-            for j in range(T, T + D):
-                dist.send(torch.tensor([DTYPES.index(embed.dtype)], device=device), dst=j)
-                dist.send(embed.detach().contiguous(), dst=j)
-                dist.send(head.detach().contiguous(), dst=j)
+    if rank == 0 and not coloc:
+        embed, head = frozen_head(model, device)
+        for j in range(T, T + D):
+            dist.send(torch.tensor([DTYPES.index(embed.dtype)], device=device), dst=j)
+            dist.send(embed.contiguous(), dst=j)
+            dist.send(head.contiguous(), dst=j)
     if not is_target:
         if coloc:
-            from dflash.train.step import frozen_head
             e, h = frozen_head(model, device)
-            dtype = e.dtype
         else:
             V, H = ctx.drafter_config.vocab_size, ctx.drafter_config.hidden_size
             code_t = torch.zeros(1, dtype=torch.long, device=device)
@@ -375,12 +352,13 @@ def worker_main(loaded, args) -> int:
         else:
             sampler.start()
 
-        clock = ForwardClock(device)
-        measured_from = data_index + cfg.train.warmup_steps_excluded * per_step
-
-        ahead: dict = {}
-        prefetch = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reader") if coloc else None
-        read = (lambda i: reader.batch(i).pin()) if device.type == "cuda" else reader.batch
+        prefetch = None
+        if coloc:   # this rank's own target: its forward time (measured steps) and the next batch read meanwhile
+            clock = ForwardClock(device)
+            measured_from = data_index + cfg.train.warmup_steps_excluded * per_step
+            ahead: dict = {}
+            prefetch = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reader")
+            read = (lambda i: reader.batch(i).pin()) if device.type == "cuda" else reader.batch
 
         def take_local(index: int) -> Micro:
             """Co-located: this rank's own target makes the micro-batch's features. Its next batch (index + D: a
