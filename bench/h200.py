@@ -156,7 +156,8 @@ def loss_problem(q=A * BK, s=S, h=H, v=V, bk=BK, seed=0):
 
 def loss_variants(head, labels, weights, bk=BK, chunk=4096, compiled=None):
     """name -> f(hidden [1, Q, H]) -> the step's loss (weighted mean over scored positions), differentiable in hidden.
-    The first is what training runs (train.loss_kernel fused, its kernel compiled on GPU); the others compute the
+    The first is what training runs (train.loss_kernel fused; on GPU its per-chunk kernel is dflash.model.ce_triton,
+    `fused_compiled_kernel` the same with torch.compile's kernel instead); the others compute the
     same quantity with torch's own ops or Liger's fused linear cross-entropy."""
     import torch.nn.functional as F
 
@@ -181,6 +182,8 @@ def loss_variants(head, labels, weights, bk=BK, chunk=4096, compiled=None):
     }
     if compiled:
         out["torch_compile_full"] = torch.compile(torch_full, dynamic=False)
+        out["fused_compiled_kernel"] = lambda h: dflash_loss(h, head, labels, weights, bk, chunk, fused=True,
+                                                             kernel=ce_kernel(True, triton=False)).loss
         out["fused_eager_kernel"] = lambda h: dflash_loss(h, head, labels, weights, bk, chunk, fused=True).loss
     try:
         from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
@@ -800,6 +803,8 @@ def stages(config, extra=()):
 def profile(out_dir: Path, config="config/h200.yaml", extra=()):
     """The real train stage (1 target + 1 drafter on cuda:0) with train.profile over BENCH_PROFILE_WINDOW
     (start_step,steps; default 10,5: every graph is compiled before step 0, by the warm-up), reduced by reduce_trace.
+    The run goes 12 steps past the window: the target, which runs ahead by up to train.queue_size batches, is then
+    still working in the window (with 2 steps past it, a compiled target had finished its batches before the window).
     The gzipped chrome trace is copied to the output only under 20 MB. Recording the drafter thread's CPU ops slows
     its host side a little: compare busy_fraction with the run's own GPU utilisation (summary.devices)."""
     import shutil
@@ -809,7 +814,7 @@ def profile(out_dir: Path, config="config/h200.yaml", extra=()):
         return res
     name = "h200-profile"
     r, s = dflash_stage("train", "--config", config, "--no-progress", "--set", f"run_name={name}",
-                        "--set", f"train.steps={start + n + 2}", "--set", "train.resume=false",
+                        "--set", f"train.steps={start + n + 12}", "--set", "train.resume=false",
                         "--set", 'train.drafters=["cuda:0"]', "--set", "train.check_every=0",
                         "--set", "train.profile=" + json.dumps({"start_step": start, "steps": n}), *extra)
     res.update(exit=r.returncode, wall_s=round(s, 1), window={"start_step": start, "steps": n})

@@ -199,6 +199,34 @@ def test_flex_forward_backward_matches_sdpa_on_cuda(window):
 
 
 @pytest.mark.gpu
+def test_flex_with_tuned_kernel_options_matches_sdpa_in_bf16_on_cuda():
+    """bf16, head dim 128: the shape FLEX_TUNED has options for on an H200/H100 (compute capability 9.0); the
+    attention with them equals sdpa's, forward and backward, within bf16 rounding."""
+    from dflash.model.attention import FLEX_TUNED, attention
+    dev = torch.device("cuda")
+    g = torch.Generator(device="cpu").manual_seed(3)
+    S, A, Bk = 640, 24, 16
+    pos = torch.randperm(S - 1, generator=g)[:A].sort().values[None].to(dev)
+    from dflash.model import Anchors
+    an = Anchors(pos, torch.ones(1, A, dtype=torch.bool, device=dev), Bk)
+    q0 = torch.randn(1, 4, A * Bk, 128, generator=g).to(dev, torch.bfloat16)
+    k0, v0 = (torch.randn(1, 2, S + A * Bk, 128, generator=g).to(dev, torch.bfloat16) for _ in range(2))
+    go = torch.randn(1, 4, A * Bk, 128, generator=g).to(dev, torch.bfloat16)
+    res = {}
+    for backend in ("sdpa", "flex"):
+        mask = make_mask(an, S, backend)[None]
+        q, k, v = (x.clone().requires_grad_() for x in (q0, k0, v0))
+        out = attention(q, k, v, mask)
+        out.backward(go)
+        res[backend] = [out.float(), q.grad.float(), k.grad.float(), v.grad.float()]
+    cap = torch.cuda.get_device_capability(dev)
+    assert make_mask(an, S, "flex")[None].capability == cap
+    print("tuned options apply:", (cap, torch.bfloat16, 128) in FLEX_TUNED)
+    for a, b in zip(res["flex"], res["sdpa"]):
+        torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.gpu
 def test_block_mask_build_is_fast_on_cuda():
     """3072 context + 512 blocks of 16: the BlockMask is built with tensor ops, no tracing or compiling."""
     dev = torch.device("cuda")

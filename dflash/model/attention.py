@@ -29,6 +29,16 @@ class Mask:
     keep: torch.Tensor            # Bool[B, 1, Q, 1]: the query row belongs to a valid block
     dense: torch.Tensor | None = None   # Bool[B, 1, Q, S+Q] (eager/sdpa), empty rows made all-True
     block: object | None = None         # flex BlockMask
+    capability: tuple | None = None     # flex: the GPU's compute capability (picks tuned kernel options)
+
+
+# flex kernel options measured faster than torch's defaults for the drafter's attention, per (compute capability,
+# dtype, head dim). H200, bf16, head dim 128, 3072 context, 512 anchors x 16 (bench/h200.py flex_tune,
+# bench/results/2026-11-29-h200-r4): forward 0.73 ms with 128 x 128 tiles vs 0.90 ms with torch's 128 x 64; no
+# backward option was faster than torch's own by more than noise.
+FLEX_TUNED = {
+    ((9, 0), torch.bfloat16, 128): {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 128, "fwd_num_warps": 8, "fwd_num_stages": 3},
+}
 
 
 def make_mask(anchors: Anchors, S: int, backend: str, windows=(None,)) -> dict:
@@ -41,7 +51,9 @@ def make_mask(anchors: Anchors, S: int, backend: str, windows=(None,)) -> dict:
     out = {}
     for w in dict.fromkeys(windows):
         if backend == "flex":
-            out[w] = Mask(backend, w, keep, block=block_mask(anchors, S, w))
+            dev = anchors.pos.device
+            cap = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
+            out[w] = Mask(backend, w, keep, block=block_mask(anchors, S, w), capability=cap)
         else:
             out[w] = Mask(backend, w, keep, dense=dense_mask(anchors, S, w) | ~keep)
     return out
@@ -94,7 +106,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, bac
             from torch.nn.attention.flex_attention import flex_attention as flex
         else:
             flex = compiled_flex()
-        out = flex(q, k, v, block_mask=mask.block, scale=scale, enable_gqa=groups > 1)
+        opts = FLEX_TUNED.get((mask.capability, q.dtype, q.shape[-1]))
+        out = flex(q, k, v, block_mask=mask.block, scale=scale, enable_gqa=groups > 1,
+                   kernel_options=dict(opts) if opts else None)
     else:
         raise ValueError(f"unknown attention backend {backend!r}")
     return torch.where(mask.keep, out, torch.zeros((), dtype=out.dtype, device=out.device))

@@ -232,7 +232,7 @@ class DFlashDrafter(nn.Module):
         cfg = self.cfg
         P = cache.length if cache is not None else 0
         m = target_hidden.shape[1]
-        ctx = self.hidden_norm(self.fc(target_hidden))                          # [B, m, H]
+        ctx = self.context(target_hidden)                                        # [B, m, H]
         cpos = torch.arange(P, P + m, device=qpos.device)[None]                 # [1, m]
         ctx_rope = rope_cos_sin(cpos, cfg.head_dim, cfg.rope_theta, x.dtype)   # [1, m, D] x2
         q_rope = rope_cos_sin(qpos, cfg.head_dim, cfg.rope_theta, x.dtype)     # [B, Q, D] x2
@@ -240,6 +240,14 @@ class DFlashDrafter(nn.Module):
             x = layer(x, ctx, ctx_rope, q_rope, masks, cache.layers[i] if cache is not None else None)
         if cache is not None:
             cache.length = P + m
+        return self.final_norm(x)
+
+    # The two pieces of `run` outside the layers; build_drafter compiles them beside the layers (regional
+    # compilation), so their float32 norm work is fused instead of a dozen eager kernels forward and backward.
+    def context(self, target_hidden: torch.Tensor) -> torch.Tensor:   # [B, m, k*H] -> [B, m, H]
+        return self.hidden_norm(self.fc(target_hidden))
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:            # [B, Q, H] -> [B, Q, H], x's dtype
         # in the blocks' dtype (bf16 under autocast): the LM head reads it in that dtype anyway, and no float32
         # [B, Q, H] copy outlives the norm (same values and gradients as rounding it there)
         return self.norm(x).to(x.dtype)

@@ -40,20 +40,31 @@ def build_drafter(ctx, embed, head, device: torch.device):
                 m.recompute_cast = bool(ctx.cfg.train.recompute_weight_casts)
         for layer in drafter.layers:  # compiled in place (state_dict names unchanged); traced in the warm-up
             layer.compile(fullgraph=True, dynamic=False)
+        for name in ("context", "final_norm"):   # the work around the layers (fc + norms), compiled the same way
+            setattr(drafter, name, torch.compile(getattr(drafter, name), fullgraph=True, dynamic=False))
     return drafter.to(device).train()
 
 
 _CE_KERNEL = {}
 
 
-def ce_kernel(compiled: bool):
-    """The fused loss's per-chunk kernel; compiled (once per process, traced in the warm-up) on the compile path."""
+def ce_kernel(compiled: bool, triton: bool = True):
+    """The fused loss's per-chunk kernel. Eager ce_chunk off the compile path; on it, the Triton kernels
+    (dflash.model.ce_triton: one pass for the row statistics) for CUDA tensors, and ce_chunk compiled (once per
+    process, traced in the warm-up) for the others. `triton=False`: always the compiled ce_chunk (benchmarks)."""
+    from dflash.model import ce_triton
     from dflash.model.fused_ce import ce_chunk
     if not compiled:
         return ce_chunk
     if "k" not in _CE_KERNEL:
         _CE_KERNEL["k"] = torch.compile(ce_chunk, fullgraph=True, dynamic=False)
-    return _CE_KERNEL["k"]
+    comp = _CE_KERNEL["k"]
+    if not triton:
+        return comp
+
+    def kernel(logits, labels, weights):
+        return (ce_triton.ce_chunk if ce_triton.available(logits) else comp)(logits, labels, weights)
+    return kernel
 
 
 def micro_step(drafter, feats, input_ids, loss_mask, index: int, ctx, autocast_dtype):
