@@ -156,8 +156,7 @@ def loss_problem(q=A * BK, s=S, h=H, v=V, bk=BK, seed=0):
 
 def loss_variants(head, labels, weights, bk=BK, chunk=4096, compiled=None):
     """name -> f(hidden [1, Q, H]) -> the step's loss (weighted mean over scored positions), differentiable in hidden.
-    The first is what training runs (train.loss_kernel fused; on GPU its per-chunk kernel is dflash.model.ce_triton,
-    `fused_compiled_kernel` the same with torch.compile's kernel instead); the others compute the
+    The first is what training runs (train.loss_kernel fused, its kernel compiled on GPU); the others compute the
     same quantity with torch's own ops or Liger's fused linear cross-entropy."""
     import torch.nn.functional as F
 
@@ -182,8 +181,6 @@ def loss_variants(head, labels, weights, bk=BK, chunk=4096, compiled=None):
     }
     if compiled:
         out["torch_compile_full"] = torch.compile(torch_full, dynamic=False)
-        out["fused_compiled_kernel"] = lambda h: dflash_loss(h, head, labels, weights, bk, chunk, fused=True,
-                                                             kernel=ce_kernel(True, triton=False)).loss
         out["fused_eager_kernel"] = lambda h: dflash_loss(h, head, labels, weights, bk, chunk, fused=True).loss
     try:
         from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss

@@ -48,23 +48,14 @@ def build_drafter(ctx, embed, head, device: torch.device):
 _CE_KERNEL = {}
 
 
-def ce_kernel(compiled: bool, triton: bool = True):
-    """The fused loss's per-chunk kernel. Eager ce_chunk off the compile path; on it, the Triton kernels
-    (dflash.model.ce_triton: one pass for the row statistics) for CUDA tensors, and ce_chunk compiled (once per
-    process, traced in the warm-up) for the others. `triton=False`: always the compiled ce_chunk (benchmarks)."""
-    from dflash.model import ce_triton
+def ce_kernel(compiled: bool):
+    """The fused loss's per-chunk kernel; compiled (once per process, traced in the warm-up) on the compile path."""
     from dflash.model.fused_ce import ce_chunk
     if not compiled:
         return ce_chunk
     if "k" not in _CE_KERNEL:
         _CE_KERNEL["k"] = torch.compile(ce_chunk, fullgraph=True, dynamic=False)
-    comp = _CE_KERNEL["k"]
-    if not triton:
-        return comp
-
-    def kernel(logits, labels, weights):
-        return (ce_triton.ce_chunk if ce_triton.available(logits) else comp)(logits, labels, weights)
-    return kernel
+    return _CE_KERNEL["k"]
 
 
 def micro_step(drafter, feats, input_ids, loss_mask, index: int, ctx, autocast_dtype):
