@@ -199,29 +199,35 @@ def test_flex_forward_backward_matches_sdpa_on_cuda(window):
 
 
 @pytest.mark.gpu
-def test_flex_with_tuned_kernel_options_matches_sdpa_in_bf16_on_cuda():
-    """bf16, head dim 128: the shape FLEX_TUNED has options for on an H200/H100 (compute capability 9.0); the
-    attention with them equals sdpa's, forward and backward, within bf16 rounding."""
-    from dflash.model.attention import FLEX_TUNED, attention
+def test_flex_with_tuned_kernel_options_matches_sdpa_in_bf16_on_cuda(monkeypatch):
+    """bf16, head dim 128 (FLEX_TUNED's H200 entry, put under this GPU's compute capability whatever it is): the
+    options reach flex_attention, and the attention equals sdpa's forward and backward within bf16 rounding."""
+    from dflash.model import Anchors
+    from dflash.model import attention as att
     dev = torch.device("cuda")
+    cap = torch.cuda.get_device_capability(dev)
+    opts = att.FLEX_TUNED[((9, 0), torch.bfloat16, 128)]
+    monkeypatch.setitem(att.FLEX_TUNED, (cap, torch.bfloat16, 128), opts)
+    seen, real = [], att.compiled_flex()
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("kernel_options"))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(att, "compiled_flex", lambda: recording)
     g = torch.Generator(device="cpu").manual_seed(3)
     S, A, Bk = 640, 24, 16
     pos = torch.randperm(S - 1, generator=g)[:A].sort().values[None].to(dev)
-    from dflash.model import Anchors
     an = Anchors(pos, torch.ones(1, A, dtype=torch.bool, device=dev), Bk)
     q0 = torch.randn(1, 4, A * Bk, 128, generator=g).to(dev, torch.bfloat16)
     k0, v0 = (torch.randn(1, 2, S + A * Bk, 128, generator=g).to(dev, torch.bfloat16) for _ in range(2))
     go = torch.randn(1, 4, A * Bk, 128, generator=g).to(dev, torch.bfloat16)
     res = {}
     for backend in ("sdpa", "flex"):
-        mask = make_mask(an, S, backend)[None]
         q, k, v = (x.clone().requires_grad_() for x in (q0, k0, v0))
-        out = attention(q, k, v, mask)
+        out = att.attention(q, k, v, make_mask(an, S, backend)[None])
         out.backward(go)
         res[backend] = [out.float(), q.grad.float(), k.grad.float(), v.grad.float()]
-    cap = torch.cuda.get_device_capability(dev)
-    assert make_mask(an, S, "flex")[None].capability == cap
-    print("tuned options apply:", (cap, torch.bfloat16, 128) in FLEX_TUNED)
+    assert seen == [opts]
     for a, b in zip(res["flex"], res["sdpa"]):
         torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)
 

@@ -66,3 +66,23 @@ def test_one_node_is_unchanged(fake_gpus):
         place(targets=["8"], drafters=["1"])
     cpu = place(targets=["cpu"], drafters=["cpu", "cpu"], runtime="distributed")   # gloo: CPU ranks may share
     assert cpu.ranks == cpu.targets + cpu.drafters and cpu.per_node == 3
+
+
+def test_cpu_beside_gpus_is_threads_under_auto_and_refused_distributed(fake_gpus):
+    fake_gpus(8)
+    assert place(targets=["cpu"], drafters=["0", "1"]).runtime == "threads"          # auto: not every worker on a GPU
+    with pytest.raises(UserError, match="mix CPU and GPU devices \\(rank 0 = target-0 on the CPU\\).*use "
+                                        "train.runtime: threads"):
+        place(targets=["cpu"], drafters=["0", "1"], runtime="distributed")
+    with pytest.raises(UserError, match="mix CPU and GPU") as e:                      # several nodes: no threads hint
+        place(targets=["cpu", "cpu"], drafters=["0", "0"], rendezvous={"nnodes": 2})
+    assert "threads" not in str(e.value)
+
+
+def test_gpu_count_counts_every_node(fake_gpus):
+    fake_gpus(8)
+    assert place(runtime="distributed", **TWO_NODES).gpu_count == 16                # 2 x 8, same local names
+    both = [str(i % 8) for i in range(16)]
+    assert place(targets=both, drafters=both, rendezvous=TWO_NODES["rendezvous"]).gpu_count == 16
+    assert place(targets=["0", "0"], drafters=["0", "1"]).gpu_count == 2            # threads: distinct GPUs
+    assert place(targets=["cpu"], drafters=["cpu"], runtime="distributed").gpu_count == 0

@@ -25,18 +25,48 @@ def test_threads_over_buckets_with_zero_recompiles(tmp_path):
     assert s["status"] == "completed" and s["replicas_identical"] is True
 
 
-def test_unwarmed_shape_fails_fast_naming_it():
+def _tiny(compiled: bool):
+    """A RunContext for a 1-layer drafter over a 6-layer, hidden-32 target (no files), compiled or eager."""
     from dflash.model import DrafterConfig
-    from dflash.train import compile_guard
     from dflash.train.context import RunContext
-    from dflash.train.step import build_drafter, micro_step, random_head, warm_up
 
     loaded = C.from_dict({"train": {"num_anchors": 4, "loss_chunk": 16}, "drafter": {"num_layers": 1, "block_size": 4}})
     tconf = SimpleNamespace(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                             intermediate_size=64, num_hidden_layers=6, vocab_size=64, rms_norm_eps=1e-6,
                             rope_theta=1e6, max_position_embeddings=512)
     dcfg = DrafterConfig.from_target(tconf, loaded.cfg.drafter, 5)
-    setup = RunContext(loaded, None, "sdpa", None, None, tconf, dcfg, 3.0, {}, True)
+    return RunContext(loaded, None, "sdpa", None, None, tconf, dcfg, 3.0, {}, compiled)
+
+
+def test_compiled_drafter_equals_eager_with_the_same_state_dict():
+    """build_drafter on the compile path (layers, fc + hidden norm, final norm compiled): the same parameter names,
+    loss and gradients as the eager drafter from the same seed."""
+    from dflash.train.step import build_drafter, micro_step, random_head
+    cpu = torch.device("cpu")
+    head = random_head(_tiny(False), cpu, torch.float32)
+    g = torch.Generator().manual_seed(0)
+    # length 20: a shape no other test here compiles (dynamo's in-process cache would otherwise serve their graphs)
+    feats, ids = torch.randn(1, 20, 5 * 32, generator=g), torch.randint(0, 64, (1, 20), generator=g)
+    mask = torch.ones(1, 20, dtype=torch.bool)
+    runs = []
+    for compiled in (False, True):
+        setup = _tiny(compiled)
+        d = build_drafter(setup, *head, cpu)
+        out = micro_step(d, feats, ids, mask, 1, setup, None)
+        out.loss.backward()
+        runs.append((list(d.state_dict()), out.loss.detach(), {n: p.grad for n, p in d.named_parameters()}))
+    (k0, l0, g0), (k1, l1, g1) = runs
+    assert k0 == k1 and "fc.weight" in k1 and "norm.weight" in k1 and "hidden_norm.weight" in k1
+    torch.testing.assert_close(l1, l0, rtol=1e-6, atol=1e-6)
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_unwarmed_shape_fails_fast_naming_it():
+    from dflash.train import compile_guard
+    from dflash.train.step import build_drafter, micro_step, random_head, warm_up
+
+    setup = _tiny(True)
     cpu = torch.device("cpu")
     drafter = build_drafter(setup, *random_head(setup, cpu, torch.float32), cpu)
     record = warm_up(drafter, setup, cpu, [(1, 24)])

@@ -254,7 +254,7 @@ class RunMetrics:
                     "mfu_target": None, "mfu_drafter": None, "measured_seconds": 0.0}
         out = {"ktok_per_s": self.totals["tokens"] / s / 1e3, "samples_per_s": self.totals["samples"] / s,
                "draft_positions_per_s": self.totals["positions"] / s, "measured_seconds": round(s, 3)}
-        gpus, ceiling = self.ctx.placement.gpus, self.cfg.train.matmul_tflops
+        gpus, ceiling = self.ctx.placement.gpu_count, self.cfg.train.matmul_tflops
         if not gpus or not ceiling:
             return {**out, "mfu": None, "mfu_target": None, "mfu_drafter": None}
         # achieved matmul FLOP/s over the measured bf16 ceiling times the number of GPUs used
@@ -264,7 +264,7 @@ class RunMetrics:
         f_t = flops.target_forward(self.ctx.target_config, int(mean_len), max(d.target_layer_ids) + 1) * samples
         f_d = flops.drafter_train(d, int(mean_len), self.ctx.anchors_for(int(mean_len)), 0) * samples + \
             3 * 2 * d.hidden_size * d.vocab_size * self.totals["positions"]
-        peak = ceiling * 1e12 * len(gpus) * s
+        peak = ceiling * 1e12 * gpus * s
         return {**out, "mfu": (f_t + f_d) / peak, "mfu_target": f_t / peak, "mfu_drafter": f_d / peak}
 
     def set_split(self, key: str, seconds_per_step: float):

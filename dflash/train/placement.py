@@ -60,6 +60,14 @@ class Placement:
     def gpus(self) -> tuple[torch.device, ...]:
         return tuple(d for d in self.devices if d.type == "cuda")
 
+    @property
+    def gpu_count(self) -> int:
+        """GPUs the run uses: distributed, one per GPU rank on every node (the nodes list the same local cuda:N);
+        threads, the distinct GPUs listed."""
+        if self.runtime == "distributed":
+            return sum(d.type == "cuda" for d in self.ranks)
+        return len(self.gpus)
+
     # ---- the distributed runtime's ranks: the one place that maps rank -> worker -> node -> device ----
     @property
     def target_ranks(self) -> int:
@@ -96,9 +104,10 @@ def resolve(train_cfg) -> Placement:
     targets = tuple(parse_device(d) for d in train_cfg.targets)
     drafters = tuple(parse_device(d) for d in train_cfg.drafters)
     runtime, nnodes = train_cfg.runtime, train_cfg.rendezvous.nnodes
+    workers = targets + drafters
     if runtime == "auto":   # a process per GPU where every worker has its own GPU (several nodes: always)
-        gpus = [d for d in targets + drafters if d.type == "cuda"]
-        runtime = "distributed" if nnodes > 1 or 1 < len(set(gpus)) == len(gpus) else "threads"
+        own_gpu = all(d.type == "cuda" for d in workers) and 1 < len(set(workers)) == len(workers)
+        runtime = "distributed" if nnodes > 1 or own_gpu else "threads"
     if runtime != "distributed":
         if nnodes > 1:
             raise UserError(f"train.runtime is {runtime} (one process on one node) but train.rendezvous.nnodes is "
@@ -106,6 +115,11 @@ def resolve(train_cfg) -> Placement:
         return Placement(targets, drafters, runtime)
     p = Placement(targets, drafters, runtime, _same_lists(train_cfg), nnodes)
     lists = "train.drafters (co-located)" if p.colocated else "train.targets + train.drafters"
+    if len({d.type for d in p.ranks}) > 1:
+        cpu = ", ".join(f"rank {r} = {p.worker(r)}" for r, d in enumerate(p.ranks) if d.type == "cpu")
+        raise UserError(f"train.runtime is distributed but the ranks mix CPU and GPU devices ({cpu} on the CPU): "
+                        "every rank needs a GPU (nccl) or every rank the CPU (gloo)"
+                        + ("; use train.runtime: threads to mix them" if nnodes == 1 else ""))
     if len(p.ranks) % nnodes:
         raise UserError(f"train.rendezvous.nnodes is {nnodes} but the {len(p.ranks)} ranks ({lists}) do not split "
                         f"evenly over the nodes: every node runs the same number of local ranks")

@@ -106,7 +106,8 @@ def warm_up(drafter, ctx, device, shapes) -> dict:
             per_shape.append({"batch": b, "length": s, "seconds": round(time.perf_counter() - t, 3)})
         drafter.zero_grad(set_to_none=True)
     after = compile_guard.counters()
-    return {"device": str(device), "backend": ctx.backend, "compiled": ctx.compile, "shapes": per_shape,
+    return {"device": str(device), "role": "drafter", "backend": ctx.backend, "compiled": ctx.compile,
+            "shapes": per_shape,
             "graphs": after["graphs"] - before["graphs"], "cache_hits": after["cache_hits"] - before["cache_hits"],
             "cache_misses": after["cache_misses"] - before["cache_misses"],
             "seconds": round(time.perf_counter() - t0, 3)}

@@ -201,16 +201,17 @@ def worker_main(ctx, args) -> int:
     if int(os.environ.get("LOCAL_WORLD_SIZE", pl.per_node)) != pl.per_node:
         raise UserError(f"the launcher started {os.environ['LOCAL_WORLD_SIZE']} local ranks on this node; the "
                         f"placement needs {pl.per_node} (--nproc-per-node) on each of {pl.nnodes} node(s)")
-    device = pl.ranks[rank]
+    local = os.environ.get("LOCAL_RANK")
+    if local is not None and int(local) != rank % pl.per_node:
+        raise UserError(f"rank {rank} started as local rank {local}; the placement runs rank r on node "
+                        f"r // {pl.per_node} as local rank r % {pl.per_node} (torchrun's numbering): launch with "
+                        "torchrun or `python -m dflash train`, one launcher per node")
+    device = pl.ranks[rank]   # every rank on a GPU or every rank on the CPU (placement.resolve)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = cfg.train.rendezvous.backend
-    on_cpu = {d.type == "cpu" for d in pl.ranks}
-    if len(on_cpu) > 1:
-        raise UserError(f"{loaded.source}: the distributed runtime needs every rank on a GPU (nccl) or every rank "
-                        "on the CPU (gloo); use the threads runtime to mix them")
     if backend == "auto":
-        backend = "gloo" if True in on_cpu else "nccl"
+        backend = "gloo" if device.type == "cpu" else "nccl"
     dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None)
     drafter_group = dist.new_group(list(range(T, T + D)))
     is_target, r = rank < T, rank - T
