@@ -522,6 +522,7 @@ FLEX_FLAGS = [{"PRESCALE_QK": True}, {"USE_TMA": True}, {"ROWS_GUARANTEED_SAFE":
 def flex_tune():
     """The drafter's attention (our BlockMask, GQA 32/8, head dim 128, bf16) with each kernel option set of FLEX_FWD,
     FLEX_BWD and FLEX_FLAGS, one at a time on top of torch's defaults: forward ms and forward+backward ms (median),
+    bwd_ms their difference (an estimate: the forward alone is timed without autograd, a graph of its own),
     and the largest difference of the output and of dq/dk/dv from the default's. BENCH_FLEX_SHAPES: comma list of
     CONTEXTxANCHORS (default 3072x512)."""
     from torch.nn.attention.flex_attention import flex_attention
