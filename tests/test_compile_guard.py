@@ -113,3 +113,75 @@ def test_shared_calls_run_together_exclusive_waits():
         assert order == []  # the writer waits for the shared holder
     w.join(5)
     assert order == ["writer"]
+
+
+class _TwoShapes(torch.nn.Module):
+    """Like a drafter layer: tensors, a dict and a tuple as arguments; one compiled entry per length."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x, ctx, masks, rope):
+        return self.proj(x) * rope[0] + ctx.sum(1, keepdim=True) + masks[None].sum()
+
+
+def _replicas_in_lockstep(forwards, rounds: int) -> list:
+    """Two threads, as two replicas: every round both call their own module's forward with the same length, the
+    length changing between rounds (a step's micro-batches share a bucket). Returns the errors raised."""
+    lengths = (4, 6, 8, 10)
+    errors, step = [], threading.Barrier(len(forwards))
+
+    def inputs(n):
+        return torch.randn(1, n, 8), torch.randn(1, n, 8), {None: torch.ones(n)}, (torch.randn(n, 1),)
+
+    for fwd in forwards:   # the single-threaded warm-up: every length, every replica
+        for n in lengths:
+            with torch.no_grad():
+                fwd(*inputs(n))
+
+    def replica(fwd):
+        try:
+            for i in range(rounds):
+                step.wait()
+                with torch.no_grad():
+                    for _ in range(4):
+                        fwd(*inputs(lengths[i % len(lengths)]))
+        except threading.BrokenBarrierError:
+            pass
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            errors.append(e)
+            step.abort()
+
+    import sys
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)   # switch threads as often as possible: the race shows within a second
+    compile_guard.forbid_recompiles()
+    try:
+        threads = [threading.Thread(target=replica, args=(f,)) for f in forwards]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        compile_guard.allow_compiles()
+        sys.setswitchinterval(interval)
+    return errors
+
+
+def test_threads_calling_one_compiled_code_object_recompile_spuriously_unless_serialized():
+    """The CI failure of a threads run (1 in 4 on 2 cores): two replicas' compiled layers share one code object;
+    plain torch.compile lets one thread make the other miss a warmed entry, so a warmed shape 'recompiles'.
+    compile_guard.compiled serializes the calls: no error in many more rounds."""
+    plain = [torch.compile(_TwoShapes().forward, backend="eager", fullgraph=True, dynamic=False) for _ in range(2)]
+    errors = []
+    for _ in range(5):       # reproduced within one attempt of 2000 rounds here; five to be sure on any machine
+        errors = _replicas_in_lockstep(plain, 2000)
+        if errors:
+            break
+    assert errors and "Detected recompile" in str(errors[0]), errors
+
+    torch._dynamo.reset()
+    safe = [compile_guard.compiled(_TwoShapes().forward, backend="eager", fullgraph=True, dynamic=False)
+            for _ in range(2)]
+    assert _replicas_in_lockstep(safe, 4000) == []

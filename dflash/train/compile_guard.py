@@ -8,6 +8,8 @@ dynamo-optimized function". Three defences, used together:
   2. afterwards the compile stance forbids recompiles: a new shape fails fast, naming the shape, never falls back;
   3. `FX_GUARD`: an FX trace holds an exclusive lock (Tracer.trace is wrapped once, process-wide) and compiled
      calls made through `guarded()` hold it shared, so no compiled call ever starts while a trace is open.
+A second, independent hazard (spurious recompiles when threads call one compiled code object) is what
+`compiled()` prevents.
 """
 from __future__ import annotations
 
@@ -101,6 +103,40 @@ def guarded(fn):
     def call(*args, **kwargs):
         with FX_GUARD.shared():
             return fn(*args, **kwargs)
+
+    return call
+
+
+# ---- compiled callables safe to call from several threads --------------------------------------------------
+_CODE_LOCKS: dict = {}
+_CODE_LOCKS_GUARD = threading.Lock()
+
+
+def _code_of(fn):
+    """The code object dynamo keeps the compiled entries on: a function's, a bound method's, a module's forward."""
+    if isinstance(fn, torch.nn.Module):
+        fn = type(fn).forward
+    return getattr(fn, "__func__", fn).__code__
+
+
+def compiled(fn, **compile_kwargs):
+    """torch.compile(fn), callable from several threads at once (the replicas of the threads runtime).
+
+    The second hazard (torch <= 2.13): dynamo keeps the compiled entries of one code object (every replica's
+    Layer.forward shares it) in one list, and moves the entry that matched to the front. A thread walking that
+    list can be switched out while a guard runs Python (one always does); another thread's move then makes it skip
+    the matching entry, so a warmed shape "recompiles" and fails after warm-up (dynamo: "runtime guards failed
+    even though they passed during recompilation-reason analysis"). Calls into one code object are therefore
+    serialized, on the host only: what they launch on a GPU still runs concurrently."""
+    code = _code_of(fn)
+    with _CODE_LOCKS_GUARD:
+        lock = _CODE_LOCKS.setdefault(code, threading.RLock())
+    inner = torch.compile(fn, **compile_kwargs)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with lock:
+            return inner(*args, **kwargs)
 
     return call
 

@@ -97,7 +97,7 @@ class LayerCapture:
         around the graph in any torch version, while dynamo's handling of hooks inside a compiled call varies
         (it does not guard on them by default, so a graph traced with one layer's hook could serve another layer)."""
         for m in self.modules:
-            m.forward = torch.compile(m.forward, fullgraph=True, dynamic=False)
+            m.forward = compile_guard.compiled(m.forward, fullgraph=True, dynamic=False)
         self.compiled = True
 
     def warm_up(self, device: torch.device, shapes, vocab_size: int) -> dict:

@@ -38,10 +38,10 @@ def build_drafter(ctx, embed, head, device: torch.device):
         for m in drafter.modules():   # train.recompute_weight_casts: bf16 weight copies recast in the backward
             if isinstance(m, Linear):
                 m.recompute_cast = bool(ctx.cfg.train.recompute_weight_casts)
-        for layer in drafter.layers:  # compiled in place (state_dict names unchanged); traced in the warm-up
-            layer.compile(fullgraph=True, dynamic=False)
+        for layer in drafter.layers:  # each forward compiled in place (state_dict names unchanged); traced in warm-up
+            layer.forward = compile_guard.compiled(layer.forward, fullgraph=True, dynamic=False)
         for name in ("context", "final_norm"):   # the work around the layers (fc + norms), compiled the same way
-            setattr(drafter, name, torch.compile(getattr(drafter, name), fullgraph=True, dynamic=False))
+            setattr(drafter, name, compile_guard.compiled(getattr(drafter, name), fullgraph=True, dynamic=False))
     return drafter.to(device).train()
 
 
@@ -54,7 +54,7 @@ def ce_kernel(compiled: bool):
     if not compiled:
         return ce_chunk
     if "k" not in _CE_KERNEL:
-        _CE_KERNEL["k"] = torch.compile(ce_chunk, fullgraph=True, dynamic=False)
+        _CE_KERNEL["k"] = compile_guard.compiled(ce_chunk, fullgraph=True, dynamic=False)
     return _CE_KERNEL["k"]
 
 
