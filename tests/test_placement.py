@@ -86,3 +86,13 @@ def test_gpu_count_counts_every_node(fake_gpus):
     assert place(targets=both, drafters=both, rendezvous=TWO_NODES["rendezvous"]).gpu_count == 16
     assert place(targets=["0", "0"], drafters=["0", "1"]).gpu_count == 2            # threads: distinct GPUs
     assert place(targets=["cpu"], drafters=["cpu"], runtime="distributed").gpu_count == 0
+
+
+def test_device_names_tell_the_nodes_apart(fake_gpus):
+    fake_gpus(2)   # 2 nodes x 2 GPUs: rank 0 = target-0, ranks 1-3 drafters; each node lists cuda:0, cuda:1
+    p = place(targets=["0"], drafters=["1", "0", "1"], rendezvous={"nnodes": 2})
+    names = [p.device_name(r) for r in range(len(p.ranks))]
+    assert names == ["node0/cuda:0", "node0/cuda:1", "node1/cuda:0", "node1/cuda:1"]
+    assert len(set(names)) == p.gpu_count == 4
+    one = place(targets=["0"], drafters=["1"], runtime="distributed")              # one node: the plain device
+    assert [one.device_name(r) for r in range(2)] == ["cuda:0", "cuda:1"]
