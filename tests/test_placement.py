@@ -96,3 +96,32 @@ def test_device_names_tell_the_nodes_apart(fake_gpus):
     assert len(set(names)) == p.gpu_count == 4
     one = place(targets=["0"], drafters=["1"], runtime="distributed")              # one node: the plain device
     assert [one.device_name(r) for r in range(2)] == ["cuda:0", "cuda:1"]
+
+
+def test_warmup_of_a_gpu_the_job_does_not_see_names_the_remedy(fake_gpus, monkeypatch, tmp_path, capsys):
+    """A SLURM job given 1 GPU sees it as cuda:0. The Inductor cache key holds the device index, so the warm-up of
+    cuda5 must not compile on that GPU instead: it stops, before loading anything, naming why and what to do."""
+    import yaml
+
+    from dflash.cli import main
+    from dflash.stages.warmup import warmup_device
+    seed = {"targets": ["0", "1", "2", "3", "4"], "drafters": ["5", "6", "7"]}
+    cfg = C.from_dict({"train": seed}, "x.yaml").cfg.train
+    fake_gpus(8)
+    assert str(warmup_device("cuda5", cfg)) == "cuda:5" and str(warmup_device("cuda:7", cfg)) == "cuda:7"
+    fake_gpus(1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"train": seed}))
+    assert main(["warmup", "--config", str(path), "--device", "cuda5"]) == 1
+    err = capsys.readouterr().err
+    assert "warmup --device cuda5: this job sees 1 GPU(s) (CUDA_VISIBLE_DEVICES=3)" in err
+    assert "GPUs up to cuda:7" in err and "keyed by the CUDA device index" in err and "gres: gpu:8" in err
+    with pytest.raises(UserError, match="sees 1 GPU.*up to cuda:7"):       # cuda:0 is here, but the placement's GPUs not
+        warmup_device("cuda0", cfg)
+    one = C.from_dict({"train": {"targets": ["0"], "drafters": ["0"]}}, "x.yaml").cfg.train
+    assert str(warmup_device("cuda0", one)) == "cuda:0"
+    fake_gpus(0)
+    with pytest.raises(UserError, match="sees 0 GPU"):
+        warmup_device("cuda0", one)
+    assert str(warmup_device("cpu", C.from_dict({"train": {"targets": ["cpu"], "drafters": ["cpu"]}}, "x.yaml").cfg.train)) == "cpu"
