@@ -125,3 +125,17 @@ def test_warmup_of_a_gpu_the_job_does_not_see_names_the_remedy(fake_gpus, monkey
     with pytest.raises(UserError, match="sees 0 GPU"):
         warmup_device("cuda0", one)
     assert str(warmup_device("cpu", C.from_dict({"train": {"targets": ["cpu"], "drafters": ["cpu"]}}, "x.yaml").cfg.train)) == "cpu"
+
+
+def test_compiled_workers_per_process(fake_gpus):
+    """What one process compiles for (compile_guard.recompile_limit counts shapes x these): the threads runtime every
+    replica and compiled target, the distributed runtime one rank's."""
+    fake_gpus(8)
+    eight = dict(targets=[str(i) for i in range(8)], drafters=[str(i) for i in range(8)])
+    threads = place(runtime="threads", **eight)
+    assert threads.compiled_workers(False) == 8 and threads.compiled_workers(True) == 16
+    seed = place(targets=["0", "1", "2", "3", "4"], drafters=["5", "6", "7"], runtime="threads")
+    assert seed.compiled_workers(False) == 3 and seed.compiled_workers(True) == 8
+    coloc = place(runtime="distributed", **eight)
+    assert coloc.compiled_workers(False) == 1 and coloc.compiled_workers(True) == 2
+    assert place(targets=["0"], drafters=["1"], runtime="distributed").compiled_workers(True) == 1

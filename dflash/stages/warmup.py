@@ -108,4 +108,4 @@ def _target(ctx, device) -> dict:
     capture = LayerCapture(load_target(ctx.cfg.target, device=device, seed=ctx.cfg.seed),
                            ctx.drafter_config.target_layer_ids)
     capture.compile()
-    return capture.warm_up(device, ctx.shapes, ctx.drafter_config.vocab_size)
+    return capture.warm_up(device, ctx.shapes, ctx.drafter_config.vocab_size, ctx.compiled_workers)

@@ -64,6 +64,14 @@ class Placement:
             return sum(d.type == "cuda" for d in self.ranks)
         return len(self.gpus)
 
+    def compiled_workers(self, compile_target: bool) -> int:
+        """Workers one process compiles for, each on its device (compile_guard.recompile_limit): the threads runtime,
+        every drafter replica and, with train.compile_target, every target; the distributed one, a rank's drafter
+        replica or target, and its own target where co-located."""
+        if self.runtime == "distributed":
+            return 1 + (self.colocated and compile_target)
+        return len(self.drafters) + (len(self.targets) if compile_target else 0)
+
     # ---- the distributed runtime's ranks: the one place that maps rank -> worker -> node -> device ----
     @property
     def target_ranks(self) -> int:

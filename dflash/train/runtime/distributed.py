@@ -290,11 +290,11 @@ def worker_main(ctx, args) -> int:
         warm = None
         if cfg.train.compile_target:   # compiled for every bucket shape before the first micro-batch
             capture.compile()
-            warm = {**capture.warm_up(device, ctx.shapes, ctx.drafter_config.vocab_size), "device": where}
+            warm = {**capture.warm_up(device, ctx.shapes, ctx.drafter_config.vocab_size, ctx.compiled_workers), "device": where}
             log.info("warm-up of %s on %s (compiled target): %d graph(s), %d cache hit(s), %.1f s", name, device,
                      warm["graphs"], warm["cache_hits"], warm["seconds"])
             compile_guard.forbid_recompiles()
-            compile_guard.configure_thread(len(ctx.shapes))
+            compile_guard.configure_thread(len(ctx.shapes), ctx.compiled_workers)
         pending: deque = deque()
         produced = 0
         # the forward time of the measured micro-batches (those of the steps past train.warmup_steps_excluded):
@@ -338,10 +338,10 @@ def worker_main(ctx, args) -> int:
         records = [{**rep.warm_up(), "device": where}]    # compiles on the bare module, before DDP wraps it
         if coloc and cfg.train.compile_target:
             capture.compile()
-            records.append({**capture.warm_up(device, ctx.shapes, ctx.drafter_config.vocab_size), "device": where})
+            records.append({**capture.warm_up(device, ctx.shapes, ctx.drafter_config.vocab_size, ctx.compiled_workers), "device": where})
         if ctx.compile or (coloc and cfg.train.compile_target):
             compile_guard.forbid_recompiles()
-        compile_guard.configure_thread(len(ctx.shapes))
+        compile_guard.configure_thread(len(ctx.shapes), ctx.compiled_workers)
         rep.model = DDP(rep.drafter, device_ids=[device] if device.type == "cuda" else None,
                         process_group=drafter_group, broadcast_buffers=False)
         k, H = len(ctx.drafter_config.target_layer_ids), ctx.drafter_config.hidden_size
