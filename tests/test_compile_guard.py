@@ -185,3 +185,27 @@ def test_threads_calling_one_compiled_code_object_recompile_spuriously_unless_se
     safe = [compile_guard.compiled(_TwoShapes().forward, backend="eager", fullgraph=True, dynamic=False)
             for _ in range(2)]
     assert _replicas_in_lockstep(safe, 4000) == []
+
+
+def test_recompile_limit_covers_every_device_and_shape():
+    """A compiled entry is per shape and per device (tensor guards include the device); the threads runtime's
+    process holds them for all its workers: 8 GPUs each running a compiled target and a drafter replica over 16
+    buckets make 16 x 16 entries on a shared code object (the old max(64, 4 x shapes) stopped at 64)."""
+    from dflash.train.placement import Placement
+    gpus = tuple(torch.device("cuda", i) for i in range(8))
+    workers = Placement(gpus, gpus, "threads").compiled_workers(compile_target=True)
+    shapes = 16
+    assert workers == 16 and compile_guard.recompile_limit(shapes, workers) >= shapes * workers
+    assert compile_guard.recompile_limit(shapes, 1) == 64 and compile_guard.recompile_limit(2) == 64   # the floor
+    seen = {}
+
+    def worker():   # dynamo config is per thread (torch >= 2.12): each worker thread applies it
+        compile_guard.configure_thread(shapes, workers)
+        c = torch._dynamo.config
+        seen.update(limit=c.recompile_limit, accumulated=c.accumulated_recompile_limit, fail=c.fail_on_recompile_limit_hit)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join(10)
+    limit = compile_guard.recompile_limit(shapes, workers)
+    assert seen == {"limit": limit, "accumulated": max(256, limit), "fail": True} and limit >= 256

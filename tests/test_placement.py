@@ -86,3 +86,56 @@ def test_gpu_count_counts_every_node(fake_gpus):
     assert place(targets=both, drafters=both, rendezvous=TWO_NODES["rendezvous"]).gpu_count == 16
     assert place(targets=["0", "0"], drafters=["0", "1"]).gpu_count == 2            # threads: distinct GPUs
     assert place(targets=["cpu"], drafters=["cpu"], runtime="distributed").gpu_count == 0
+
+
+def test_device_names_tell_the_nodes_apart(fake_gpus):
+    fake_gpus(2)   # 2 nodes x 2 GPUs: rank 0 = target-0, ranks 1-3 drafters; each node lists cuda:0, cuda:1
+    p = place(targets=["0"], drafters=["1", "0", "1"], rendezvous={"nnodes": 2})
+    names = [p.device_name(r) for r in range(len(p.ranks))]
+    assert names == ["node0/cuda:0", "node0/cuda:1", "node1/cuda:0", "node1/cuda:1"]
+    assert len(set(names)) == p.gpu_count == 4
+    one = place(targets=["0"], drafters=["1"], runtime="distributed")              # one node: the plain device
+    assert [one.device_name(r) for r in range(2)] == ["cuda:0", "cuda:1"]
+
+
+def test_warmup_of_a_gpu_the_job_does_not_see_names_the_remedy(fake_gpus, monkeypatch, tmp_path, capsys):
+    """A SLURM job given 1 GPU sees it as cuda:0. The Inductor cache key holds the device index, so the warm-up of
+    cuda5 must not compile on that GPU instead: it stops, before loading anything, naming why and what to do."""
+    import yaml
+
+    from dflash.cli import main
+    from dflash.stages.warmup import warmup_device
+    seed = {"targets": ["0", "1", "2", "3", "4"], "drafters": ["5", "6", "7"]}
+    cfg = C.from_dict({"train": seed}, "x.yaml").cfg.train
+    fake_gpus(8)
+    assert str(warmup_device("cuda5", cfg)) == "cuda:5" and str(warmup_device("cuda:7", cfg)) == "cuda:7"
+    fake_gpus(1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"train": seed}))
+    assert main(["warmup", "--config", str(path), "--device", "cuda5"]) == 1
+    err = capsys.readouterr().err
+    assert "warmup --device cuda5: this job sees 1 GPU(s) (CUDA_VISIBLE_DEVICES=3)" in err
+    assert "GPUs up to cuda:7" in err and "keyed by the CUDA device index" in err and "gres: gpu:8" in err
+    with pytest.raises(UserError, match="sees 1 GPU.*up to cuda:7"):       # cuda:0 is here, but the placement's GPUs not
+        warmup_device("cuda0", cfg)
+    one = C.from_dict({"train": {"targets": ["0"], "drafters": ["0"]}}, "x.yaml").cfg.train
+    assert str(warmup_device("cuda0", one)) == "cuda:0"
+    fake_gpus(0)
+    with pytest.raises(UserError, match="sees 0 GPU"):
+        warmup_device("cuda0", one)
+    assert str(warmup_device("cpu", C.from_dict({"train": {"targets": ["cpu"], "drafters": ["cpu"]}}, "x.yaml").cfg.train)) == "cpu"
+
+
+def test_compiled_workers_per_process(fake_gpus):
+    """What one process compiles for (compile_guard.recompile_limit counts shapes x these): the threads runtime every
+    replica and compiled target, the distributed runtime one rank's."""
+    fake_gpus(8)
+    eight = dict(targets=[str(i) for i in range(8)], drafters=[str(i) for i in range(8)])
+    threads = place(runtime="threads", **eight)
+    assert threads.compiled_workers(False) == 8 and threads.compiled_workers(True) == 16
+    seed = place(targets=["0", "1", "2", "3", "4"], drafters=["5", "6", "7"], runtime="threads")
+    assert seed.compiled_workers(False) == 3 and seed.compiled_workers(True) == 8
+    coloc = place(runtime="distributed", **eight)
+    assert coloc.compiled_workers(False) == 1 and coloc.compiled_workers(True) == 2
+    assert place(targets=["0"], drafters=["1"], runtime="distributed").compiled_workers(True) == 1

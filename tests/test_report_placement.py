@@ -94,3 +94,26 @@ def test_missing_or_none_fields_give_no_suggestion(damage):
     else:
         s["time_split_s"] = [0.4, 0.7]
     assert suggest(s) is None
+
+
+def test_two_nodes_count_every_gpu_and_name_each_by_its_node(fake_gpus):
+    """2 nodes x 2 GPUs: both nodes' cuda:0 are two GPUs (rows named by Placement.device_name, as the distributed
+    runtime writes them); the same from the config lists when the summary has no devices."""
+    from dflash import config as C
+    from dflash.train.placement import resolve
+    fake_gpus(2)
+    train = {"targets": ["0"], "drafters": ["1", "0", "1"], "rendezvous": {"nnodes": 2}}
+    pl = resolve(C.from_dict({"train": train}, "x.yaml").cfg.train)
+    s = _with_split(0.3, 0.1, 0.1)
+    s["config"]["train"].update(train)
+    s["devices"] = [{"device": pl.device_name(r), "roles": ["target" if r < pl.target_ranks else "drafter"],
+                     "peak_memory_gb": 10.0 + r, "util_mean": 50.0, "rank": r} for r in range(len(pl.ranks))]
+    p = suggest(s)
+    assert p["gpus"] == pl.gpu_count == 4 and p["current"] == {"targets": 1, "drafters": 3}
+    assert p["suggested"] == {"targets": 2, "drafters": 2} and "on 4 GPUs" in p["sentence"]
+    del s["devices"]
+    assert suggest(s)["gpus"] == 4 and suggest(s)["current"] == {"targets": 1, "drafters": 3}
+    s["config"]["train"]["targets"] = s["config"]["train"]["drafters"] = ["0", "1", "0", "1"]   # co-located
+    assert suggest(s)["gpus"] == 4 and suggest(s)["colocated"]
+    s["config"]["train"]["rendezvous"] = {"nnodes": 1}                   # one node: cuda:0 and cuda:1 once each
+    assert suggest(s)["gpus"] == 2

@@ -129,6 +129,8 @@ def test_slurm_profile_plans_the_8gpu_job(wf):
     r = snakemake(wf, "-n", "--workflow-profile", "workflow/profiles/slurm", "--configfile", "config/seed-8gpu.yaml")
     assert r.returncode == 0, r.out[-3000:]
     assert r.out.count("rule warmup:") == 3                      # cuda5, cuda6, cuda7
+    warm = r.out[r.out.index("rule warmup:"):].split("Shell command")[0]   # the train job's GPUs, numbered as train
+    assert "gres=gpu:8" in warm                                  # numbers them (the cache key holds the index)
     train = r.out[r.out.index("rule train:"):]
     head = train.split("Shell command")[0]
     assert "gpu=8" in head and "gres=gpu:8" in head

@@ -12,26 +12,31 @@ micro-batches per second when each GPU is kept busy (on one H200: t+d = 0.225 s 
 """
 from __future__ import annotations
 
+from dflash.device_names import normalize, rank_names
 from dflash.report.history import to_float
 
 
-def _device(spec) -> str:
-    s = str(spec)
-    return f"cuda:{s}" if s.isdigit() else s
-
-
 def gpu_roles(summary: dict) -> dict[str, set[str]]:
-    """{GPU device: its roles} from summary.devices, else from config.train.targets/drafters; CPU devices left out."""
+    """{GPU name: its roles} from summary.devices, else from config.train.targets/drafters; CPU devices left out. On
+    several nodes a GPU is named by its node (`node1/cuda:0`, dflash/device_names.py), so every node's GPUs count."""
     roles: dict[str, set[str]] = {}
     for d in summary.get("devices") or []:
         if isinstance(d, dict) and d.get("device") is not None:
-            roles.setdefault(_device(d["device"]), set()).update(r for r in d.get("roles") or [] if isinstance(r, str))
+            roles.setdefault(normalize(d["device"]), set()).update(r for r in d.get("roles") or [] if isinstance(r, str))
     if not roles:
         train = (summary.get("config") or {}).get("train") or {}
-        for role, key in (("target", "targets"), ("drafter", "drafters")):
-            for spec in train.get(key) or []:
-                roles.setdefault(_device(spec), set()).add(role)
-    return {dev: r for dev, r in roles.items() if not dev.startswith("cpu")}
+        targets, drafters = list(train.get("targets") or []), list(train.get("drafters") or [])
+        nnodes = int(to_float((train.get("rendezvous") or {}).get("nnodes")) or 1)
+        if nnodes > 1:   # the distributed runtime's ranks as Placement.ranks lists them, rank r on node r // per_node
+            both = [normalize(d) for d in targets] == [normalize(d) for d in drafters]
+            kinds = [("target", "drafter")] * len(drafters) if both else \
+                [("target",)] * len(targets) + [("drafter",)] * len(drafters)
+            named = zip(rank_names(drafters if both else targets + drafters, nnodes), kinds)
+        else:
+            named = [(normalize(d), ("target",)) for d in targets] + [(normalize(d), ("drafter",)) for d in drafters]
+        for name, kind in named:
+            roles.setdefault(name, set()).update(kind)
+    return {dev: r for dev, r in roles.items() if not dev.split("/")[-1].startswith("cpu")}
 
 
 def _n(k: int, word: str) -> str:

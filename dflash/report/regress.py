@@ -19,6 +19,7 @@ import statistics
 from dataclasses import dataclass
 
 from dflash.config import UNHASHED
+from dflash.device_names import normalize
 from dflash.report.history import Run, to_float
 
 CATEGORIES = ("environment", "data", "config", "code")
@@ -259,19 +260,14 @@ def _usable(run: Run) -> bool:
     return run.row.get("status") == "completed" and ktok is not None and ktok > 0
 
 
-def _device(spec) -> str:
-    s = str(spec)
-    return f"cuda:{s}" if s.isdigit() else s
-
-
 def comparable_key(run: Run) -> tuple:
     """Runs with the same key measure the same pipeline: run name, hardware and placement."""
     snap = run.snapshot
     env, train = snap.get("env") or {}, (snap.get("config") or {}).get("train") or {}
     gpu = env.get("gpu") or {}
     hardware = ("gpu", gpu.get("count"), tuple(gpu.get("models") or ())) if gpu.get("count") else ("cpu", env.get("cpu"))
-    placement = (snap.get("runtime") or train.get("runtime"), tuple(sorted(map(_device, train.get("targets") or ()))),
-                 tuple(sorted(map(_device, train.get("drafters") or ()))), (train.get("rendezvous") or {}).get("nnodes", 1))
+    placement = (snap.get("runtime") or train.get("runtime"), tuple(sorted(map(normalize, train.get("targets") or ()))),
+                 tuple(sorted(map(normalize, train.get("drafters") or ()))), (train.get("rendezvous") or {}).get("nnodes", 1))
     return run.row.get("run_name"), hardware, placement
 
 

@@ -13,6 +13,40 @@ def add_arguments(p):
     p.add_argument("--out", default=None, help="record JSON (default: <results_dir>/compile/<device>.json)")
 
 
+def warmup_device(spec: str, train_cfg):
+    """--device (cpu, cuda:N, N or the file form cudaN) -> torch.device, checked before anything loads.
+
+    Inductor's persistent cache is keyed by the CUDA device index: the FX-graph key hashes the example inputs'
+    TensorMetadata, device index included, and AOT-autograd's key the same way (torch/_inductor/codecache.py
+    FxGraphHashDetails / FxGraphCachePickler, torch/_functorch/_aot_autograd/autograd_cache.py). A graph compiled on
+    cuda:0 is not the one train looks up on cuda:5, so a job that does not see the requested GPU cannot compile on
+    another one in its place: it must see the GPUs as train numbers them (SLURM shows a job only its own GPUs, as
+    cuda:0..; placement.resolve, which this stage runs, checks every config entry too)."""
+    import os
+
+    import torch
+
+    from dflash.device_names import normalize
+    from dflash.errors import UserError
+    from dflash.train import placement as P
+
+    s = str(spec).strip()
+    s = f"cuda:{s[4:]}" if s.startswith("cuda") and s[4:].isdigit() else normalize(s)
+    names = [normalize(d) for d in [s, *train_cfg.targets, *train_cfg.drafters]]
+    need = 1 + max((int(n[5:]) for n in names if n.startswith("cuda:") and n[5:].isdigit()), default=-1)
+    seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if seen < need:
+        here = s if s.startswith("cuda") else "cuda:N"
+        raise UserError(
+            f"warmup --device {spec}: this job sees {seen} GPU(s) (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}) but --device and train.targets/train.drafters name "
+            f"GPUs up to cuda:{need - 1}. The Inductor cache this stage fills is keyed by the CUDA device index (what "
+            f"compiles on cuda:0 is not what train looks up on {here}), so it cannot compile on another GPU in its "
+            f"place: give the warm-up job the GPUs the train job gets, numbered the same (on SLURM: set-resources "
+            f"warmup gres: gpu:{need} in workflow/profiles/slurm/config.yaml)")
+    return P.parse_device(s)
+
+
 def run(loaded, args):
     import gc
 
@@ -21,13 +55,10 @@ def run(loaded, args):
     from dflash.atomic import atomic_write_json
     from dflash import paths
     from dflash.fingerprint import compile_cache_dir
-    from dflash.train import compile_guard, placement as P
+    from dflash.train import compile_guard
     from dflash.train.context import prepare, set_shapes
 
-    spec = args.device
-    if spec.startswith("cuda") and spec[4:].isdigit():
-        spec = f"cuda:{spec[4:]}"
-    device = P.parse_device(spec)
+    device = warmup_device(args.device, loaded.cfg.train)
     ctx = prepare(loaded, data_dir=args.data)
     target = loaded.cfg.train.compile_target and device in ctx.placement.targets
     drafter = device in ctx.placement.drafters
@@ -77,4 +108,4 @@ def _target(ctx, device) -> dict:
     capture = LayerCapture(load_target(ctx.cfg.target, device=device, seed=ctx.cfg.seed),
                            ctx.drafter_config.target_layer_ids)
     capture.compile()
-    return capture.warm_up(device, ctx.shapes, ctx.drafter_config.vocab_size)
+    return capture.warm_up(device, ctx.shapes, ctx.drafter_config.vocab_size, ctx.compiled_workers)

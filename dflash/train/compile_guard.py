@@ -152,12 +152,25 @@ def use_compile_cache(cache_dir: str | Path) -> Path:
     return path
 
 
-def configure_thread(num_shapes: int) -> None:
-    """Dynamo config is per thread (torch >= 2.12): call at the start of every worker thread.
+def recompile_limit(num_shapes: int, workers: int = 1) -> int:
+    """Compiled entries one code object may hold in this process. An entry is per shape and per device (tensor guards
+    include the device), and the replicas (and compiled targets) of one process share their code objects (every
+    replica's Layer.forward, the loss kernel), so `workers` compiled workers over `num_shapes` buckets hold
+    shapes x workers entries; x4 for the variants within one shape (a loss chunk's remainder, window layers)."""
+    return max(64, 4 * num_shapes * max(1, workers))
 
-    The recompile limit covers every warmed shape; reaching it is an error, never a silent eager fallback.
+
+def configure_thread(num_shapes: int, workers: int = 1) -> None:
+    """Dynamo config is per thread (torch >= 2.12): call at the start of every worker thread, with the compiled
+    workers of this process (RunContext.compiled_workers).
+
+    The recompile limit covers every warmed shape on every device; reaching it is an error, never a silent eager
+    fallback. Dynamo's cap on one code object's entries over all regions (accumulated_recompile_limit, 256) is
+    raised with it.
     """
-    torch._dynamo.config.recompile_limit = max(64, 4 * num_shapes)
+    limit = recompile_limit(num_shapes, workers)
+    torch._dynamo.config.recompile_limit = limit
+    torch._dynamo.config.accumulated_recompile_limit = max(256, limit)
     torch._dynamo.config.fail_on_recompile_limit_hit = True
 
 

@@ -37,6 +37,12 @@ class RunContext:
         return self.loaded.cfg
 
     @property
+    def compiled_workers(self) -> int:
+        """Compiled workers in one process of this run (dynamo's entries are per shape and per device, and a process
+        holds them for all its workers; compile_guard.recompile_limit): Placement.compiled_workers; 1 without one."""
+        return self.placement.compiled_workers(self.cfg.train.compile_target) if self.placement else 1
+
+    @property
     def batches_per_step(self) -> int:
         """Micro-batches one optimizer step consumes over every replica: drafter replicas x train.grad_accum."""
         return len(self.placement.drafters) * self.cfg.train.grad_accum

@@ -100,13 +100,14 @@ class LayerCapture:
             m.forward = compile_guard.compiled(m.forward, fullgraph=True, dynamic=False)
         self.compiled = True
 
-    def warm_up(self, device: torch.device, shapes, vocab_size: int) -> dict:
+    def warm_up(self, device: torch.device, shapes, vocab_size: int, workers: int = 1) -> dict:
         """Run (compile, when compiled) the capture for every (batch, length) shape, single-threaded, holding the FX
-        guard exclusively. The record has the drafter warm-up's keys (summary.json's compile section sums both)."""
+        guard exclusively; `workers`: the compiled workers of this process (RunContext.compiled_workers). The record
+        has the drafter warm-up's keys (summary.json's compile section sums both)."""
         before, t0, per_shape = compile_guard.counters(), time.perf_counter(), []
         with compile_guard.FX_GUARD.exclusive():
             compile_guard.allow_compiles()
-            compile_guard.configure_thread(len(shapes))
+            compile_guard.configure_thread(len(shapes), workers)
             for b, s in shapes:
                 t = time.perf_counter()
                 g = torch.Generator(device="cpu").manual_seed(s)

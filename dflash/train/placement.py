@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash.device_names import normalize, rank_names
 from dflash.errors import UserError
 
 
@@ -29,13 +30,8 @@ def parse_device(spec: str | int) -> torch.device:
     return dev
 
 
-def _norm(spec) -> str:
-    s = str(spec).strip()
-    return f"cuda:{s}" if s.isdigit() else ("cuda:0" if s == "cuda" else s)
-
-
 def _same_lists(train_cfg) -> bool:
-    return [_norm(d) for d in train_cfg.targets] == [_norm(d) for d in train_cfg.drafters]
+    return [normalize(d) for d in train_cfg.targets] == [normalize(d) for d in train_cfg.drafters]
 
 
 @dataclass(frozen=True)
@@ -68,6 +64,14 @@ class Placement:
             return sum(d.type == "cuda" for d in self.ranks)
         return len(self.gpus)
 
+    def compiled_workers(self, compile_target: bool) -> int:
+        """Workers one process compiles for, each on its device (compile_guard.recompile_limit): the threads runtime,
+        every drafter replica and, with train.compile_target, every target; the distributed one, a rank's drafter
+        replica or target, and its own target where co-located."""
+        if self.runtime == "distributed":
+            return 1 + (self.colocated and compile_target)
+        return len(self.drafters) + (len(self.targets) if compile_target else 0)
+
     # ---- the distributed runtime's ranks: the one place that maps rank -> worker -> node -> device ----
     @property
     def target_ranks(self) -> int:
@@ -96,6 +100,10 @@ class Placement:
 
     def role(self, rank: int) -> str:
         return f"{self.worker(rank)} ({self.ranks[rank]})"
+
+    def device_name(self, rank: int) -> str:
+        """Rank r's device as summaries and the report name it: `cuda:0` on one node, `node1/cuda:0` on several."""
+        return rank_names(self.ranks, self.nnodes)[rank]
 
 
 def resolve(train_cfg) -> Placement:

@@ -95,7 +95,7 @@ def warm_up(drafter, ctx, device, shapes) -> dict:
     per_shape = []
     with compile_guard.FX_GUARD.exclusive():
         compile_guard.allow_compiles()
-        compile_guard.configure_thread(len(shapes))
+        compile_guard.configure_thread(len(shapes), ctx.compiled_workers)
         for b, s in shapes:
             t = time.perf_counter()
             feats, ids, mask = dummy_batch(ctx, b, s, device, dtype)

@@ -6,6 +6,8 @@ import time
 
 import torch
 
+from dflash.device_names import device_name
+
 
 class GpuSampler:
     """Samples NVML utilisation (percent) every `period` seconds for the given CUDA devices, each sample stamped with
@@ -72,11 +74,13 @@ def nvml_handle(index: int):
 
 
 def device_report(placement, sampler: GpuSampler | None, window=(None, None)) -> list[dict]:
-    """Per device: roles, peak memory, mean utilisation over `window` (the measured steps, see RunMetrics)."""
+    """Per device: roles, peak memory, mean utilisation over `window` (the measured steps, see RunMetrics). One
+    process on one node (the threads runtime): the distributed runtime makes a row per rank, named by
+    Placement.device_name."""
     out = []
     for d in placement.devices:
         roles = [r for r, devs in (("target", placement.targets), ("drafter", placement.drafters)) if d in devs]
-        row = {"device": str(d), "roles": roles, "peak_memory_gb": None, "util_mean": None}
+        row = {"device": device_name(d), "roles": roles, "peak_memory_gb": None, "util_mean": None}
         if d.type == "cuda":
             row["peak_memory_gb"] = round(torch.cuda.max_memory_allocated(d) / 2**30, 3)
             row["util_mean"] = sampler.mean(d, *window) if sampler else None

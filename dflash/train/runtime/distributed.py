@@ -207,6 +207,7 @@ def worker_main(ctx, args) -> int:
                         f"r // {pl.per_node} as local rank r % {pl.per_node} (torchrun's numbering): launch with "
                         "torchrun or `python -m dflash train`, one launcher per node")
     device = pl.ranks[rank]   # every rank on a GPU or every rank on the CPU (placement.resolve)
+    where = pl.device_name(rank)   # summaries name it: cuda:N on one node, nodeN/cuda:M on several
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = cfg.train.rendezvous.backend
@@ -289,11 +290,11 @@ def worker_main(ctx, args) -> int:
         warm = None
         if cfg.train.compile_target:   # compiled for every bucket shape before the first micro-batch
             capture.compile()
-            warm = capture.warm_up(device, ctx.shapes, ctx.drafter_config.vocab_size)
+            warm = {**capture.warm_up(device, ctx.shapes, ctx.drafter_config.vocab_size, ctx.compiled_workers), "device": where}
             log.info("warm-up of %s on %s (compiled target): %d graph(s), %d cache hit(s), %.1f s", name, device,
                      warm["graphs"], warm["cache_hits"], warm["seconds"])
             compile_guard.forbid_recompiles()
-            compile_guard.configure_thread(len(ctx.shapes))
+            compile_guard.configure_thread(len(ctx.shapes), ctx.compiled_workers)
         pending: deque = deque()
         produced = 0
         # the forward time of the measured micro-batches (those of the steps past train.warmup_steps_excluded):
@@ -330,18 +331,17 @@ def worker_main(ctx, args) -> int:
                 if isinstance(w, dist.Work):
                     w.wait()
         sampler.stop()
-        desc = {"name": name, "role": "target", "device": str(device), "steps": produced,
+        desc = {"name": name, "role": "target", "device": where, "steps": produced,
                 "forward_s": clock.mean(), "forward_batches": clock.n,
                 "peak_memory_gb": _peak(device), "util_mean": sampler.mean(device), "warmup": warm}
     else:
-        record = rep.warm_up()                      # compiles on the bare module, before DDP wraps it
-        records = [record]
+        records = [{**rep.warm_up(), "device": where}]    # compiles on the bare module, before DDP wraps it
         if coloc and cfg.train.compile_target:
             capture.compile()
-            records.append(capture.warm_up(device, ctx.shapes, ctx.drafter_config.vocab_size))
+            records.append({**capture.warm_up(device, ctx.shapes, ctx.drafter_config.vocab_size, ctx.compiled_workers), "device": where})
         if ctx.compile or (coloc and cfg.train.compile_target):
             compile_guard.forbid_recompiles()
-        compile_guard.configure_thread(len(ctx.shapes))
+        compile_guard.configure_thread(len(ctx.shapes), ctx.compiled_workers)
         rep.model = DDP(rep.drafter, device_ids=[device] if device.type == "cuda" else None,
                         process_group=drafter_group, broadcast_buffers=False)
         k, H = len(ctx.drafter_config.target_layer_ids), ctx.drafter_config.hidden_size
@@ -406,7 +406,7 @@ def worker_main(ctx, args) -> int:
         if not coloc:
             _drain(rep, T, k * H, dtype, device)     # what the targets sent beyond the stop, then their end mark
         sampler.stop()
-        desc = {"name": name, "role": "drafter", "device": str(device), "steps": rep.steps,
+        desc = {"name": name, "role": "drafter", "device": where, "steps": rep.steps,
                 "checksum": weight_checksum(rep.drafter).tolist(), "peak_memory_gb": _peak(device),
                 "util_mean": sampler.mean(device, *(metrics.measured_window() if metrics else (None, None)))}
         if coloc:

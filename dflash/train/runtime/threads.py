@@ -133,14 +133,15 @@ class TargetWorker(Worker):
     def warm_up(self) -> dict:
         """train.compile_target: compile the capture for every bucket shape (on the main thread, before any worker
         starts, like the drafter replicas' warm-up)."""
-        return self.capture.warm_up(self.device, self.ctx.shapes, self.ctx.drafter_config.vocab_size)
+        return self.capture.warm_up(self.device, self.ctx.shapes, self.ctx.drafter_config.vocab_size,
+                                    self.ctx.compiled_workers)
 
     def body(self):
         self.maybe_fail(0)
         if self.model is None:
             self.load()
         if self.capture.compiled:
-            compile_guard.configure_thread(len(self.ctx.shapes))
+            compile_guard.configure_thread(len(self.ctx.shapes), self.ctx.compiled_workers)
         cuda = self.device.type == "cuda"
         # high priority: the drafters wait on the features, so the target's kernels go first on a shared GPU
         stream = torch.cuda.Stream(self.device, priority=-1) if cuda else None
@@ -268,7 +269,7 @@ class DrafterWorker(Worker):
 
     def body(self):
         self.maybe_fail(0)
-        compile_guard.configure_thread(len(self.replica.ctx.shapes))
+        compile_guard.configure_thread(len(self.replica.ctx.shapes), self.replica.ctx.compiled_workers)
         self.steps = self.replica.steps
         self.mark_ready()
         try:
