@@ -209,3 +209,28 @@ def test_recompile_limit_covers_every_device_and_shape():
     t.join(10)
     limit = compile_guard.recompile_limit(shapes, workers)
     assert seen == {"limit": limit, "accumulated": max(256, limit), "fail": True} and limit >= 256
+
+
+def test_backward_compiled_in_forward_never_waits_on_the_warm_ups_guard(tmp_path, monkeypatch):
+    """On a GPU a backward runs on the autograd engine's device thread. AOT autograd compiles a static-shape backward
+    lazily, at that call, and Inductor's pattern rewrites FX-trace there (w's gradient, mm + mm -> addmm): that thread
+    waits on the FX guard the warm-up holds while the warm-up waits on it. Simulated on CPU with the backward on
+    another thread, over an empty Inductor cache (a cache hit would skip the compile): compiled with its forward, the
+    backward never traces there."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))   # read per compile; Inductor's config is per thread
+    compile_guard.install_fx_guard()
+
+    def f(a, b, w):   # w used twice: its gradient a.T @ g + b.T @ g is rewritten by an FX trace
+        return torch.tanh(a @ w) + torch.tanh(b @ w)
+
+    a, b, w = (torch.randn(8, 8, requires_grad=True) for _ in range(3))
+    done = threading.Event()
+    with compile_guard.FX_GUARD.exclusive(), compile_guard.backward_compiled_in_forward():
+        out = torch.compile(f, fullgraph=True, dynamic=False)(a, b, w)
+        t = threading.Thread(target=lambda: (out.sum().backward(), done.set()), daemon=True)
+        t.start()
+        t.join(60)
+        in_time = done.is_set()
+    t.join(120)   # (the guard released: a backward that waited on it finishes now)
+    assert in_time, "the backward compiled on the autograd thread and waited on the FX guard held by the warm-up"
+    torch.testing.assert_close(w.grad, torch.autograd.grad(f(a, b, w).sum(), w)[0])

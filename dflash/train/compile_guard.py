@@ -195,6 +195,24 @@ def allow_compiles() -> None:
     torch.compiler.set_stance("default")
 
 
+@contextlib.contextmanager
+def backward_compiled_in_forward():
+    """Compile each graph's backward with its forward, on this thread (the warm-up's, holding FX_GUARD exclusively).
+
+    AOT autograd compiles a static-shape backward lazily, at its first backward call; on a GPU that call runs on the
+    autograd engine's device thread, and Inductor's post-grad pattern rewrites FX-trace there (replace_by_example ->
+    make_fx -> Tracer.trace), which waits on the FX guard the warm-up holds while the warm-up waits on that backward:
+    a deadlock until the guard's timeout. torch._functorch.config.force_non_lazy_backward_lowering (torch >= 2.9)
+    lowers the backward at forward time instead; it is part of AOT autograd's cache key, so train and the warmup
+    stage (both through step.warm_up) share their cache entries."""
+    import torch._functorch.config as cfg
+    if not hasattr(cfg, "force_non_lazy_backward_lowering"):
+        yield
+        return
+    with cfg.patch(force_non_lazy_backward_lowering=True):
+        yield
+
+
 class RecompileError(RuntimeError):
     pass
 
