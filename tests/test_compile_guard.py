@@ -172,19 +172,24 @@ def _replicas_in_lockstep(forwards, rounds: int) -> list:
 def test_threads_calling_one_compiled_code_object_recompile_spuriously_unless_serialized():
     """The CI failure of a threads run (1 in 4 on 2 cores): two replicas' compiled layers share one code object;
     plain torch.compile lets one thread make the other miss a warmed entry, so a warmed shape 'recompiles'.
-    compile_guard.compiled serializes the calls: no error in many more rounds."""
+    compile_guard.compiled serializes the calls: no error in many more rounds. The race is a race: where plain
+    torch.compile does not show it within 20 s (a loaded machine, a torch that fixed it), the serialized run proves
+    nothing and the test says so (skip) instead of failing."""
+    import time
     plain = [torch.compile(_TwoShapes().forward, backend="eager", fullgraph=True, dynamic=False) for _ in range(2)]
-    errors = []
-    for _ in range(5):       # reproduced within one attempt of 2000 rounds here; five to be sure on any machine
+    errors, t0 = [], time.perf_counter()
+    while not errors and time.perf_counter() - t0 < 20:   # most often within the first 2000 rounds (< 1 s)
         errors = _replicas_in_lockstep(plain, 2000)
-        if errors:
-            break
-    assert errors and "Detected recompile" in str(errors[0]), errors
+    assert not errors or "Detected recompile" in str(errors[0]), errors
 
     torch._dynamo.reset()
+    with pytest.raises(TypeError, match="LayerNorm.forward"):   # a module's entries may sit on a shared wrapper's code
+        compile_guard.compiled(torch.nn.LayerNorm(8))
     safe = [compile_guard.compiled(_TwoShapes().forward, backend="eager", fullgraph=True, dynamic=False)
             for _ in range(2)]
     assert _replicas_in_lockstep(safe, 4000) == []
+    if not errors:
+        pytest.skip("plain torch.compile showed no spurious recompile within 20 s here: nothing to compare against")
 
 
 def test_recompile_limit_covers_every_device_and_shape():

@@ -113,9 +113,11 @@ _CODE_LOCKS_GUARD = threading.Lock()
 
 
 def _code_of(fn):
-    """The code object dynamo keeps the compiled entries on: a function's, a bound method's, a module's forward."""
+    """The code object dynamo keeps the compiled entries on: a function's or a bound method's. Not a module's: for
+    torch.compile(module) of a torch.nn class dynamo runs a wrapper (external_utils.wrap_inline) whose code every such
+    module shares, so a lock on type(module).forward would not cover it; compile `module.forward` instead."""
     if isinstance(fn, torch.nn.Module):
-        fn = type(fn).forward
+        raise TypeError(f"compile_guard.compiled: pass {type(fn).__name__}.forward (a bound method), not the module")
     return getattr(fn, "__func__", fn).__code__
 
 
