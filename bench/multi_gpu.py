@@ -209,7 +209,8 @@ class Driver:
             return {**out, "summary": None, "log_tail": "\n".join(t[-3000:] for t in texts)}
         s = json.loads(p.read_text())
         tp, comp = s.get("throughput") or {}, s.get("compile") or {}
-        gpus = len({d["device"] for d in s.get("devices") or [] if str(d.get("device", "")).startswith("cuda")})
+        gpus = len({d["device"] for d in s.get("devices") or []   # several nodes: node1/cuda:0 (dflash/device_names.py)
+                    if str(d.get("device", "")).split("/")[-1].startswith("cuda")})
         from dflash.report.placement import suggest
         out.update({
             "status": s.get("status"), "steps": s.get("steps"), "measured_steps": s.get("measured_steps"),

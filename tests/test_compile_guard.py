@@ -172,19 +172,24 @@ def _replicas_in_lockstep(forwards, rounds: int) -> list:
 def test_threads_calling_one_compiled_code_object_recompile_spuriously_unless_serialized():
     """The CI failure of a threads run (1 in 4 on 2 cores): two replicas' compiled layers share one code object;
     plain torch.compile lets one thread make the other miss a warmed entry, so a warmed shape 'recompiles'.
-    compile_guard.compiled serializes the calls: no error in many more rounds."""
+    compile_guard.compiled serializes the calls: no error in many more rounds. The race is a race: where plain
+    torch.compile does not show it within 20 s (a loaded machine, a torch that fixed it), the serialized run proves
+    nothing and the test says so (skip) instead of failing."""
+    import time
     plain = [torch.compile(_TwoShapes().forward, backend="eager", fullgraph=True, dynamic=False) for _ in range(2)]
-    errors = []
-    for _ in range(5):       # reproduced within one attempt of 2000 rounds here; five to be sure on any machine
+    errors, t0 = [], time.perf_counter()
+    while not errors and time.perf_counter() - t0 < 20:   # most often within the first 2000 rounds (< 1 s)
         errors = _replicas_in_lockstep(plain, 2000)
-        if errors:
-            break
-    assert errors and "Detected recompile" in str(errors[0]), errors
+    assert not errors or "Detected recompile" in str(errors[0]), errors
 
     torch._dynamo.reset()
+    with pytest.raises(TypeError, match="LayerNorm.forward"):   # a module's entries may sit on a shared wrapper's code
+        compile_guard.compiled(torch.nn.LayerNorm(8))
     safe = [compile_guard.compiled(_TwoShapes().forward, backend="eager", fullgraph=True, dynamic=False)
             for _ in range(2)]
     assert _replicas_in_lockstep(safe, 4000) == []
+    if not errors:
+        pytest.skip("plain torch.compile showed no spurious recompile within 20 s here: nothing to compare against")
 
 
 def test_recompile_limit_covers_every_device_and_shape():
@@ -209,3 +214,28 @@ def test_recompile_limit_covers_every_device_and_shape():
     t.join(10)
     limit = compile_guard.recompile_limit(shapes, workers)
     assert seen == {"limit": limit, "accumulated": max(256, limit), "fail": True} and limit >= 256
+
+
+def test_backward_compiled_in_forward_never_waits_on_the_warm_ups_guard(tmp_path, monkeypatch):
+    """On a GPU a backward runs on the autograd engine's device thread. AOT autograd compiles a static-shape backward
+    lazily, at that call, and Inductor's pattern rewrites FX-trace there (w's gradient, mm + mm -> addmm): that thread
+    waits on the FX guard the warm-up holds while the warm-up waits on it. Simulated on CPU with the backward on
+    another thread, over an empty Inductor cache (a cache hit would skip the compile): compiled with its forward, the
+    backward never traces there."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))   # read per compile; Inductor's config is per thread
+    compile_guard.install_fx_guard()
+
+    def f(a, b, w):   # w used twice: its gradient a.T @ g + b.T @ g is rewritten by an FX trace
+        return torch.tanh(a @ w) + torch.tanh(b @ w)
+
+    a, b, w = (torch.randn(8, 8, requires_grad=True) for _ in range(3))
+    done = threading.Event()
+    with compile_guard.FX_GUARD.exclusive(), compile_guard.backward_compiled_in_forward():
+        out = torch.compile(f, fullgraph=True, dynamic=False)(a, b, w)
+        t = threading.Thread(target=lambda: (out.sum().backward(), done.set()), daemon=True)
+        t.start()
+        t.join(60)
+        in_time = done.is_set()
+    t.join(120)   # (the guard released: a backward that waited on it finishes now)
+    assert in_time, "the backward compiled on the autograd thread and waited on the FX guard held by the warm-up"
+    torch.testing.assert_close(w.grad, torch.autograd.grad(f(a, b, w).sum(), w)[0])

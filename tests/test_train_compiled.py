@@ -62,15 +62,29 @@ def test_compiled_drafter_equals_eager_with_the_same_state_dict():
         torch.testing.assert_close(g1[n], g0[n], rtol=1e-5, atol=1e-6, msg=n)
 
 
-def test_unwarmed_shape_fails_fast_naming_it():
+def test_unwarmed_shape_fails_fast_naming_it(monkeypatch):
+    import contextlib
+
+    import torch._functorch.config as functorch_config
+
     from dflash.train import compile_guard
     from dflash.train.step import build_drafter, micro_step, random_head, warm_up
 
     setup = _tiny(True)
     cpu = torch.device("cpu")
     drafter = build_drafter(setup, *random_head(setup, cpu, torch.float32), cpu)
+    eager_bw = []   # the warm-up compiles each backward with its forward (test_compile_guard shows why)
+    real = compile_guard.backward_compiled_in_forward
+
+    @contextlib.contextmanager
+    def seen():
+        with real():
+            eager_bw.append(getattr(functorch_config, "force_non_lazy_backward_lowering", True))
+            yield
+
+    monkeypatch.setattr(compile_guard, "backward_compiled_in_forward", seen)
     record = warm_up(drafter, setup, cpu, [(1, 24)])
-    assert record["graphs"] >= 1
+    assert record["graphs"] >= 1 and eager_bw == [True]
     compile_guard.forbid_recompiles()
     errors = []
 

@@ -113,9 +113,11 @@ _CODE_LOCKS_GUARD = threading.Lock()
 
 
 def _code_of(fn):
-    """The code object dynamo keeps the compiled entries on: a function's, a bound method's, a module's forward."""
+    """The code object dynamo keeps the compiled entries on: a function's or a bound method's. Not a module's: for
+    torch.compile(module) of a torch.nn class dynamo runs a wrapper (external_utils.wrap_inline) whose code every such
+    module shares, so a lock on type(module).forward would not cover it; compile `module.forward` instead."""
     if isinstance(fn, torch.nn.Module):
-        fn = type(fn).forward
+        raise TypeError(f"compile_guard.compiled: pass {type(fn).__name__}.forward (a bound method), not the module")
     return getattr(fn, "__func__", fn).__code__
 
 
@@ -193,6 +195,24 @@ def forbid_recompiles() -> None:
 
 def allow_compiles() -> None:
     torch.compiler.set_stance("default")
+
+
+@contextlib.contextmanager
+def backward_compiled_in_forward():
+    """Compile each graph's backward with its forward, on this thread (the warm-up's, holding FX_GUARD exclusively).
+
+    AOT autograd compiles a static-shape backward lazily, at its first backward call; on a GPU that call runs on the
+    autograd engine's device thread, and Inductor's post-grad pattern rewrites FX-trace there (replace_by_example ->
+    make_fx -> Tracer.trace), which waits on the FX guard the warm-up holds while the warm-up waits on that backward:
+    a deadlock until the guard's timeout. torch._functorch.config.force_non_lazy_backward_lowering (torch >= 2.9)
+    lowers the backward at forward time instead; it is part of AOT autograd's cache key, so train and the warmup
+    stage (both through step.warm_up) share their cache entries."""
+    import torch._functorch.config as cfg
+    if not hasattr(cfg, "force_non_lazy_backward_lowering"):
+        yield
+        return
+    with cfg.patch(force_non_lazy_backward_lowering=True):
+        yield
 
 
 class RecompileError(RuntimeError):

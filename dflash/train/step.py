@@ -88,12 +88,13 @@ def dummy_batch(ctx, batch: int, length: int, device, dtype):
 
 def warm_up(drafter, ctx, device, shapes) -> dict:
     """Compile (or just run) the drafter's forward and backward for every shape, single-threaded, holding the
-    FX guard exclusively. Leaves no gradients behind."""
+    FX guard exclusively (each backward compiled with its forward, on this thread: never lazily on the CUDA autograd
+    thread, which would wait on that guard). Leaves no gradients behind."""
     dtype = P.autocast_dtype(ctx.cfg.train, device)
     before = compile_guard.counters()
     t0 = time.perf_counter()
     per_shape = []
-    with compile_guard.FX_GUARD.exclusive():
+    with compile_guard.FX_GUARD.exclusive(), compile_guard.backward_compiled_in_forward():
         compile_guard.allow_compiles()
         compile_guard.configure_thread(len(shapes), ctx.compiled_workers)
         for b, s in shapes:
