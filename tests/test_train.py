@@ -53,13 +53,22 @@ def run_dir(cfg: Path) -> Path:
     return Path(yaml.safe_load(cfg.read_text())["results_dir"]) / "runs" / "t"
 
 
+def train_ok(cfg: Path, *args: str) -> None:
+    """`dflash train` in this process; a non-zero exit fails naming the run's failure from summary.json (CI shows
+    the assertion even when the captured log is cut)."""
+    code = main(["train", "--config", str(cfg), "--no-progress", *args])
+    summary = run_dir(cfg) / "summary.json"
+    why = json.loads(summary.read_text()).get("failure") if summary.exists() else "no summary.json"
+    assert code == 0, f"train exited {code}: {why}"
+
+
 def dflash(*args, **kw):
     return subprocess.run([sys.executable, "-m", "dflash", *args], cwd=REPO, capture_output=True, text=True, **kw)
 
 
 def test_two_replicas_train_in_lockstep(tmp_path):
     cfg = prepared(tmp_path)
-    assert main(["train", "--config", str(cfg), "--no-progress"]) == 0
+    train_ok(cfg)
     s = json.loads((run_dir(cfg) / "summary.json").read_text())
     assert s["status"] == "completed" and s["steps"] == 12 and s["measured_steps"] == 10
     assert s["replicas_identical"] is True and len(s["replica_checksums"]) == 2
@@ -79,11 +88,11 @@ def test_rerun_resumes_an_interrupted_run_and_trains_a_finished_one_anew(tmp_pat
     checkpoint is damaged resumes from the previous intact one (one line says which was skipped); a finished run
     trains a new run, its checkpoints set aside in checkpoints.previous/."""
     cfg = prepared(tmp_path, steps=4, checkpoint_every=2)
-    assert main(["train", "--config", str(cfg), "--no-progress"]) == 0
+    train_ok(cfg)
     final = run_dir(cfg) / "checkpoints" / "step-000004" / "model.safetensors"
     first = {k: v.clone() for k, v in load_file(str(final)).items()}  # not a view of the file truncated next
     final.write_bytes(final.read_bytes()[:1000])
-    assert main(["train", "--config", str(cfg), "--no-progress"]) == 0
+    train_ok(cfg)
     assert [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()] == \
         [f"checkpoint {final.parent} skipped: model.safetensors is 1000 bytes, manifest.json says "
          f"{json.loads((final.parent / 'manifest.json').read_text())['files']['model.safetensors']['bytes']} "
@@ -93,7 +102,7 @@ def test_rerun_resumes_an_interrupted_run_and_trains_a_finished_one_anew(tmp_pat
     for k, v in load_file(str(final)).items():   # retrained exactly from step 2
         torch.testing.assert_close(v, first[k], rtol=0, atol=0)
     caplog.clear()
-    assert main(["train", "--config", str(cfg), "--no-progress"]) == 0
+    train_ok(cfg)
     assert any("the run finished at step 4" in r.getMessage() for r in caplog.records)
     s = json.loads((run_dir(cfg) / "summary.json").read_text())
     assert s["resumed_from_step"] is None and s["status"] == "completed" and s["steps"] == 4
@@ -103,7 +112,7 @@ def test_rerun_resumes_an_interrupted_run_and_trains_a_finished_one_anew(tmp_pat
 def test_kill9_then_resume_trains_exactly_the_same(tmp_path):
     steps = 40   # long enough that the kill lands mid-run however loaded the machine is
     straight = prepared(tmp_path / "a", steps=steps)
-    assert main(["train", "--config", str(straight), "--no-progress"]) == 0
+    train_ok(straight)
     killed = prepared(tmp_path / "b", steps=steps)
     proc = subprocess.Popen([sys.executable, "-m", "dflash", "train", "--config", str(killed), "--no-progress"],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -118,7 +127,7 @@ def test_kill9_then_resume_trains_exactly_the_same(tmp_path):
     final = f"step-{steps:06d}"
     assert final not in done  # killed mid-run
     (run_dir(killed) / "metrics.jsonl").unlink()    # Snakemake deletes a job's outputs before rerunning it
-    assert main(["train", "--config", str(killed), "--no-progress"]) == 0
+    train_ok(killed)
     rows = [json.loads(x) for x in (run_dir(killed) / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(2, steps + 1, 2))   # the steps before the kill are kept
     s = json.loads((run_dir(killed) / "summary.json").read_text())

@@ -8,10 +8,9 @@ import pytest
 import torch
 import yaml
 
-from dflash.cli import main
 from dflash.target import load_target
 from dflash.train.features import LayerCapture
-from test_train import dflash, prepared, run_dir
+from test_train import dflash, prepared, run_dir, train_ok
 
 pytestmark = pytest.mark.slow
 
@@ -19,7 +18,7 @@ pytestmark = pytest.mark.slow
 def check(tmp_path, device: str, tol: float, **train):
     cfg = prepared(tmp_path, targets=[device], drafters=[device], compile_target=True, steps=4, checkpoint_every=0,
                    log_every=1, warmup_steps_excluded=1, **train)
-    assert main(["train", "--config", str(cfg), "--no-progress"]) == 0
+    train_ok(cfg)
     s = json.loads((run_dir(cfg) / "summary.json").read_text())
     assert s["status"] == "completed" and s["steps"] == 4, s.get("failure")
     comp = s["compile"]

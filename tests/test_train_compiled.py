@@ -8,15 +8,14 @@ import pytest
 import torch
 
 from dflash import config as C
-from dflash.cli import main
-from test_train import prepared, run_dir
+from test_train import prepared, run_dir, train_ok
 
 pytestmark = pytest.mark.slow
 
 
 def test_threads_over_buckets_with_zero_recompiles(tmp_path):
     cfg = prepared(tmp_path, compile=True, steps=10, checkpoint_every=0)
-    assert main(["train", "--config", str(cfg), "--no-progress"]) == 0
+    train_ok(cfg)
     s = json.loads((run_dir(cfg) / "summary.json").read_text())
     buckets = [b for b, n in s["data"]["buckets"].items() if n >= 2]
     assert len(buckets) >= 2                      # several length buckets in the stream
