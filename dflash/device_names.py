@@ -13,6 +13,11 @@ def normalize(spec) -> str:
     return f"cuda:{s}" if s.isdigit() else ("cuda:0" if s == "cuda" else s)
 
 
+def same_devices(targets, drafters) -> bool:
+    """The same devices, in order, in train.targets and train.drafters: each rank runs a target and a drafter replica."""
+    return [normalize(d) for d in targets] == [normalize(d) for d in drafters]
+
+
 def device_name(device, node: int = 0, nnodes: int = 1) -> str:
     """'cuda:0' on one node, 'node1/cuda:0' for cuda:0 of node 1 when there are several."""
     s = normalize(device)

@@ -12,7 +12,7 @@ micro-batches per second when each GPU is kept busy (on one H200: t+d = 0.225 s 
 """
 from __future__ import annotations
 
-from dflash.device_names import normalize, rank_names
+from dflash.device_names import normalize, rank_names, same_devices
 from dflash.report.history import to_float
 
 
@@ -28,7 +28,7 @@ def gpu_roles(summary: dict) -> dict[str, set[str]]:
         targets, drafters = list(train.get("targets") or []), list(train.get("drafters") or [])
         nnodes = int(to_float((train.get("rendezvous") or {}).get("nnodes")) or 1)
         if nnodes > 1:   # the distributed runtime's ranks as Placement.ranks lists them, rank r on node r // per_node
-            both = [normalize(d) for d in targets] == [normalize(d) for d in drafters]
+            both = same_devices(targets, drafters)
             kinds = [("target", "drafter")] * len(drafters) if both else \
                 [("target",)] * len(targets) + [("drafter",)] * len(drafters)
             named = zip(rank_names(drafters if both else targets + drafters, nnodes), kinds)

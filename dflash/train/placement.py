@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash.device_names import normalize, rank_names
+from dflash.device_names import device_name, same_devices
 from dflash.errors import UserError
 
 
@@ -28,10 +28,6 @@ def parse_device(spec: str | int) -> torch.device:
     elif dev.type != "cpu":
         raise UserError(f"train placement: device type '{dev.type}' is not supported (cpu or cuda)")
     return dev
-
-
-def _same_lists(train_cfg) -> bool:
-    return [normalize(d) for d in train_cfg.targets] == [normalize(d) for d in train_cfg.drafters]
 
 
 @dataclass(frozen=True)
@@ -103,7 +99,7 @@ class Placement:
 
     def device_name(self, rank: int) -> str:
         """Rank r's device as summaries and the report name it: `cuda:0` on one node, `node1/cuda:0` on several."""
-        return rank_names(self.ranks, self.nnodes)[rank]
+        return device_name(self.ranks[rank], rank // self.per_node, self.nnodes)
 
 
 def resolve(train_cfg) -> Placement:
@@ -121,7 +117,7 @@ def resolve(train_cfg) -> Placement:
             raise UserError(f"train.runtime is {runtime} (one process on one node) but train.rendezvous.nnodes is "
                             f"{nnodes}: several nodes need train.runtime: distributed")
         return Placement(targets, drafters, runtime)
-    p = Placement(targets, drafters, runtime, _same_lists(train_cfg), nnodes)
+    p = Placement(targets, drafters, runtime, same_devices(train_cfg.targets, train_cfg.drafters), nnodes)
     lists = "train.drafters (co-located)" if p.colocated else "train.targets + train.drafters"
     if len({d.type for d in p.ranks}) > 1:
         cpu = ", ".join(f"rank {r} = {p.worker(r)}" for r, d in enumerate(p.ranks) if d.type == "cpu")
