@@ -14,7 +14,7 @@ def normalize(spec) -> str:
 
 
 def same_devices(targets, drafters) -> bool:
-    """The same devices, in order, in train.targets and train.drafters: each rank runs a target and a drafter replica."""
+    """The same devices, in order, in train.targets and train.drafters (co-located: each rank a target + a replica)."""
     return [normalize(d) for d in targets] == [normalize(d) for d in drafters]
 
 

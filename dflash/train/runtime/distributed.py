@@ -192,7 +192,7 @@ def worker_main(ctx, args) -> int:
     from dflash.train.step import build_drafter, frozen_head
     from dflash.train.trainer import Diverged, Micro, NonFinite, Replica, StopRun, weight_checksum
 
-    loaded, cfg, pl = ctx.loaded, ctx.cfg, ctx.placement
+    cfg, pl = ctx.cfg, ctx.placement
     coloc = pl.colocated
     T, D = pl.target_ranks, len(pl.drafters)   # T: target-only ranks
     rank = int(os.environ["RANK"])
@@ -290,7 +290,8 @@ def worker_main(ctx, args) -> int:
         warm = None
         if cfg.train.compile_target:   # compiled for every bucket shape before the first micro-batch
             capture.compile()
-            warm = {**capture.warm_up(device, ctx.shapes, ctx.drafter_config.vocab_size, ctx.compiled_workers), "device": where}
+            warm = capture.warm_up(device, ctx.shapes, ctx.drafter_config.vocab_size, ctx.compiled_workers)
+            warm["device"] = where
             log.info("warm-up of %s on %s (compiled target): %d graph(s), %d cache hit(s), %.1f s", name, device,
                      warm["graphs"], warm["cache_hits"], warm["seconds"])
             compile_guard.forbid_recompiles()
@@ -338,7 +339,8 @@ def worker_main(ctx, args) -> int:
         records = [{**rep.warm_up(), "device": where}]    # compiles on the bare module, before DDP wraps it
         if coloc and cfg.train.compile_target:
             capture.compile()
-            records.append({**capture.warm_up(device, ctx.shapes, ctx.drafter_config.vocab_size, ctx.compiled_workers), "device": where})
+            records.append({**capture.warm_up(device, ctx.shapes, ctx.drafter_config.vocab_size, ctx.compiled_workers),
+                            "device": where})
         if ctx.compile or (coloc and cfg.train.compile_target):
             compile_guard.forbid_recompiles()
         compile_guard.configure_thread(len(ctx.shapes), ctx.compiled_workers)
