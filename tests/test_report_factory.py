@@ -26,7 +26,7 @@ BASE_CONFIG = {"run_name": "demo", "dataset_name": "default", "results_dir": "re
 
 
 def settings(**report):
-    """The config's `report` section (schema defaults, `report` keys overridden): what the report stage hands build()."""
+    """The config's `report` section (schema defaults, these keys overridden), as the report stage hands it over."""
     return from_dict({"report": report}).cfg.report
 
 

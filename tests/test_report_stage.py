@@ -127,7 +127,7 @@ def test_a_damaged_snapshot_is_named_and_restored_from_its_row_then_from_its_run
     snap.write_text("{not json")
     result = build(runs, out, settings())
     assert [s["file"] for s in result.skipped] == [str(snap)]
-    assert len(result.records) == 3                                       # its folder is gone: its csv row brings it back
+    assert len(result.records) == 3                                       # its folder is gone: its csv row restores it
     assert result.records[0]["restored_from"] == "history.csv:2" and result.records[0]["ktok_per_s"] == 12.0
     restored = json.loads(snap.read_text())
     assert restored["restored_from"] == "history.csv:2" and restored["row"]["ktok_per_s"] == "12.0"

@@ -167,7 +167,8 @@ def read_acceptance(path: Path, summary: dict) -> tuple[dict | None, dict | None
         return None, _skip(path, f"made at {data['created_at']}, before run {rid} finished ({summary['finished_at']}):"
                                  " the evaluation of an earlier run; rerun evaluate")
     if tau_of(data) is None:
-        why = f"evaluated at temperature {data['temperature']}" if to_float(data.get("temperature")) else "no numeric 'tau'"
+        temperature = to_float(data.get("temperature"))
+        why = f"evaluated at temperature {data['temperature']}" if temperature else "no numeric 'tau'"
         log.warning("%s: %s; the history's tau (temperature 0) left empty for run %s", path, why, rid)
     return data, None
 
@@ -224,7 +225,7 @@ def hardware_of(snap: dict) -> str:
 
 
 def placement_of(snap: dict) -> str:
-    """The runtime and the devices of each role (spelling-independent): 'threads targets=cuda:0 drafters=cuda:1 nodes=1'."""
+    """The runtime and each role's devices, spelled one way: 'threads targets=cuda:0 drafters=cuda:1 nodes=1'."""
     train = (snap.get("config") or {}).get("train") or {}
     names = lambda key: ",".join(sorted(normalize(d) for d in train.get(key) or ()))  # noqa: E731
     nodes = (train.get("rendezvous") or {}).get("nnodes", 1)

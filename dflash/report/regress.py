@@ -326,7 +326,8 @@ def spread(runs: list[Run], metric: Metric, window: int) -> float | None:
     return 1.4826 * statistics.median(devs) if devs else None
 
 
-def find_baseline(i: int, runs: list[Run], metric: Metric, st, outliers: set[str]) -> tuple[list[Run], str, float | None]:
+def find_baseline(i: int, runs: list[Run], metric: Metric, st,
+                  outliers: set[str]) -> tuple[list[Run], str, float | None]:
     """(the baseline runs, why them, the spread) for run i; no runs when there is nothing to compare with. Runs in
     `outliers` (regressions with nothing changed) are neither baselines nor counted in the spread."""
     run = runs[i]
@@ -406,21 +407,20 @@ def evaluate(runs: list[Run], st) -> list[dict]:
         q = judge(i, runs, quality, st, outliers["quality"])
         rec = {"run_id": run.run_id, "run_name": run.row.get("run_name"), "started_at": run.row.get("started_at"),
                "status": run.row.get("status"), "ktok_per_s": run.num("ktok_per_s"), "tau": run.num("tau"),
-               "loss": run.num("loss"), "mfu": run.num("mfu"), "restored_from": run.restored_from,
-               **{k: t[k] for k in ("baseline", "baseline_reason", "spread", "threshold", "ratio", "change", "changed",
-                                    "outlier")}, "previous": None, "verdict": t["verdict"]}
+               "loss": run.num("loss"), "mfu": run.num("mfu"), "restored_from": run.restored_from, **t,
+               "previous": None}
         earlier = [r for r in runs[:i] if usable(r, throughput)]
         if t["baseline"] is None and earlier and t["verdict"] != "baseline":
             # nothing comparable (another run name, hardware or placement): how it compares with the run before it
             cmp_ = compare(run, earlier[-1:], throughput)
             rec["previous"] = {"run_id": earlier[-1].run_id, "ktok_per_s": cmp_["value"], "ratio": cmp_["ratio"],
                                "changed": cmp_["changed"]}
-        rec["what_changed"] = t["what_changed"]
-        rec["quality"] = {"tau": run.num("tau"), "tau_earlier": [float(x) for x in (run.row.get("tau_earlier") or "")
-                                                                .split(";") if to_float(x) is not None],
-                          "loss": run.num("loss"), **{k: v for k, v in q.items()}}
-        rec["quality"]["sentence"] = quality_sentence(rec)
-        rec["regressed"] = [m.kind for m, v in ((throughput, t["verdict"]), (quality, q["verdict"])) if v == "regression"]
+        earlier_taus = [to_float(x) for x in (run.row.get("tau_earlier") or "").split(";")]
+        rec["quality"] = {"tau": run.num("tau"), "tau_earlier": [x for x in earlier_taus if x is not None],
+                          "loss": run.num("loss"), **q}
+        rec["quality"]["sentence"] = quality_sentence(rec["quality"])
+        rec["regressed"] = [kind for kind, v in (("throughput", t["verdict"]), ("quality", q["verdict"]))
+                            if v == "regression"]
         rec["anomalies"] = anomalies(run, st)
         rec["sentence"] = " ".join(x for x in (sentence(rec), rec["quality"]["sentence"]) if x)
         out.append(rec)
@@ -493,9 +493,8 @@ def _base_text(base: dict) -> str:
     return f"run {base['run_id']}" if n == 1 else f"the median of {n} identical runs up to {base['run_id']}"
 
 
-def quality_sentence(rec: dict) -> str:
+def quality_sentence(q: dict) -> str:
     """The quality verdict in one sentence ('' for a run without tau and without a quality baseline)."""
-    q = rec["quality"]
     tau = q["tau"]
     if tau is None:
         return "No tau measured (no acceptance.json at temperature 0)." if q["baseline"] else ""
