@@ -29,7 +29,7 @@ def _placement(run: Run | None, split: dict | None) -> list[str]:
     """The Placement section: the suggested target:drafter split of the newest run; one line on a CPU-only run."""
     if split is not None:
         return ["## Placement", "", f"Run {split['run_id']}: {split['sentence']}", ""]
-    if run is not None and not gpu_roles(run.snapshot):
+    if run is not None and run.snapshot and not gpu_roles(run.snapshot):     # (a restored run: no details to judge)
         return ["## Placement", "", "A target:drafter split is suggested for GPU runs only (the newest run used no GPU).", ""]
     return []
 
