@@ -4,7 +4,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from dflash.config import config_hash
+from dflash.config import config_hash, from_dict
 
 BASE_ENV = {
     "python": "3.11.9",
@@ -23,6 +23,11 @@ BASE_CONFIG = {"run_name": "demo", "dataset_name": "default", "results_dir": "re
                "train": {"batch_size": 8, "lr": 6e-4, "targets": [0, 1, 2, 3, 4], "drafters": [5, 6, 7],
                          "attention": "flex", "runtime": "threads"},
                "report": {"threshold": -0.1}}
+
+
+def settings(**report):
+    """The config's `report` section (schema defaults, these keys overridden), as the report stage hands it over."""
+    return from_dict({"report": report}).cfg.report
 
 
 def _h(obj) -> str:
@@ -73,12 +78,21 @@ def summary(n: int, ktok: float = 12.0, *, env=None, data=None, config=None, com
     }
 
 
-def write_run(runs_dir: Path, s: dict, folder: str | None = None, tau: float | None = 6.2, metrics: bool = True) -> Path:
+def acceptance(s: dict, tau: float, minutes: int = 5, **settings) -> dict:
+    """An acceptance.json of run `s` made `minutes` after it finished (evaluate's keys; `settings` override them)."""
+    return {"run_name": s["run_name"], "created_at": s["finished_at"].replace(":00:00Z", f":{minutes:02d}:00+00:00"),
+            "temperature": 0.0, "block_size": 16, "max_new_tokens": 64, "num_prompts": 16, "dtype": "float32",
+            "device": "cpu", "tau": tau, "sets": {"holdout": {"tau": tau}}, **settings}
+
+
+def write_run(runs_dir: Path, s: dict, folder: str | None = None, tau: float | None = 6.2, metrics: bool = True,
+              evaluation: dict | None = None) -> Path:
+    """A run folder: summary.json, acceptance.json (`evaluation`, else a bare {"tau": tau}), metrics.jsonl."""
     d = Path(runs_dir) / (folder or s["run_id"])
     d.mkdir(parents=True, exist_ok=True)
     (d / "summary.json").write_text(json.dumps(s))
-    if tau is not None:
-        (d / "acceptance.json").write_text(json.dumps({"tau": tau}))
+    if evaluation is not None or tau is not None:
+        (d / "acceptance.json").write_text(json.dumps(evaluation if evaluation is not None else {"tau": tau}))
     if metrics:
         rows = [{"step": st, "elapsed_s": st * 1.0, "loss": 5.0 / (1 + st / 20), "lr": 6e-4, "grad_norm": 1.0,
                  "ktok_per_s": s["throughput"]["ktok_per_s"], "acc_per_position": [min(0.9, st / 150) * (1 - k / 20) for k in range(15)],

@@ -12,11 +12,10 @@ import pytest
 import yaml
 
 from dflash.report import build
-from dflash.report.regress import Settings
-from test_report_factory import BASE_CONFIG, BASE_DATA, summary, write_run
+from test_report_factory import BASE_CONFIG, BASE_DATA, settings, summary, write_run
 SNAKEMAKE = Path(sys.executable).with_name("snakemake")
 pytestmark = pytest.mark.skipif(not SNAKEMAKE.exists(), reason="snakemake is not installed in this environment")
-PNGS = ("ktok_history.png", "devices_latest.png", "time_split.png", "training_latest.png")
+PNGS = ("ktok_history.png", "tau_history.png", "devices_latest.png", "time_split.png", "training_latest.png")
 
 
 def snakemake(work, *args):
@@ -42,7 +41,7 @@ def test_failing_gate_keeps_the_report_and_the_history(tmp_path, repo):
     old = tmp_path / "old-runs"                        # three earlier runs, recorded; their folders long gone
     for n, k in ((1, 12.0), (2, 11.7), (3, 12.2)):
         write_run(old, summary(n, k), folder="demo", metrics=False)
-        build(old, report, Settings())
+        build(old, report, settings())
     for p in report.iterdir():
         if p.is_file():
             p.unlink()                                 # only history/ is left: history.csv is rebuilt from it

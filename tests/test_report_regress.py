@@ -4,16 +4,16 @@ import copy
 import pytest
 
 from dflash.report import history, regress
-from test_report_factory import BASE_CONFIG, BASE_DATA, summary, with_pkg, write_run
+from test_report_factory import BASE_CONFIG, BASE_DATA, settings, summary, with_pkg, write_run
 
 
-def evaluate(tmp_path, summaries, **settings):
+def evaluate(tmp_path, summaries, **report):
     runs_dir = tmp_path / "runs"
     for s in summaries:
         write_run(runs_dir, s, metrics=False)
     found, _ = history.scan_runs(runs_dir)
     runs, _, _ = history.History(tmp_path / "report").update(found)
-    return regress.evaluate(runs, regress.Settings(**settings))
+    return regress.evaluate(runs, settings(**report))
 
 
 def changed_categories(rec):
@@ -205,7 +205,7 @@ def test_attribution_works_from_history_alone(tmp_path):
     write_run(runs_dir, summary(2, 4.0, env=with_pkg("torch", "2.13.0")), folder="demo", metrics=False)  # same folder
     runs, appended, _ = store.update(history.scan_runs(runs_dir)[0])
     assert len(runs) == 2 and len(appended) == 1
-    rec = regress.evaluate(runs, regress.Settings())[-1]
+    rec = regress.evaluate(runs, settings())[-1]
     assert rec["verdict"] == "regression"
     assert rec["what_changed"] == "environment (torch 2.11.0 -> 2.13.0)"
 
@@ -223,3 +223,50 @@ def test_the_pinned_baseline_itself(tmp_path):
     first = summary(1, 12.0)
     recs = evaluate(tmp_path, [first, summary(2, 12.1)], baseline_run=first["run_id"])
     assert [r["verdict"] for r in recs] == ["baseline", "ok"]
+
+
+# ---- issue 24, rule 5: the gate cannot be switched off by noise -----------------------------------------------------
+def test_two_loaded_runs_of_four_do_not_widen_the_threshold_past_its_cap(tmp_path):
+    """Issue 24: identical runs at 2.03 / 2.19 / 4.03 / 3.95 Ktok/s widened the threshold to -133%: -87% was "ok"."""
+    noisy = [2.03, 2.19, 4.03, 3.95]
+    base = 3.07                                                        # their median
+    recs = evaluate(tmp_path, [summary(i + 1, k) for i, k in enumerate(noisy)] + [summary(5, base * 0.13)])
+    last = recs[-1]
+    assert last["spread"] > 0.4                                        # the spread is that wide ...
+    assert last["threshold"] == -0.25                                  # ... the threshold stops at report.threshold_cap
+    assert last["change"] == pytest.approx(-0.87, abs=1e-3) and last["verdict"] == "regression"
+
+
+def test_runs_slowed_by_load_are_left_out_of_later_baselines(tmp_path):
+    """Rule 5, another case: the loaded runs come after quiet ones; they are flagged, then never a baseline."""
+    ks = [4.03, 3.95, 2.03, 2.19, 3.70]
+    recs = evaluate(tmp_path, [summary(i + 1, k) for i, k in enumerate(ks)])
+    assert [r["verdict"] for r in recs[2:4]] == ["regression", "regression"]
+    assert "nothing recorded" in recs[2]["sentence"]
+    last = recs[4]
+    assert last["baseline"]["runs"] == [summary(1)["run_id"], summary(2)["run_id"]]   # the loaded runs left out
+    assert last["baseline"]["ktok_per_s"] == pytest.approx(3.99)
+    assert last["threshold"] == -0.1 and last["verdict"] == "ok"       # their spread left out too
+    assert [r["outlier"] for r in recs] == [False, False, True, True, False]
+
+
+def test_a_regression_across_a_change_is_a_new_level_not_an_outlier(tmp_path):
+    recs = evaluate(tmp_path, [summary(1, 12.0), summary(2, 6.0, commit="b" * 40), summary(3, 6.1, commit="b" * 40)])
+    assert recs[1]["verdict"] == "regression" and not recs[1]["outlier"]
+    assert recs[2]["verdict"] == "ok" and recs[2]["baseline"]["runs"] == [summary(2)["run_id"]]
+
+
+def test_a_drop_of_half_is_a_regression_even_at_the_widest_threshold(tmp_path):
+    recs = evaluate(tmp_path, [summary(1, 12.0), summary(2, 6.0)], threshold=-0.5, threshold_cap=-0.5)
+    assert recs[1]["threshold"] == -0.5 and recs[1]["change"] == -0.5
+    assert recs[1]["verdict"] == "regression"
+
+
+def test_a_cap_narrower_than_its_floor_is_refused_naming_both_keys(tmp_path):
+    from dflash.errors import UserError
+    from dflash.report import build
+    write_run(tmp_path / "runs", summary(1, 12.0), metrics=False)
+    for report, named in ((dict(threshold=-0.3), "report.threshold_cap (-0.25) is narrower than report.threshold"),
+                          (dict(tau_threshold=-0.4), "report.tau_threshold_cap (-0.3) is narrower than report.tau_")):
+        with pytest.raises(UserError, match=named.replace("(", r"\(").replace(")", r"\)")):
+            build(tmp_path / "runs", tmp_path / "report", settings(**report))

@@ -1,6 +1,8 @@
-"""Throughput report: history (snapshots + a csv view), regressions with attribution, anomalies, plots, report.md."""
+"""Throughput and quality report: history (snapshots + a csv view), regressions of Ktok/s and tau with attribution,
+anomalies, plots, report.md."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,24 +25,27 @@ class Result:
 
 
 def build(runs_dir: str | Path, out: str | Path, settings) -> Result:
-    """Read run folders, record new runs in the history, and write history.csv, regressions.json, the plots, report.md."""
+    """Read run folders, record new runs and re-evaluations in the history, and write history.csv, regressions.json,
+    the plots, report.md. `settings`: the config's `report` section."""
     from dflash.atomic import atomic_write_json, atomic_write_text
     from dflash.report import history, markdown, placement, plots, regress
 
+    regress.check(settings)
     out = Path(out)
     found, skipped = history.scan_runs(runs_dir)
     runs, appended, bad = history.History(out).update(found)
     skipped += bad
     records = regress.evaluate(runs, settings)
     split = placement.suggest(runs[-1].snapshot) if runs else None
+    latest = records[-1] if records else {}
     atomic_write_json(out / "regressions.json", {
-        "settings": {"baseline_run": settings.baseline_run, "baseline_window": settings.baseline_window,
-                     "threshold": settings.threshold, "noise_sigmas": settings.noise_sigmas, "memory_imbalance": settings.memory_imbalance,
-                     "min_utilisation": settings.min_utilisation},
-        "latest": records[-1]["run_id"] if records else None,
-        "latest_run_name": records[-1]["run_name"] if records else None,
-        "latest_verdict": records[-1]["verdict"] if records else None,
-        "latest_sentence": records[-1]["sentence"] if records else None,
+        "settings": dataclasses.asdict(settings),
+        "latest": latest.get("run_id"),
+        "latest_run_name": latest.get("run_name"),
+        "latest_verdict": latest.get("verdict"),
+        "latest_quality_verdict": (latest.get("quality") or {}).get("verdict"),
+        "latest_regressed": latest.get("regressed"),
+        "latest_sentence": latest.get("sentence"),
         "placement": split,
         "skipped": skipped,
         "runs": records,

@@ -1,4 +1,5 @@
-"""report.md: the latest verdict in one sentence, a table of runs, the anomalies, the plots (relative links)."""
+"""report.md: the latest verdicts (Ktok/s and tau) in one sentence, a table of runs, quality, the anomalies, the plots
+(relative links)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,6 +10,7 @@ from dflash.report.regress import changed_text
 
 PLOT_TITLES = {
     "ktok": "Ktok/s per run, with the baseline band and regressions",
+    "tau": "tau per run (temperature 0), with the baseline band and quality regressions",
     "devices": "Peak memory and utilisation per device (latest run)",
     "time_split": "Time split per step (queue wait / target / drafter / optimizer)",
     "training": "Loss and per-position accuracy (latest run)",
@@ -27,28 +29,68 @@ def _placement(run: Run | None, split: dict | None) -> list[str]:
     """The Placement section: the suggested target:drafter split of the newest run; one line on a CPU-only run."""
     if split is not None:
         return ["## Placement", "", f"Run {split['run_id']}: {split['sentence']}", ""]
-    if run is not None and not gpu_roles(run.snapshot):
+    if run is not None and run.snapshot and not gpu_roles(run.snapshot):     # (a restored run: no details to judge)
         return ["## Placement", "", "A target:drafter split is suggested for GPU runs only (the newest run used no GPU).", ""]
     return []
 
 
+def headline(rec: dict) -> str:
+    """'regression', 'quality regression', 'throughput and quality regression', else the Ktok/s verdict."""
+    kinds = rec.get("regressed") or []
+    if not kinds:
+        return rec["verdict"]
+    return "regression" if kinds == ["throughput"] else f"{' and '.join(kinds)} regression"
+
+
+def _tau_cell(rec: dict) -> str:
+    q = rec["quality"]
+    earlier = [f"{t:.3f}" for t in q["tau_earlier"] if q["tau"] is None or round(t, 3) != round(q["tau"], 3)]
+    return _num(q["tau"], "{:.3f}") + (f" (earlier {', '.join(earlier)})" if earlier else "")
+
+
+def _quality_cell(rec: dict) -> str:
+    q = rec["quality"]
+    return q["verdict"] + (f" ({q['change']:+.3f})" if q["change"] is not None else "")
+
+
+def _quality(records: list[dict], settings) -> list[str]:
+    """The Quality section: the rule, then each quality regression or improvement, then the re-evaluated runs."""
+    lines = ["## Quality (tau)", "",
+             f"tau is the acceptance length at temperature 0 (acceptance.json), the latest evaluation of each run. A tau "
+             f"drop below {settings.tau_threshold:+.3f} vs the same baseline rule, or below {settings.noise_sigmas:g}x "
+             f"the run-to-run spread of tau of identical runs when that is wider (never beyond "
+             f"{settings.tau_threshold_cap:+.3f}), is a quality regression; the gate treats it like a throughput one.", ""]
+    judged = [r for r in reversed(records) if r["quality"]["verdict"] in ("regression", "improvement")]
+    lines += [f"- **{_cell(r['run_id'])}** ({r['quality']['verdict']}): {r['quality']['sentence']}" for r in judged] or \
+        ["No quality regression or improvement beyond the threshold."]
+    again = [r for r in reversed(records) if r["quality"]["tau_earlier"]]
+    if again:
+        lines += ["", "Re-evaluated runs (the table shows the latest evaluation; the earlier ones stay in "
+                  "`history/<run_id>.json` under `earlier_evaluations`):", ""]
+        lines += [f"- **{_cell(r['run_id'])}**: tau {_num(r['quality']['tau'], '{:.3f}')}, earlier "
+                  f"{', '.join(f'{t:.3f}' for t in r['quality']['tau_earlier'])}" for r in again]
+    return lines + [""]
+
+
 def render(runs: list[Run], records: list[dict], plots: dict[str, Path], out: Path, settings, skipped: list[dict],
            placement: dict | None = None) -> str:
-    lines = ["# dflash throughput report", ""]
+    lines = ["# dflash report: throughput and quality", ""]
     if not records:
         lines += ["No runs in the history yet.", ""]
     else:
         latest = records[-1]
-        lines += [f"**Latest run — {latest['verdict']}.** {latest['sentence']}", ""]
+        lines += [f"**Latest run — {headline(latest)}.** {latest['sentence']}", ""]
         base = f"pinned run `{settings.baseline_run}`" if settings.baseline_run else (
-            f"the median Ktok/s of up to {settings.baseline_window} earlier runs of the same run name, hardware and "
+            f"the median of up to {settings.baseline_window} earlier runs of the same run name, hardware and "
             "placement that were identical to the previous one (a drop across a change is measured against the runs "
-            "before it)")
-        lines += [f"Baseline: {base}. A change below {settings.threshold:+.0%}, or below {settings.noise_sigmas:g}x the "
-                  "run-to-run spread of identical runs when that is wider, is a regression.", ""]
+            "before it), leaving out outliers (runs that regressed with nothing changed)")
+        lines += [f"Baseline: {base}. A Ktok/s change below {settings.threshold:+.0%}, or below "
+                  f"{settings.noise_sigmas:g}x the run-to-run spread of identical runs when that is wider (never beyond "
+                  f"{settings.threshold_cap:+.0%}), is a regression; a drop of 50% or more always is.", ""]
         lines += ["## Runs", "",
-                  "| run | date | Ktok/s | tau | MFU | status | baseline | vs baseline | verdict | what changed |",
-                  "|---|---|---:|---:|---:|---|---|---:|---|---|"]
+                  "| run | date | Ktok/s | tau | loss | MFU | status | baseline | vs baseline | verdict | quality | "
+                  "what changed |",
+                  "|---|---|---:|---:|---:|---:|---|---|---:|---|---|---|"]
         for rec in reversed(records):
             if rec["baseline"]:
                 vs, what = f"{rec['ratio']:.2f}x ({rec['change']:+.0%})", rec["what_changed"] or "nothing recorded"
@@ -61,9 +103,15 @@ def render(runs: list[Run], records: list[dict], plots: dict[str, Path], out: Pa
             mfu = rec["mfu"]
             lines.append("| " + " | ".join(_cell(c) for c in (
                 rec["run_id"], (rec["started_at"] or "")[:16].replace("T", " "), _num(rec["ktok_per_s"]),
-                _num(rec["tau"]), "" if mfu is None else f"{mfu:.1%}", rec["status"], base_id, vs, rec["verdict"], what,
+                _tau_cell(rec), _num(rec["loss"], "{:.3f}"), "" if mfu is None else f"{mfu:.1%}", rec["status"],
+                base_id, vs, rec["verdict"] + (" (outlier)" if rec["outlier"] else ""), _quality_cell(rec), what,
             )) + " |")
         lines.append("")
+        restored = [r for r in records if r["restored_from"]]
+        if restored:
+            lines += [f"Restored from `history.csv` (their snapshots were missing; flat figures only, attribution by "
+                      f"hash): {', '.join(_cell(r['run_id']) for r in restored)}.", ""]
+        lines += _quality(records, settings)
         lines += ["## Anomalies", ""]
         flagged = [r for r in reversed(records) if r["anomalies"]]
         if not flagged:
@@ -80,7 +128,7 @@ def render(runs: list[Run], records: list[dict], plots: dict[str, Path], out: Pa
     for key, path in plots.items():
         rel = Path(path).relative_to(out) if Path(path).is_relative_to(out) else Path(path)
         lines += [f"### {PLOT_TITLES.get(key, key)}", "", f"![{PLOT_TITLES.get(key, key)}]({rel.as_posix()})", ""]
-    lines += ["Data: `history/<run_id>.json` (one snapshot per run, the record) and `history.csv` (a flat view of them, "
-              "rebuilt on every report), "
-              "`regressions.json` (baselines, thresholds, ratios, attribution, anomalies).", ""]
+    lines += ["Data: `history/<run_id>.json` (one snapshot per run, the record: its summary and its evaluations) and "
+              "`history.csv` (a flat view of them, rebuilt on every report), "
+              "`regressions.json` (baselines, thresholds, ratios, attribution, anomalies, for Ktok/s and tau).", ""]
     return "\n".join(lines)

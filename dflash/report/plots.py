@@ -18,6 +18,7 @@ log = logging.getLogger("dflash.report")
 
 PLOTS = {
     "ktok": "ktok_history.png",
+    "tau": "tau_history.png",
     "devices": "devices_latest.png",
     "time_split": "time_split.png",
     "training": "training_latest.png",
@@ -54,29 +55,54 @@ def _labels(runs: list[Run]) -> list[str]:
 
 
 def ktok_history(runs: list[Run], records: list[dict], path: Path) -> Path:
-    if not runs:
-        return _placeholder(path, "Ktok/s per run", "no runs in the history yet")
-    x = list(range(len(runs)))
-    ktok = [r.num("ktok_per_s") if r.num("ktok_per_s") is not None else float("nan") for r in runs]
+    """Ktok/s per run, the baseline (median) and its band (baseline x (1 +- threshold)), regressions crossed."""
     base = [rec["baseline"]["ktok_per_s"] if rec["baseline"] else float("nan") for rec in records]
+    return _history(runs, [r.num("ktok_per_s") for r in runs], base,
+                    [b * (1 + rec["threshold"]) for b, rec in zip(base, records)],
+                    [b * (1 - rec["threshold"]) for b, rec in zip(base, records)],
+                    [(i, f"{rec['ratio']:.2f}x") for i, rec in enumerate(records) if rec["verdict"] == "regression"],
+                    "Ktok/s per run", "trained throughput (Ktok/s)", "trained Ktok/s", path)
+
+
+def tau_history(runs: list[Run], records: list[dict], path: Path) -> Path:
+    """tau per run (temperature 0), the baseline and its band (baseline +- the tau threshold), quality regressions
+    crossed; an earlier evaluation of a re-evaluated run as a hollow marker."""
+    if runs and all(r.num("tau") is None for r in runs):
+        return _placeholder(path, "tau per run", "no run in the history has a tau (acceptance.json) yet")
+    q = [rec["quality"] for rec in records]
+    base = [x["baseline"]["tau"] if x["baseline"] else float("nan") for x in q]
+    earlier = [(i, t) for i, x in enumerate(q) for t in x["tau_earlier"]]
+    return _history(runs, [r.num("tau") for r in runs], base,
+                    [b + x["threshold"] for b, x in zip(base, q)], [b - x["threshold"] for b, x in zip(base, q)],
+                    [(i, f"{x['change']:+.2f}") for i, x in enumerate(q) if x["verdict"] == "regression"],
+                    "tau per run (acceptance length, temperature 0)", "tau (tokens per verification step)",
+                    "tau (latest evaluation)", path, earlier=earlier, bottom=1.0)
+
+
+def _history(runs, values, base, lo, hi, bad, title, ylabel, label, path, earlier=(), bottom=0.0) -> Path:
+    """One figure per run in start order: the values, the baseline step line, the band, the regressions."""
+    if not runs:
+        return _placeholder(path, title, "no runs in the history yet")
+    x = list(range(len(runs)))
+    values = [float("nan") if v is None else v for v in values]
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(runs) + 2), 4), layout="constrained")
-    lo = [b * (1 + rec["threshold"]) for b, rec in zip(base, records)]      # the threshold widens with the noise
-    hi = [b * (1 - rec["threshold"]) for b, rec in zip(base, records)]
     ax.fill_between(x, lo, hi, step="mid", alpha=0.2, color="tab:green", label="baseline ± threshold")
-    ax.step(x, base, where="mid", color="tab:green", linestyle="--", linewidth=1, label="baseline Ktok/s (median)")
-    ax.plot(x, ktok, marker="o", color="tab:blue", label="trained Ktok/s")
-    bad = [i for i, rec in enumerate(records) if rec["verdict"] == "regression"]
+    ax.step(x, base, where="mid", color="tab:green", linestyle="--", linewidth=1, label="baseline (median)")
+    ax.plot(x, values, marker="o", color="tab:blue", label=label)
+    if earlier:
+        ax.scatter([i for i, _ in earlier], [t for _, t in earlier], marker="o", facecolors="none",
+                   edgecolors="tab:gray", label="earlier evaluation")
     if bad:
-        ax.scatter([x[i] for i in bad], [ktok[i] for i in bad], s=140, marker="x", color="tab:red", zorder=5,
+        ax.scatter([x[i] for i, _ in bad], [values[i] for i, _ in bad], s=140, marker="x", color="tab:red", zorder=5,
                    label="regression")
-        for i in bad:
-            ax.annotate(f"{records[i]['ratio']:.2f}x", (x[i], ktok[i]), textcoords="offset points", xytext=(6, -12),
-                        color="tab:red", fontsize=8)
+        for i, text in bad:
+            ax.annotate(text, (x[i], values[i]), textcoords="offset points", xytext=(6, -12), color="tab:red",
+                        fontsize=8)
     ax.set_xticks(x, _labels(runs), rotation=30, ha="right", fontsize=7)
     ax.set_xlabel("run (in start order)")
-    ax.set_ylabel("trained throughput (Ktok/s)")
-    ax.set_ylim(bottom=0)
-    ax.set_title("Ktok/s per run")
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(bottom=bottom)
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="best")
     return _save(fig, path)
@@ -206,6 +232,7 @@ def make_all(runs: list[Run], records: list[dict], settings, out: Path) -> dict[
     latest = runs[-1] if runs else None
     return {
         "ktok": ktok_history(runs, records, out / PLOTS["ktok"]),
+        "tau": tau_history(runs, records, out / PLOTS["tau"]),
         "devices": devices_latest(latest, settings.min_utilisation, out / PLOTS["devices"]),
         "time_split": time_split(runs, out / PLOTS["time_split"]),
         "training": training_latest(latest, out / PLOTS["training"]),

@@ -1,45 +1,46 @@
-"""Each run against its baseline: the Ktok/s ratio, a verdict, what changed (attribution) and anomalies.
+"""Each run against its baseline, for throughput (Ktok/s) and quality (tau): a verdict, what changed (attribution)
+and anomalies.
 
 Attribution compares the run's snapshot with its baseline's, in four categories:
   environment  packages (name old -> new), python, CUDA, cuDNN, GPU models/count/driver, CPU, lock file
   data         sample count, token totals, mean length, length-histogram quantiles, bucket counts, other manifest keys
   config       every differing key, dotted (train.batch_size 8 -> 16); keys that do not change what a run computes
-               (run_name, results_dir, report, evaluate, strict_env) are left out
+               (run_name, results_dir, report, evaluate, strict_env) are left out; for tau, the evaluation's own
+               settings too (evaluate.num_prompts 16 -> 32), read from each run's acceptance.json
   code         git commit old -> new, and a dirty working tree
 A category whose hash differs but whose fields show no difference (a snapshot is missing) is still named, by hash.
 
-The baseline of a run is the median Ktok/s of the recent comparable runs (same run name, hardware and placement)
-that were in the state of the previous comparable run (same config, data, environment and code), so a drop across
-a change is measured against the runs before the change. The threshold widens to `noise_sigmas` times the
-run-to-run spread measured on identical runs, so noise on a loaded machine is not a regression.
+The baseline of a run is the median of the recent comparable runs (same run name, hardware and placement) that were in
+the state of the previous comparable run (same config, data, environment and code; for tau also the same evaluation
+settings), so a drop across a change is measured against the runs before the change. Runs that are themselves
+outliers (a regression with nothing changed: a loaded machine) are left out of later baselines and spreads. The
+threshold widens from its floor (report.threshold, report.tau_threshold) to `noise_sigmas` times the run-to-run spread
+of identical runs, never beyond its cap (report.threshold_cap, report.tau_threshold_cap), so noise on a loaded machine
+is not a regression and cannot switch the gate off; a Ktok/s drop of 50% or more is always a regression. Ktok/s is
+compared as a ratio; tau (>= 1, deterministic on the CPU) as a difference in tokens per verification step.
 """
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from dflash.config import UNHASHED
-from dflash.device_names import normalize
-from dflash.report.history import Run, to_float
+from dflash.errors import UserError
+from dflash.report.history import Run, evaluation_settings, to_float
 
 CATEGORIES = ("environment", "data", "config", "code")
 ENV_KEYS = ("python", "cuda", "cudnn", "cpu", "lock_hash")
 DATA_SKIP = ("created_at", "content_hash", "length_histogram", "buckets", "regeneration")
+ALWAYS_REGRESSION = -0.5        # a Ktok/s change at or below this is a regression whatever the threshold
 
 
-@dataclass(frozen=True)
-class Settings:
-    baseline_run: str | None = None
-    baseline_window: int = 10
-    threshold: float = -0.10
-    memory_imbalance: float = 0.25
-    min_utilisation: float = 30.0
-    noise_sigmas: float = 3.0
-
-    @classmethod
-    def from_config(cls, cfg) -> "Settings":
-        r = cfg.report
-        return cls(r.baseline_run, r.baseline_window, r.threshold, r.memory_imbalance, r.min_utilisation, r.noise_sigmas)
+def check(settings) -> None:
+    """Refuse report settings whose cap is narrower than their floor (the `report` section of the config)."""
+    for floor, cap in (("threshold", "threshold_cap"), ("tau_threshold", "tau_threshold_cap")):
+        if getattr(settings, cap) > getattr(settings, floor):
+            raise UserError(f"report.{cap} ({getattr(settings, cap)}) is narrower than report.{floor} "
+                            f"({getattr(settings, floor)}): the cap must be at or below the floor; lower report.{cap}")
 
 
 # ---- diffs -------------------------------------------------------------------------------------------------
@@ -168,8 +169,15 @@ def code_changes(old: dict, new: dict) -> list[dict]:
     return out
 
 
-def attribute(run: Run, base: Run) -> dict[str, list[dict]]:
-    """What differs between a run and its baseline, per category (empty lists for categories that match)."""
+def eval_changes(old: dict | None, new: dict | None) -> list[dict]:
+    """The evaluation settings that differ between two acceptance.json files, as `evaluate.<key>` config changes."""
+    so, sn = evaluation_settings(old) or {}, evaluation_settings(new) or {}
+    return [_change(f"evaluate.{c['key']}", c["old"], c["new"]) for c in flat_diff(so, sn)]
+
+
+def attribute(run: Run, base: Run, evaluation: bool = False) -> dict[str, list[dict]]:
+    """What differs between a run and its baseline, per category (empty lists for categories that match); with
+    `evaluation`, the settings its tau was measured with too (under config)."""
     s, b = run.snapshot, base.snapshot
     both = bool(s) and bool(b)
     out = {
@@ -182,6 +190,11 @@ def attribute(run: Run, base: Run) -> dict[str, list[dict]]:
     for cat, col in (("environment", "env_hash"), ("data", "data_hash"), ("config", "config_hash")):
         if not out[cat] and run.row.get(col) != base.row.get(col):
             out[cat].append(_change(col, base.row.get(col), run.row.get(col)))
+    if evaluation:
+        evals = eval_changes(b.get("acceptance"), s.get("acceptance")) if both else []
+        if not evals and run.row.get("eval_hash") != base.row.get("eval_hash"):
+            evals = [_change("eval_hash", base.row.get("eval_hash"), run.row.get("eval_hash"))]
+        out["config"] += evals
     if not out["code"] and (run.row.get("git_commit") != base.row.get("git_commit")):
         out["code"].append(_change("commit", (base.row.get("git_commit") or "")[:12], (run.row.get("git_commit") or "")[:12]))
     return out
@@ -200,7 +213,7 @@ def changed_text(changes: dict[str, list[dict]], limit: int = 4) -> str:
 
 
 # ---- anomalies ---------------------------------------------------------------------------------------------
-def anomalies(run: Run, st: Settings) -> list[dict]:
+def anomalies(run: Run, st) -> list[dict]:
     snap, out = run.snapshot, []
 
     def add(kind, message, **extra):
@@ -255,20 +268,32 @@ def anomalies(run: Run, st: Settings) -> list[dict]:
 
 
 # ---- baselines and verdicts --------------------------------------------------------------------------------
-def _usable(run: Run) -> bool:
-    ktok = run.num("ktok_per_s")
-    return run.row.get("status") == "completed" and ktok is not None and ktok > 0
+@dataclass(frozen=True)
+class Metric:
+    """What a verdict judges: throughput (Ktok/s, compared as a ratio) or quality (tau, compared as a difference)."""
+    kind: str                           # "throughput" | "quality"
+    column: str                         # its history column
+    relative: bool                      # change = value / baseline - 1; else value - baseline
+    floor: float                        # the threshold when runs are quiet (report.threshold, report.tau_threshold)
+    cap: float                          # the widest the spread may widen it to
+    state: Callable[[Run], tuple]       # runs with one state are identical: their values differ by noise alone
+    always: float | None = None         # a change at or below this is a regression whatever the threshold
+
+
+def metrics_of(st) -> tuple[Metric, Metric]:
+    """(throughput, quality) from the `report` section of the config."""
+    return (Metric("throughput", "ktok_per_s", True, st.threshold, st.threshold_cap, state_key, ALWAYS_REGRESSION),
+            Metric("quality", "tau", False, st.tau_threshold, st.tau_threshold_cap, quality_state))
+
+
+def usable(run: Run, metric: Metric) -> bool:
+    value = run.num(metric.column)
+    return run.row.get("status") == "completed" and value is not None and value > 0
 
 
 def comparable_key(run: Run) -> tuple:
-    """Runs with the same key measure the same pipeline: run name, hardware and placement."""
-    snap = run.snapshot
-    env, train = snap.get("env") or {}, (snap.get("config") or {}).get("train") or {}
-    gpu = env.get("gpu") or {}
-    hardware = ("gpu", gpu.get("count"), tuple(gpu.get("models") or ())) if gpu.get("count") else ("cpu", env.get("cpu"))
-    placement = (snap.get("runtime") or train.get("runtime"), tuple(sorted(map(normalize, train.get("targets") or ()))),
-                 tuple(sorted(map(normalize, train.get("drafters") or ()))), (train.get("rendezvous") or {}).get("nnodes", 1))
-    return run.row.get("run_name"), hardware, placement
+    """Runs with the same key measure the same pipeline: run name, hardware and placement (history columns)."""
+    return run.row.get("run_name"), run.row.get("hardware"), run.row.get("placement")
 
 
 def state_key(run: Run) -> tuple:
@@ -276,23 +301,35 @@ def state_key(run: Run) -> tuple:
     return tuple(run.row.get(k) for k in ("config_hash", "data_hash", "env_hash", "git_commit", "git_dirty"))
 
 
-def spread(runs: list[Run], window: int) -> float | None:
-    """Run-to-run spread of Ktok/s: a robust standard deviation (1.4826 x median absolute deviation), relative to
-    the median, pooled over groups of identical runs (the last `window` of each); None without two identical runs."""
+def quality_state(run: Run) -> tuple:
+    """Identical runs evaluated the same way: their tau differ by noise alone (none on the CPU)."""
+    return state_key(run) + (run.row.get("eval_hash"),)
+
+
+def _change_of(value: float, base: float, metric: Metric) -> float:
+    return value / base - 1 if metric.relative else value - base
+
+
+def spread(runs: list[Run], metric: Metric, window: int) -> float | None:
+    """Run-to-run spread: a robust standard deviation (1.4826 x median absolute deviation from the median; relative
+    for Ktok/s, in tau for tau), pooled over groups of identical runs (the last `window` of each); None without two
+    identical runs."""
     groups: dict[tuple, list[float]] = {}
     for r in runs:
-        groups.setdefault(state_key(r), []).append(r.num("ktok_per_s"))
+        groups.setdefault(metric.state(r), []).append(r.num(metric.column))
     devs = []
-    for ks in groups.values():
-        ks = ks[-window:]
-        if len(ks) >= 2:
-            m = statistics.median(ks)
-            devs += [abs(k / m - 1) for k in ks]
+    for values in groups.values():
+        values = values[-window:]
+        if len(values) >= 2:
+            m = statistics.median(values)
+            devs += [abs(_change_of(v, m, metric)) for v in values]
     return 1.4826 * statistics.median(devs) if devs else None
 
 
-def find_baseline(i: int, runs: list[Run], st: Settings) -> tuple[list[Run], str, float | None]:
-    """(the baseline runs, why them, the spread) for run i; no runs when there is nothing to compare with."""
+def find_baseline(i: int, runs: list[Run], metric: Metric, st,
+                  outliers: set[str]) -> tuple[list[Run], str, float | None]:
+    """(the baseline runs, why them, the spread) for run i; no runs when there is nothing to compare with. Runs in
+    `outliers` (regressions with nothing changed) are neither baselines nor counted in the spread."""
     run = runs[i]
     if st.baseline_run:
         if run.run_id == st.baseline_run:
@@ -301,68 +338,91 @@ def find_baseline(i: int, runs: list[Run], st: Settings) -> tuple[list[Run], str
         return pinned, "pinned (report.baseline_run)" if pinned else \
             f"pinned baseline {st.baseline_run} is not in the history", None
     key = comparable_key(run)
-    earlier = [r for r in runs[:i] if _usable(r) and comparable_key(r) == key]
+    earlier = [r for r in runs[:i] if usable(r, metric) and r.run_id not in outliers and comparable_key(r) == key]
     if not earlier:
-        return [], f"no earlier completed run of '{key[0]}' on this hardware and placement", None
-    state = state_key(earlier[-1])
-    group = [r for r in earlier if state_key(r) == state][-st.baseline_window:]
+        return [], f"no earlier completed run of '{key[0]}' with {metric.column} on this hardware and placement", None
+    state = metric.state(earlier[-1])
+    group = [r for r in earlier if metric.state(r) == state][-st.baseline_window:]
     why = f"median of {len(group)} identical run(s), the latest {group[-1].run_id}" if len(group) > 1 else \
         "the previous comparable run"
-    return group, why, spread(earlier, st.baseline_window)
+    return group, why, spread(earlier, metric, st.baseline_window)
 
 
-def threshold_of(st: Settings, sigma: float | None) -> float:
-    """report.threshold, widened to noise_sigmas x the measured spread when that is larger."""
-    return st.threshold if sigma is None else min(st.threshold, -st.noise_sigmas * sigma)
+def threshold_of(metric: Metric, sigma: float | None, noise_sigmas: float) -> float:
+    """The floor, widened to noise_sigmas x the measured spread when that is wider, never beyond the cap."""
+    return metric.floor if sigma is None else min(metric.floor, max(metric.cap, -noise_sigmas * sigma))
 
 
-def compare(run: Run, group: list[Run]) -> dict:
-    k, kb = run.num("ktok_per_s"), statistics.median(r.num("ktok_per_s") or 0.0 for r in group)
-    ratio = k / kb if k is not None and kb > 0 else None
-    return {"run_id": group[-1].run_id, "ktok_per_s": kb, "runs": [r.run_id for r in group],
-            "ratio": None if ratio is None else round(ratio, 4),
-            "change": None if ratio is None else round(ratio - 1, 4), "changed": attribute(run, group[-1])}
+def compare(run: Run, group: list[Run], metric: Metric) -> dict:
+    value = run.num(metric.column)
+    base = statistics.median(r.num(metric.column) or 0.0 for r in group)
+    change = _change_of(value, base, metric) if value is not None and base > 0 else None
+    ratio = value / base if metric.relative and change is not None else None
+    return {"run_id": group[-1].run_id, "value": base, "runs": [r.run_id for r in group],
+            "ratio": None if ratio is None else round(ratio, 4), "change": None if change is None else round(change, 4),
+            "changed": attribute(run, group[-1], evaluation=metric.kind == "quality")}
 
 
-def verdict_of(change: float | None, threshold: float) -> str:
+def verdict_of(change: float | None, threshold: float, always: float | None = None) -> str:
     if change is None:
         return "not measured"
-    if change < threshold:
+    if change < threshold or (always is not None and change <= always):
         return "regression"
     if change > -threshold:
         return "improvement"
     return "ok"
 
 
-def evaluate(runs: list[Run], st: Settings) -> list[dict]:
-    """One record per run (history order) for regressions.json."""
+def judge(i: int, runs: list[Run], metric: Metric, st, outliers: set[str]) -> dict:
+    """Run i against its baseline for one metric; a regression with nothing changed joins `outliers`."""
+    run = runs[i]
+    group, why, sigma = find_baseline(i, runs, metric, st, outliers)
+    out = {"baseline": None, "baseline_reason": why, "spread": None if sigma is None else round(sigma, 4),
+           "threshold": round(threshold_of(metric, sigma, st.noise_sigmas), 4), "ratio": None, "change": None,
+           "changed": {c: [] for c in CATEGORIES}, "outlier": False}
+    if group:
+        cmp_ = compare(run, group, metric)
+        out.update(baseline={"run_id": cmp_["run_id"], metric.column: cmp_["value"], "runs": cmp_["runs"]},
+                   ratio=cmp_["ratio"], change=cmp_["change"], changed=cmp_["changed"])
+        out["verdict"] = verdict_of(cmp_["change"], out["threshold"], metric.always)
+        if out["verdict"] == "regression" and not st.baseline_run and metric.state(run) == metric.state(group[-1]):
+            out["outlier"] = True                           # nothing changed: noise, not a new level
+            outliers.add(run.run_id)
+    elif metric.kind == "quality" and run.num(metric.column) is None:
+        out["verdict"] = "not measured"
+    else:
+        out["verdict"] = "baseline" if why == "is the pinned baseline" else "first run" if i == 0 else "no baseline"
+    out["what_changed"] = changed_text(out["changed"]) if group else ""
+    return out
+
+
+def evaluate(runs: list[Run], st) -> list[dict]:
+    """One record per run (history order) for regressions.json: throughput at the top level, quality under
+    `quality`, `regressed` naming which of the two regressed."""
+    throughput, quality = metrics_of(st)
+    outliers: dict[str, set[str]] = {"throughput": set(), "quality": set()}
     out = []
     for i, run in enumerate(runs):
-        group, why, sigma = find_baseline(i, runs, st)
-        rec = {
-            "run_id": run.run_id, "run_name": run.row.get("run_name"), "started_at": run.row.get("started_at"),
-            "status": run.row.get("status"), "ktok_per_s": run.num("ktok_per_s"), "tau": run.num("tau"),
-            "mfu": run.num("mfu"), "baseline": None, "baseline_reason": why, "spread": None if sigma is None else
-            round(sigma, 4), "threshold": round(threshold_of(st, sigma), 4), "ratio": None, "change": None,
-            "changed": {c: [] for c in CATEGORIES}, "previous": None,
-        }
-        if group:
-            cmp_ = compare(run, group)
-            rec.update(baseline={"run_id": cmp_["run_id"], "ktok_per_s": cmp_["ktok_per_s"], "runs": cmp_["runs"]},
-                       ratio=cmp_["ratio"], change=cmp_["change"], changed=cmp_["changed"])
-            rec["verdict"] = verdict_of(cmp_["change"], rec["threshold"])
-        else:
-            earlier = [r for r in runs[:i] if _usable(r)]
-            rec["verdict"] = "baseline" if why == "is the pinned baseline" else "first run" if i == 0 else "no baseline"
-            if earlier and why != "is the pinned baseline":
-                # nothing comparable (another run name, hardware or placement): say how it compares with the run
-                # before it and what differs
-                cmp_ = compare(run, earlier[-1:])
-                rec["previous"] = {"run_id": earlier[-1].run_id, "ktok_per_s": cmp_["ktok_per_s"],
-                                   "ratio": cmp_["ratio"], "changed": cmp_["changed"]}
-        rec["what_changed"] = changed_text(rec["changed"]) if group else ""
+        t = judge(i, runs, throughput, st, outliers["throughput"])
+        q = judge(i, runs, quality, st, outliers["quality"])
+        rec = {"run_id": run.run_id, "run_name": run.row.get("run_name"), "started_at": run.row.get("started_at"),
+               "status": run.row.get("status"), "ktok_per_s": run.num("ktok_per_s"), "tau": run.num("tau"),
+               "loss": run.num("loss"), "mfu": run.num("mfu"), "restored_from": run.restored_from, **t,
+               "previous": None}
+        earlier = [r for r in runs[:i] if usable(r, throughput)]
+        if t["baseline"] is None and earlier and t["verdict"] != "baseline":
+            # nothing comparable (another run name, hardware or placement): how it compares with the run before it
+            cmp_ = compare(run, earlier[-1:], throughput)
+            rec["previous"] = {"run_id": earlier[-1].run_id, "ktok_per_s": cmp_["value"], "ratio": cmp_["ratio"],
+                               "changed": cmp_["changed"]}
+        earlier_taus = [to_float(x) for x in (run.row.get("tau_earlier") or "").split(";")]
+        rec["quality"] = {"tau": run.num("tau"), "tau_earlier": [x for x in earlier_taus if x is not None],
+                          "loss": run.num("loss"), **q}
+        rec["quality"]["sentence"] = quality_sentence(rec["quality"])
+        rec["regressed"] = [kind for kind, v in (("throughput", t["verdict"]), ("quality", q["verdict"]))
+                            if v == "regression"]
         rec["anomalies"] = anomalies(run, st)
-        rec["sentence"] = sentence(rec)
+        rec["sentence"] = " ".join(x for x in (sentence(rec), rec["quality"]["sentence"]) if x)
         out.append(rec)
     return out
 
@@ -404,8 +464,7 @@ def sentence(rec: dict) -> str:
     anom_txt = f"; anomalies: {anom}" if anom else ""
     if rec["baseline"] is not None and rec["ratio"] is not None:
         b, ratio = rec["baseline"], rec["ratio"]
-        n = len(b.get("runs") or [b["run_id"]])
-        base = f"run {b['run_id']}" if n == 1 else f"the median of {n} identical runs up to {b['run_id']}"
+        base = _base_text(b)
         what = rec["what_changed"] or "nothing recorded (same environment, data, config and code)"
         nums = f"({b['ktok_per_s']:.2f} -> {k:.2f} Ktok/s, {rec['change']:+.0%}; threshold {rec['threshold']:+.0%})"
         if rec["verdict"] == "regression":
@@ -427,3 +486,26 @@ def sentence(rec: dict) -> str:
         text += f"; vs the previous run {prev['run_id']} ({prev['ktok_per_s']:.2f} Ktok/s, {_times(prev['ratio'])} " \
                 f"{'slower' if prev['ratio'] < 1 else 'faster'}) what changed: {what}"
     return text + anom_txt + "."
+
+
+def _base_text(base: dict) -> str:
+    n = len(base.get("runs") or [base["run_id"]])
+    return f"run {base['run_id']}" if n == 1 else f"the median of {n} identical runs up to {base['run_id']}"
+
+
+def quality_sentence(q: dict) -> str:
+    """The quality verdict in one sentence ('' for a run without tau and without a quality baseline)."""
+    tau = q["tau"]
+    if tau is None:
+        return "No tau measured (no acceptance.json at temperature 0)." if q["baseline"] else ""
+    if q["baseline"] is None or q["change"] is None:
+        return {"baseline": f"tau {tau:.3f}; the pinned baseline.", "first run": f"tau {tau:.3f}."}.get(
+            q["verdict"], f"tau {tau:.3f}; no quality baseline ({q['baseline_reason']}).")
+    b = q["baseline"]
+    nums = f"({b['tau']:.3f} -> {tau:.3f}, {q['change']:+.3f}; threshold {q['threshold']:+.3f})"
+    what = q["what_changed"] or "nothing recorded (same environment, data, config, code and evaluation)"
+    if q["verdict"] == "regression":
+        return f"Quality regression: tau fell vs {_base_text(b)} {nums}; what changed: {what}."
+    if q["verdict"] == "improvement":
+        return f"Quality: tau rose vs {_base_text(b)} {nums}; what changed: {what}."
+    return f"tau {tau:.3f}, within the threshold of {_base_text(b)} {nums}."

@@ -1,5 +1,6 @@
 """Stage `gate`: after the report, exit non-zero when `report.fail_on_regression` is set and the newest run of this
-run name regressed. A separate stage, so a failing gate leaves the report, the plots and the history in place."""
+run name regressed, in throughput (Ktok/s) or in quality (tau) alike. A separate stage, so a failing gate leaves the
+report, the plots and the history in place."""
 import json
 import logging
 import sys
@@ -24,6 +25,16 @@ def latest_of(data: dict, run_name: str) -> dict | None:
     return (mine or runs or [None])[-1]
 
 
+def regressed(record: dict | None) -> list[str]:
+    """What regressed in a run record: ["throughput", "quality"] or a part of it (a record written before quality was
+    judged: its Ktok/s verdict alone)."""
+    if not record:
+        return []
+    if isinstance(record.get("regressed"), list):
+        return [str(k) for k in record["regressed"]]
+    return ["throughput"] if record.get("verdict") == "regression" else []
+
+
 def run(loaded, args):
     from dflash.atomic import atomic_write_json
     from dflash import paths
@@ -37,13 +48,15 @@ def run(loaded, args):
         raise UserError(f"{path}: expected a JSON object")
     latest = latest_of(data, loaded.cfg.run_name)
     verdict = latest.get("verdict") if latest else None
+    kinds = regressed(latest)
     fail = bool(loaded.cfg.report.fail_on_regression)
-    if fail and verdict == "regression":
-        print(f"dflash gate: regression: {latest.get('sentence')} (report.fail_on_regression is true; "
-              f"the report stays in {path.parent})", file=sys.stderr)
+    if fail and kinds:
+        print(f"dflash gate: regression: {latest.get('sentence')} ({' and '.join(kinds)} regressed; "
+              f"report.fail_on_regression is true; the report stays in {path.parent})", file=sys.stderr)
         return 3
     out = args.out or paths.report(loaded.cfg.results_dir) / "gate.json"
     atomic_write_json(out, {"run_id": latest.get("run_id") if latest else None, "verdict": verdict,
-                            "fail_on_regression": fail, "passed": True})
+                            "quality_verdict": ((latest or {}).get("quality") or {}).get("verdict"),
+                            "regressed": kinds, "fail_on_regression": fail, "passed": True})
     log.info("gate passed: %s", latest.get("sentence") if latest else "no runs in the history")
     return 0

@@ -1,4 +1,4 @@
-"""Stage `report`: the run history, regressions with attribution, anomalies, plots and report.md.
+"""Stage `report`: the run history, regressions of Ktok/s and tau with attribution, anomalies, plots and report.md.
 
 It exits 0 whatever the verdict (so Snakemake keeps every output); the `gate` stage fails on a regression."""
 import logging
@@ -16,8 +16,7 @@ def add_arguments(p):
 def run(loaded, args):
     from dflash import paths
     from dflash.report import build
-    from dflash.report.regress import Settings
 
     results = loaded.cfg.results_dir
-    build(args.runs_dir or paths.runs(results), args.out or paths.report(results), Settings.from_config(loaded.cfg))
+    build(args.runs_dir or paths.runs(results), args.out or paths.report(results), loaded.cfg.report)
     return 0

@@ -1,15 +1,18 @@
-# Stage 'report': throughput history, regressions with attribution, anomalies, plots, report.md; then the gate.
+# Stage 'report': throughput and quality history, regressions of Ktok/s and tau with attribution, anomalies, plots,
+# report.md; then the gate.
 # One thin shell line; the logic lives in dflash/report/.
 REPORT_DIR = f"{RESULTS}/report"
 
 
-# The per-run snapshots in report/history/ are the record (write-once, not declared outputs); history.csv is a view
-# rebuilt from them on every run (update(): Snakemake does not delete it before the job). The report exits 0 whatever
-# the verdict, so its outputs always stay; the gate below fails on a regression.
+# The per-run snapshots in report/history/ are the record (not declared outputs: a summary is written once, its
+# evaluation follows acceptance.json); history.csv is a view rebuilt from them on every run (update(): Snakemake does
+# not delete it before the job, and its rows restore lost snapshots). The report exits 0 whatever the verdict, so its
+# outputs always stay; the gate below fails on a regression of Ktok/s or tau.
 rule report:
     input:
         summary=rules.train.output.summary,
-        acceptance=rules.evaluate.output[0],  # the report reads tau
+        metrics=rules.train.output.metrics,  # the latest run's training curves
+        acceptance=rules.evaluate.output[0],  # tau: a re-evaluation reruns the report
     output:
         md=report(f"{REPORT_DIR}/report.md", caption="../report/report_md.rst", category="Throughput"),
         history=report(update(f"{REPORT_DIR}/history.csv"), caption="../report/history.rst", category="Throughput"),
@@ -17,6 +20,7 @@ rule report:
             f"{REPORT_DIR}/regressions.json", caption="../report/regressions.rst", category="Throughput"
         ),
         ktok=report(f"{REPORT_DIR}/ktok_history.png", caption="../report/ktok_history.rst", category="Throughput"),
+        tau=report(f"{REPORT_DIR}/tau_history.png", caption="../report/tau_history.rst", category="Quality"),
         time_split=report(f"{REPORT_DIR}/time_split.png", caption="../report/time_split.rst", category="Throughput"),
         devices=report(f"{REPORT_DIR}/devices_latest.png", caption="../report/devices_latest.rst", category="Latest run"),
         training=report(
