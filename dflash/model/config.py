@@ -85,8 +85,10 @@ class DrafterConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     max_position_embeddings: int = 40960
-    layer_types: list[str] | None = None   # per layer: full_attention | sliding_attention; None -> all sliding
-    sliding_window: int | None = None      # with sliding_window set, else all full
+    # per layer: full_attention | sliding_attention; None: every layer slides when sliding_window is set (one window on
+    # every layer, the speculators default), every layer is full otherwise
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
 
     def __post_init__(self):
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]

@@ -9,6 +9,10 @@ each micro-batch back-propagates its weighted *sum*, replicas sum gradients and 
 divides by the same global weight sum before clipping and the optimizer step. That division and the clip are
 one factor applied where the optimizer reads the gradients (in the fused AdamW's own kernel on GPUs), not extra
 passes over them.
+
+The training time (seconds after the warm-up, over resumes) is agreed the same way: each replica's clock is summed
+with the step's statistics, and every replica takes the mean, so the LR of a time budget (train.time_budget_s) and
+the step at which it ends the run are the same on all of them.
 """
 from __future__ import annotations
 
