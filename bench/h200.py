@@ -320,15 +320,15 @@ def _drafter_step(tree: str, spec: str, shape: str, profile: str = ""):
     setup = RunContext(loaded, None, backend, Path("/tmp"), Path("/tmp"), tconf, dcfg, 7.0, {}, compiled)
     embed, head = random_head(setup, DEV, torch.bfloat16)
     model = build_drafter(setup, embed, head, DEV)
-    opt, sched = optim.build([p for p in model.parameters() if p.requires_grad], loaded.cfg.train, DEV)
+    opt, sched = optim.build(model.named_parameters(), loaded.cfg.train, DEV)
     counter = [0]
 
     def step():
         counter[0] += 1
         res = micro_step(model, feats, ids, mask, counter[0], setup, torch.bfloat16)
         res.loss.backward()
+        opt.set_lr(sched.factor(counter[0], 0.0))
         opt.step()
-        sched.step()
         opt.zero_grad(set_to_none=True)
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()

@@ -177,6 +177,18 @@ def test_interrupted_run_resumes_finished_or_changed_run_starts_anew(tmp_path, c
     assert sorted(p.name for p in setup.run_dir.iterdir()) == [C.PREVIOUS]
 
 
+def test_a_run_finished_by_its_time_budget_is_not_resumed(tmp_path, caplog):
+    """A checkpoint before train.steps whose trainer state says the run finished (its time budget) ends the run: a
+    rerun trains a new one, as after a run that reached train.steps."""
+    setup = fake_setup(tmp_path, steps=12)
+    d, opt, sched = trained()
+    C.save(setup.run_dir, 8, 16, d, opt, sched, {**C.identity(setup), "finished": True, "finished_by": "time_budget"})
+    with caplog.at_level(logging.WARNING, "dflash.train"):
+        assert C.resumable(setup) is None
+    assert [r.getMessage() for r in caplog.records if "finished at step 8" in r.getMessage()]
+    assert not (setup.run_dir / "checkpoints").exists()
+
+
 def test_checkpoint_loads_into_the_reference_package(tmp_path):
     """A checkpoint folder, as is, is a drafter for `DFlashDraftModel.from_pretrained` (dflash 0.1.0)."""
     if not SIDE.exists():

@@ -149,3 +149,17 @@ def test_sigterm_to_the_launcher_checkpoints_and_exits_143(tmp_path):
     assert code == 143, err[-3000:]
     assert seconds < 60 and s["status"] == "interrupted" and s["replicas_identical"] is True
     assert last == s["steps"] < 400
+
+
+def test_time_budget_with_muon_stops_every_rank_together(tmp_path):
+    """train.time_budget_s with Muon in the distributed runtime (1 target rank, 2 DDP replicas): the replicas agree on
+    the time (reduced with the step's statistics), stop at the same step, identical, long before train.steps, and
+    the target rank stops making features there (it is told the last step, not left to fill every step's)."""
+    cfg = prepared(tmp_path, steps=2000, time_budget_s=4, optimizer="muon", log_every=5, checkpoint_every=0)
+    r = train(cfg, "distributed")
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads((run_dir(cfg) / "summary.json").read_text())
+    assert (s["status"], s["finished"], s["finished_by"], s["time_budget_s"]) == ("completed", True, "time_budget", 4)
+    assert 4 <= s["train_seconds"] < 30 and 1 <= s["steps"] < 2000 and s["replicas_identical"] is True
+    target = next(w for w in s["workers"] if w["name"] == "target-0")
+    assert target["steps"] <= 2 * s["steps"] + 2 * 4 + 2    # the steps' micro-batches, plus what was in flight

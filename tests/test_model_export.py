@@ -33,6 +33,38 @@ def test_round_trip_identical_outputs_and_reference_keys(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter"]
 
 
+def test_sliding_window_alone_slides_every_layer_and_round_trips(tmp_path):
+    """drafter.sliding_window W with layer_types null: every layer slides with window W, exactly the explicit layout
+    [sliding_attention] * n (same masks, same outputs, not the full layout's); an explicit layer_types still wins;
+    the export writes the explicit layout and reads it back."""
+    from types import SimpleNamespace
+    from dflash.model.attention import make_mask
+    SW, FA = "sliding_attention", "full_attention"
+    alone, explicit, full = tiny_cfg(sliding_window=5), tiny_cfg(layer_types=[SW, SW], sliding_window=5), tiny_cfg()
+    assert alone == explicit and alone.layer_types == [SW, SW] and alone.windows() == (5,)
+    target = SimpleNamespace(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                             intermediate_size=48, num_hidden_layers=6, vocab_size=97)
+    section = {"num_layers": 2, "block_size": 4, "target_layer_ids": [0, 2, 3], "mask_token_id": 96,
+               "sliding_window": 5, "layer_types": None}                 # the YAML's drafter section
+    assert DrafterConfig.from_target(target, section).layer_types == [SW, SW]
+    assert DrafterConfig.from_target(target, {**section, "layer_types": [FA, SW]}).layer_types == [FA, SW]
+    hidden, ids, lm, an = make_batch(alone, 2, 20, 4)
+    masks = {name: make_mask(an, 20, "sdpa", c.windows()) for name, c in (("alone", alone), ("explicit", explicit))}
+    assert list(masks["alone"]) == [5] and torch.equal(masks["alone"][5].dense, masks["explicit"][5].dense)
+    assert not torch.equal(masks["alone"][5].dense, make_mask(an, 20, "sdpa", full.windows())[None].dense)
+    d = make_drafter(alone)
+    with torch.no_grad():
+        out = d(hidden, ids, an)
+        assert torch.equal(out, make_drafter(explicit)(hidden, ids, an))
+        assert not torch.allclose(out, make_drafter(full)(hidden, ids, an))
+    conf = json.loads((save_drafter(d, tmp_path / "drafter") / "config.json").read_text())
+    assert conf["layer_types"] == [SW, SW] and conf["use_sliding_window"] is True and conf["sliding_window"] == 5
+    loaded = load_drafter(tmp_path / "drafter", d.embed_weight, d.lm_head_weight)
+    assert loaded.cfg == explicit
+    with torch.no_grad():
+        assert torch.equal(loaded(hidden, ids, an), out)
+
+
 def test_config_json_loads_as_a_transformers_qwen3_config(tmp_path):
     from transformers import Qwen3Config
     cfg = tiny_cfg(rope_theta=12345.0)

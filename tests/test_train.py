@@ -1,6 +1,7 @@
 """The threads runtime end to end on CPU: replicas in lockstep, exact resume after kill -9, failures named fast,
 Ctrl-C checkpoints. Tiny target (tests/conftest_data.py), the built-in corpus without regeneration, sdpa."""
 import json
+import math
 import os
 import shutil
 import signal
@@ -225,3 +226,78 @@ def test_a_run_that_cannot_fit_is_refused_before_the_first_step(tmp_path, monkey
     text = capsys.readouterr().err
     assert "train.num_anchors" in text and "train.batch_size" in text and "data.bucket_edges" in text
     assert not (run_dir(cfg) / "checkpoints").exists()
+
+
+def weights(cfg: Path, step: int) -> dict:
+    return load_file(str(run_dir(cfg) / "checkpoints" / f"step-{step:06d}" / "model.safetensors"))
+
+
+def test_muon_trains_in_lockstep_and_resumes_to_the_same_weights(tmp_path):
+    """train.optimizer muon, 2 replicas: the loss falls, the replicas stay bit-identical (compared every 2 steps),
+    both optimizers' states are checkpointed, and a run resumed from its step-4 checkpoint (the later one gone, as
+    after a kill) ends with exactly the uninterrupted run's weights."""
+    cfg = prepared(tmp_path, optimizer="muon", steps=8, checkpoint_every=4, check_every=2)
+    train_ok(cfg)
+    s = json.loads((run_dir(cfg) / "summary.json").read_text())
+    assert s["status"] == "completed" and s["replicas_identical"] is True and s["steps"] == 8
+    assert s["finished"] is True and s["finished_by"] == "steps"
+    rows = [json.loads(x) for x in (run_dir(cfg) / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    state = torch.load(run_dir(cfg) / "checkpoints" / "step-000004" / "optimizer.pt", weights_only=True)
+    assert set(state) == {"muon", "adamw"} and len(state["muon"]["state"]) == 8   # fc + 7 matrices of 1 layer
+    straight = weights(cfg, 8)
+    shutil.rmtree(run_dir(cfg) / "checkpoints" / "step-000008")
+    train_ok(cfg)
+    assert json.loads((run_dir(cfg) / "summary.json").read_text())["resumed_from_step"] == 4
+    resumed = weights(cfg, 8)
+    for k in straight:
+        torch.testing.assert_close(resumed[k], straight[k], rtol=0, atol=0)
+
+
+def fake_clock(monkeypatch, seconds_per_call: dict) -> None:
+    """The trainer's clock on fake time: each drafter thread's own clock advances by its seconds per call (one call
+    as its loop starts, one per step), so the replicas' clocks disagree unless they agree on one time."""
+    import threading
+    from dflash.train.trainer import Replica
+    local = threading.local()
+
+    def clock():
+        local.calls = getattr(local, "calls", -1) + 1
+        return local.calls * seconds_per_call.get(threading.current_thread().name, 1.0)
+    monkeypatch.setattr(Replica, "clock", staticmethod(clock))
+
+
+def test_time_budget_ends_the_run_agreed_with_the_schedule_following_time(tmp_path, monkeypatch, caplog):
+    """train.time_budget_s 7 on a fake clock where drafter-0 sees 1 s per step and drafter-1 2 s: the replicas agree
+    on the mean, 1.5 s per step (alone, drafter-0 would stop after 7 steps, drafter-1 after 4), so both stop after
+    step 5 (7.5 s >= 7), far before train.steps, identical. Each step's LR is the warm-up + cosine at the agreed
+    time (warm-up 30% = 2.1 s). The run is finished (summary, trainer state); resumed from its step-4 checkpoint it
+    ends at the same step with the same weights (the time survives resume); a rerun of it trains a new run."""
+    fake_clock(monkeypatch, {"drafter-0": 1.0, "drafter-1": 2.0})
+    cfg = prepared(tmp_path, steps=50, time_budget_s=7, warmup_ratio=0.3, min_lr_ratio=0.1, lr=1e-3, log_every=1,
+                   checkpoint_every=2, check_every=1)
+    train_ok(cfg)
+    s = json.loads((run_dir(cfg) / "summary.json").read_text())
+    assert (s["status"], s["steps"], s["finished"], s["finished_by"]) == ("completed", 5, True, "time_budget")
+    assert (s["train_seconds"], s["time_budget_s"], s["replicas_identical"]) == (7.5, 7, True)
+    rows = [json.loads(x) for x in (run_dir(cfg) / "metrics.jsonl").read_text().splitlines()]
+    cosine = [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (1.5 * k - 2.1) / 4.9))) for k in range(2, 6)]
+    want = [1e-3 * f for f in [1.5 / 2.1] + cosine]         # step 1 at 1.5 s: in the warm-up
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["lr"] for r in rows] == pytest.approx(want, rel=1e-12)
+    final = run_dir(cfg) / "checkpoints" / "step-000005"
+    trainer = json.loads((final / "trainer.json").read_text())
+    assert (trainer["finished"], trainer["finished_by"], trainer["scheduler"]) == (True, "time_budget",
+                                                                                     {"elapsed_s": 7.5})
+    straight = weights(cfg, 5)
+    shutil.rmtree(final)
+    train_ok(cfg)
+    s = json.loads((run_dir(cfg) / "summary.json").read_text())
+    assert (s["resumed_from_step"], s["steps"], s["train_seconds"]) == (4, 5, 7.5)
+    resumed = weights(cfg, 5)
+    for k in straight:
+        torch.testing.assert_close(resumed[k], straight[k], rtol=0, atol=0)
+    caplog.clear()
+    train_ok(cfg)
+    assert any("the run finished at step 5" in r.getMessage() for r in caplog.records)
+    assert json.loads((run_dir(cfg) / "summary.json").read_text())["resumed_from_step"] is None

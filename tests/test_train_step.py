@@ -106,31 +106,42 @@ def test_gradsync_sums_in_place_by_shards(n):
             assert torch.equal(out[r][k], out[0][k])
 
 
-@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("optimizer,fused", [("adamw", False), ("adamw", True), ("muon", False), ("muon", True)])
 @pytest.mark.parametrize("clip", [0.0, 1e-3, 1e6])
-def test_optimizer_step_is_clip_then_adamw_on_the_step_gradient(fused, clip):
+def test_optimizer_step_is_clip_then_the_optimizer_on_the_step_gradient(optimizer, fused, clip):
     """optimizer_step folds the 1/weight-sum scale and the clip coefficient into one factor (the fused AdamW's
-    grad_scale, or one multiply): the weights after it equal torch's clip_grad_norm_ + AdamW on the step gradient."""
+    grad_scale, or one multiply; Muon has no grad_scale: always the multiply): the weights after it equal torch's
+    clip_grad_norm_ + the optimizer on the step gradient. muon: torch's Muon at train.muon_lr (match_rms_adamw) on
+    the 2-D weights, AdamW at train.lr on the rest, both with train.weight_decay (not Muon's own default 0.1)."""
     cfg = tiny_cfg()
     feats, ids, mask = sequences(cfg)
-    ctx = context(grad_clip=clip)
+    ctx = context(grad_clip=clip, optimizer=optimizer, muon_lr=2e-3, weight_decay=0.01)
+    t = ctx.cfg.train
     rep = Replica(ctx, 0, 1, torch.device("cpu"), make_drafter(cfg), GradSync(1))
-    rep.optimizer.defaults["fused"] = fused
-    for g in rep.optimizer.param_groups:
+    adamw = rep.optimizer.parts["adamw"]
+    adamw.defaults["fused"] = fused
+    for g in adamw.param_groups:
         g["fused"], g["foreach"] = fused, None if fused else True
     ref = make_drafter(cfg)
     ref.load_state_dict(rep.drafter.state_dict())
     ref_params = [p for p in ref.parameters() if p.requires_grad]
-    ref_opt = torch.optim.AdamW(ref_params, lr=ctx.cfg.train.lr, betas=tuple(ctx.cfg.train.betas),
-                                weight_decay=ctx.cfg.train.weight_decay)
+    mats = [p for p in ref_params if p.ndim == 2] if optimizer == "muon" else []
+    ref_opts = [torch.optim.AdamW([p for p in ref_params if p.ndim != 2 or not mats], lr=t.lr, betas=tuple(t.betas),
+                                  weight_decay=t.weight_decay)]
+    if mats:
+        ref_opts.append(torch.optim.Muon(mats, lr=t.muon_lr, weight_decay=t.weight_decay,
+                                         adjust_lr_fn="match_rms_adamw"))
     for step in range(2):
         rep.accumulate([micro(feats.float(), ids, mask, [0, 1], step)])
         for p, g in zip(ref_params, grads(rep)):
             p.grad = g.clone()
         want_norm = torch.nn.utils.clip_grad_norm_(ref_params, clip) if clip else None
-        ref_opt.param_groups[0]["lr"] = rep.optimizer.param_groups[0]["lr"]   # the schedule's lr of this step
-        ref_opt.step()
         gnorm = rep.optimizer_step()
+        factor = 1 / round(t.steps * t.warmup_ratio)          # step 0's warm-up factor (rep.steps stays 0 here)
+        for opt, peak in zip(ref_opts, (t.lr, t.muon_lr)):
+            opt.param_groups[0]["lr"] = peak * factor
+            opt.step()
+        assert rep.optimizer.lr == pytest.approx(t.lr * factor)
         if clip:
             assert float(gnorm) == pytest.approx(float(want_norm), rel=1e-5)
             assert (float(want_norm) > clip) == (clip == 1e-3)        # one case clips, the other does not

@@ -85,13 +85,15 @@ class DrafterConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     max_position_embeddings: int = 40960
-    layer_types: list[str] | None = None   # per layer: full_attention | sliding_attention; None -> all full
+    # per layer: full_attention | sliding_attention; None: every layer slides when sliding_window is set (one window on
+    # every layer, the speculators default), every layer is full otherwise
+    layer_types: list[str] | None = None
     sliding_window: int | None = None
 
     def __post_init__(self):
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
         if self.layer_types is None:
-            self.layer_types = [FULL] * self.num_layers
+            self.layer_types = [SLIDING if self.sliding_window else FULL] * self.num_layers
         self.layer_types = list(self.layer_types)
         if len(self.layer_types) != self.num_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} drafter layers")

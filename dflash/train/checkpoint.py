@@ -171,7 +171,7 @@ def resumable(setup) -> Path | None:
         set_aside(run_dir, f"they were made with another config or data "
                            f"({ {k: saved.get(k) for k in want} } != {want})")
         return None
-    if saved["step"] >= setup.cfg.train.steps:
+    if saved["step"] >= setup.cfg.train.steps or saved.get("finished"):   # finished: steps or the time budget
         set_aside(run_dir, f"the run finished at step {saved['step']} ({path.name}), so this rerun trains a new run")
         return None
     return path

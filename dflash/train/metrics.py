@@ -128,11 +128,17 @@ class RunMetrics:
         self.step = self.start_step = 0
         self.graphs_after_warmup = None
         self.first_step_s = None
+        self.train_s, self.finished_by = 0.0, None
         self.started_at = datetime.now(timezone.utc)
 
     # -- called by the runtime ------------------------------------------------------------------------
     def set_warmup(self, records, seconds_: float):
         self.warmup, self.warmup_s = records, seconds_
+
+    def set_training(self, seconds_: float, finished_by: str | None):
+        """The training time the replicas agreed on (seconds after warm-up, over resumes) and, once the run reached
+        its end, what ended it ("steps" | "time_budget"): summary.json's train_seconds and finished_by."""
+        self.train_s, self.finished_by = seconds_, finished_by
 
     def start(self, start_step: int, history: list[dict] | None = None):
         """Begin at `start_step`; a resumed run's earlier rows (kept in its checkpoint) are written back first,

@@ -36,6 +36,9 @@ def write(ctx, metrics, workers: list[dict], status: str, devices: list[dict], c
         "data_hash": manifest.get("content_hash"), "data": data_summary(manifest),
         "runtime": ctx.placement.runtime, "attention": ctx.backend,
         "steps": metrics.step, "measured_steps": metrics.totals["steps"],
+        # finished: the run reached train.steps or its time budget (finished_by), and a rerun trains a new run
+        "finished": metrics.finished_by is not None, "finished_by": metrics.finished_by,
+        "train_seconds": round(metrics.train_s, 3), "time_budget_s": ctx.cfg.train.time_budget_s or None,
         "seconds_to_first_step": metrics.first_step_s,
         # figures of a run whose replicas diverged or whose loss blew up are not throughput to compare against
         "throughput": metrics.throughput() if finite else dict.fromkeys(metrics.throughput()),

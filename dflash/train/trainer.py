@@ -9,6 +9,10 @@ each micro-batch back-propagates its weighted *sum*, replicas sum gradients and 
 divides by the same global weight sum before clipping and the optimizer step. That division and the clip are
 one factor applied where the optimizer reads the gradients (in the fused AdamW's own kernel on GPUs), not extra
 passes over them.
+
+The training time (seconds after the warm-up, over resumes) is agreed the same way: each replica's clock is summed
+with the step's statistics, and every replica takes the mean, so the LR of a time budget (train.time_budget_s) and
+the step at which it ends the run are the same on all of them.
 """
 from __future__ import annotations
 
@@ -118,13 +122,20 @@ class Replica:
         self.drafter = self.model = drafter         # `model` is what is called: the drafter or its DDP wrapper
         self.sync, self.metrics, self.fail = sync, metrics, fail
         self.params = [p for p in drafter.parameters() if p.requires_grad]
-        self.optimizer, self.scheduler = optim.build(self.params, ctx.cfg.train, device)
+        self.optimizer, self.schedule = optim.build(drafter.named_parameters(), ctx.cfg.train, device)
         self.start_step = self.data_index = self.steps = 0
+        self.t0 = self.clock()
+        self.base_s = self.elapsed = 0.0   # training seconds before this process (resume); at the last step, agreed
+        self.finished_by = None         # "steps" | "time_budget" once the run reached its end
+
+    # the clock of the training time (time.perf_counter); a class attribute so that tests can run on a fake one
+    clock = staticmethod(time.perf_counter)
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     def resume(self, path) -> None:
-        state = checkpoint.load(path, self.drafter, self.optimizer, self.scheduler)
+        state = checkpoint.load(path, self.drafter, self.optimizer, self.schedule)
         self.start_step = self.steps = state["step"]
+        self.base_s = self.elapsed = self.schedule.elapsed_s
         self.data_index = state["data_index"]
         self.resumed = state
 
@@ -152,6 +163,11 @@ class Replica:
             s = loss_stats(out, m.tokens)
             stats = s if stats is None else stats + s
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        # the training time: each replica's clock rides with the stats and the replicas use the mean of the reduced
+        # sum (the same on every replica), so all follow the same LR and stop at the same step (a time budget)
+        clock = self.clock() - self.t0
+        if self.n > 1:
+            stats = torch.cat([stats, stats.new_full((1,), clock)])
         if self.sync.reduces_in_backward or self.n == 1:
             # gradients already summed (DDP averaged them over n replicas): no copies
             (stats,), stop = self.sync.reduce(self.rank, [stats], want_stop)
@@ -163,23 +179,22 @@ class Replica:
             grads = torch._utils._unflatten_dense_tensors(flat, grads)
         for p, g in zip(self.params, grads):
             p.grad = g
+        if self.n > 1:   # (the reduce synchronised already: reading the sum costs no stall)
+            stats, clock = stats[:-1], float(stats[-1]) / self.n
+        self.elapsed = self.base_s + clock
         return stats, stop
 
     def optimizer_step(self):
-        """Clip to train.grad_clip and step, as clip_grad_norm_ + AdamW on `.grad * grad_scale`, with one factor
-        (grad_scale x the clip coefficient) applied where the optimizer reads the gradients: the fused AdamW divides
-        by its `grad_scale` in its own kernel; otherwise one in-place multiply. Returns the gradient's norm."""
+        """Step `self.steps` (0-based): set the schedule's LR, clip to train.grad_clip and step, as clip_grad_norm_ +
+        the optimizer on `.grad * grad_scale`, with one factor (grad_scale x the clip coefficient) applied where the
+        optimizer reads the gradients (DrafterOptimizer.step). Returns the gradient's norm."""
         clip = self.ctx.cfg.train.grad_clip
         grads = [p.grad for p in self.params]
         scale = self.grad_scale.double()
         gnorm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True).double() * scale
         factor = scale * (torch.clamp(clip / (gnorm + 1e-6), max=1.0) if clip else 1.0)   # clip_grad_norm_'s coef
-        if self.optimizer.defaults.get("fused"):
-            self.optimizer.grad_scale = (1 / factor).float()
-        else:
-            torch._foreach_mul_(grads, factor.to(grads[0].dtype))
-        self.optimizer.step()
-        self.scheduler.step()
+        self.optimizer.set_lr(self.schedule.factor(self.steps, self.elapsed))
+        self.optimizer.step(factor)
         self.optimizer.zero_grad(set_to_none=True)
         return gnorm.to(grads[0].dtype)
 
@@ -192,6 +207,7 @@ class Replica:
         t_fwd, t_opt = DeviceTimer(self.device), DeviceTimer(self.device)
         prof = StepProfiler(cfg.train.profile, self.ctx.run_dir, self.rank) if cfg.train.profile else None
         unchecked: list = []
+        self.t0 = self.clock()   # training time counts from here (after the warm-up)
         try:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 for step in range(self.start_step, cfg.train.steps):
@@ -217,13 +233,17 @@ class Replica:
                         gnorm = self.optimizer_step()
                     self.steps = step + 1
                     self._inject_divergence(step + 1)
-                    final = step + 1 == cfg.train.steps
+                    spent = self.schedule.spent(self.elapsed)   # the agreed time: every replica ends here
+                    final = step + 1 == cfg.train.steps or spent
+                    if final:
+                        self.finished_by = "time_budget" if spent else "steps"
                     if check and ((step + 1) % check == 0 or final or stop):
                         self.check_replicas(step + 1)
                     if self.rank == 0:
-                        self.metrics.step_done(step + 1, stats, gnorm, self.scheduler.get_last_lr()[0],
+                        self.metrics.step_done(step + 1, stats, gnorm, self.optimizer.lr,
                                                {"queue_wait": wait, "target": target_t, "drafter": t_fwd.pop(),
                                                 "optimizer": t_opt.pop()}, queue_depth())
+                        self.metrics.set_training(self.elapsed, self.finished_by)
                         if stop or final or (every and (step + 1) % every == 0):
                             self.save(step + 1)
                     elif self.sync.reduces_in_backward:
@@ -231,11 +251,13 @@ class Replica:
                         # reduced stats and the norm are the same on every rank), so all stop together, none
                         # waits in the next step's all-reduce for a rank that stopped
                         unchecked.append((step + 1, stats, gnorm))
-                        if log_due(cfg.train, step + 1, self.start_step):
+                        if log_due(cfg.train, step + 1, self.start_step) or final:
                             check_pending(unchecked)
                             unchecked.clear()
                     if stop:
                         raise StopRun
+                    if final:
+                        break
         finally:   # the trace is written however the loop ends (StopRun, a failure)
             if prof:
                 prof.close()
@@ -246,9 +268,13 @@ class Replica:
         return checkpoint.identity(self.ctx)
 
     def save(self, step: int):
+        """Checkpoint `step`; its trainer state says whether the run is finished (train.steps or the time budget
+        reached: a rerun then trains a new run) and holds the training time (the schedule's state)."""
         self.metrics.flush()
+        self.schedule.elapsed_s = self.elapsed
         checkpoint.save(self.ctx.run_dir, step, self.index(step, 0) - self.rank, self.drafter, self.optimizer,
-                        self.scheduler, {**self.identity, "metrics": self.metrics.rows_upto(step)})
+                        self.schedule, {**self.identity, "metrics": self.metrics.rows_upto(step),
+                                        "finished": self.finished_by is not None, "finished_by": self.finished_by})
 
     def check_replicas(self, step: int):
         """The divergence guard: every replica compares exact weight checksums; any difference stops the run."""

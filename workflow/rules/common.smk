@@ -59,10 +59,10 @@ def section(*keys):
 
 # train keys that shape no compiled graph (optimiser, schedule, logging, supervision, the runtime that carries the
 # same compiled drafter): a change reruns train onward, not the warm-up
-TRAIN_ONLY = ("steps", "runtime", "lr", "betas", "weight_decay", "warmup_ratio", "min_lr_ratio", "grad_clip",
-              "grad_accum", "checkpoint_every", "log_every", "resume", "warmup_steps_excluded", "matmul_tflops",
-              "ready_timeout_s", "stall_timeout_s", "fail_at_step", "queue_size", "rendezvous", "check_every",
-              "diverge_at_step", "stop_timeout_s", "profile")
+TRAIN_ONLY = ("steps", "runtime", "optimizer", "lr", "muon_lr", "betas", "weight_decay", "warmup_ratio",
+              "min_lr_ratio", "time_budget_s", "grad_clip", "grad_accum", "checkpoint_every", "log_every", "resume",
+              "warmup_steps_excluded", "matmul_tflops", "ready_timeout_s", "stall_timeout_s", "fail_at_step",
+              "queue_size", "rendezvous", "check_every", "diverge_at_step", "stop_timeout_s", "profile")
 
 
 def warmup_section():

@@ -394,15 +394,14 @@ def worker_main(ctx, args) -> int:
             rep.run(take_local if coloc else take, lambda: stop["flag"], lambda: 0)
         except StopRun:
             status = "interrupted"
-            if r == 0:
-                store.set(STOP_KEY, str(rep.index(rep.steps, 0)))
         except (Diverged, NonFinite) as e:
             status, code = "failed", 1
             failure = {"kind": "diverged" if isinstance(e, Diverged) else "non_finite", "worker": name,
                        "message": str(e), **getattr(e, "info", {})}
             log.error("%s", e)
-            if r == 0:   # every replica stopped at this step (both checks are collective): the targets make no more
-                store.set(STOP_KEY, str(rep.index(rep.steps, 0)))
+        if r == 0:   # every replica stopped at this step (a signal, a failed check, the time budget: all agreed or
+            #          collective): the targets make nothing beyond it
+            store.set(STOP_KEY, str(rep.index(rep.steps, 0)))
         if prefetch:
             prefetch.shutdown(wait=True, cancel_futures=True)
         if not coloc:
