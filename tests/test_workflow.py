@@ -214,13 +214,24 @@ def test_copied_config_with_same_content_reruns_nothing(done):
 
 
 @pipeline
-@pytest.mark.parametrize("change", [{"train__lr": 1e-3}, {"train__runtime": "distributed"}], ids=["lr", "runtime"])
+@pytest.mark.parametrize("change", [{"train__lr": 1e-3}, {"train__runtime": "distributed"},
+                                    {"train__loss_weighting": "dpace"}], ids=["lr", "runtime", "loss_weighting"])
 def test_train_key_change_reruns_train_to_report_only(done, change):
     work = done[0]
     write_config(work, "tiny-lr.yaml", tiny_config(work, **change))
     r = snakemake(work, "-n", "--configfile", "config/tiny-lr.yaml")
     assert planned(r) == {"train": 1, "evaluate": 1, "export": 1, "report": 1, "gate": 1, "all": 1}, r.out[-3000:]
     assert "Params have changed since last execution" in r.out
+
+
+@pipeline
+def test_objective_change_reruns_the_warmup_too(done):
+    """train.objective widens the features and changes the compiled loss kernel: the warm-up reruns with train."""
+    work = done[0]
+    write_config(work, "tiny-kl.yaml", tiny_config(work, train__objective="kl"))
+    r = snakemake(work, "-n", "--configfile", "config/tiny-kl.yaml")
+    assert planned(r) == {"warmup": 1, "train": 1, "evaluate": 1, "export": 1, "report": 1, "gate": 1, "all": 1}, \
+        r.out[-3000:]
 
 
 @pipeline
