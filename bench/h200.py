@@ -161,7 +161,7 @@ def loss_variants(head, labels, weights, bk=BK, chunk=4096, compiled=None):
     import torch.nn.functional as F
 
     from dflash.model import IGNORE, dflash_loss
-    from dflash.train.step import ce_kernel
+    from dflash.train.step import loss_kernel
     compiled = DEV.type == "cuda" if compiled is None else compiled
 
     def rows(x):  # [1, Q, ...] -> [N, ...]: block positions 1.. (position 0 is never scored)
@@ -175,7 +175,7 @@ def loss_variants(head, labels, weights, bk=BK, chunk=4096, compiled=None):
         return (F.cross_entropy(logits, lab.clamp(min=0), reduction="none") * wk).sum() / wsum
     out = {
         "fused": lambda h: dflash_loss(h, head, labels, weights, bk, chunk, fused=True,
-                                       kernel=ce_kernel(compiled)).loss,
+                                       kernel=loss_kernel(compiled)).loss,
         "torch_chunked_checkpointed": lambda h: dflash_loss(h, head, labels, weights, bk, chunk).loss,
         "torch_full": torch_full,
     }

@@ -26,7 +26,7 @@ def demo(num_layers=2):
 
 
 def train(**kw):
-    t = dict(batch_size=4, num_anchors=32, loss_chunk=2048, dtype="auto", queue_size=4, compile=False)
+    t = dict(batch_size=4, num_anchors=32, loss_chunk=2048, dtype="auto", queue_size=4, compile=False, objective="ce")
     t.update(kw)
     return SimpleNamespace(**t)
 

@@ -9,8 +9,9 @@ from dflash.train.metrics import check_pending, interval_loss
 from dflash.train.trainer import NonFinite
 
 
-def stats(loss_sum, weight_sum, k=2):   # loss_stats' layout: [loss*w, w, tokens, positions, blocks, accepted, ...]
-    return torch.tensor([loss_sum, weight_sum, 10.0, 4.0, 1.0, 2.0] + [1.0] * k + [2.0] * k, dtype=torch.float64)
+def stats(loss_sum, weight_sum, k=2):   # loss_stats' layout: [loss*w, w, tokens, positions, blocks, accepted, ce*w,
+    return torch.tensor([loss_sum, weight_sum, 10.0, 4.0, 1.0, 2.0, loss_sum, 0.0]       # kl*w, correct.., count..]
+                        + [1.0] * k + [2.0] * k, dtype=torch.float64)
 
 
 def test_interval_loss_is_the_weighted_mean_of_the_summed_steps():

@@ -24,12 +24,13 @@ def test_threads_over_buckets_with_zero_recompiles(tmp_path):
     assert s["status"] == "completed" and s["replicas_identical"] is True
 
 
-def _tiny(compiled: bool):
+def _tiny(compiled: bool, **train):
     """A RunContext for a 1-layer drafter over a 6-layer, hidden-32 target (no files), compiled or eager."""
     from dflash.model import DrafterConfig
     from dflash.train.context import RunContext
 
-    loaded = C.from_dict({"train": {"num_anchors": 4, "loss_chunk": 16}, "drafter": {"num_layers": 1, "block_size": 4}})
+    loaded = C.from_dict({"train": {"num_anchors": 4, "loss_chunk": 16, **train},
+                          "drafter": {"num_layers": 1, "block_size": 4}})
     tconf = SimpleNamespace(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                             intermediate_size=64, num_hidden_layers=6, vocab_size=64, rms_norm_eps=1e-6,
                             rope_theta=1e6, max_position_embeddings=512)
@@ -37,19 +38,24 @@ def _tiny(compiled: bool):
     return RunContext(loaded, None, "sdpa", None, None, tconf, dcfg, 3.0, {}, compiled)
 
 
-def test_compiled_drafter_equals_eager_with_the_same_state_dict():
+@pytest.mark.parametrize("recipe", [{}, {"objective": "ce+kl", "loss_weighting": "dpace"}])
+def test_compiled_drafter_equals_eager_with_the_same_state_dict(recipe):
     """build_drafter on the compile path (layers, fc + hidden norm, final norm compiled): the same parameter names,
-    loss and gradients as the eager drafter from the same seed."""
+    loss and gradients as the eager drafter from the same seed; also with the target's final states beside the
+    context features (ce+kl: the fc reads a strided slice, the compiled loss kernel the target's logits)."""
+    from dflash.train.features import feature_width
     from dflash.train.step import build_drafter, micro_step, random_head
     cpu = torch.device("cpu")
     head = random_head(_tiny(False), cpu, torch.float32)
     g = torch.Generator().manual_seed(0)
     # length 20: a shape no other test here compiles (dynamo's in-process cache would otherwise serve their graphs)
-    feats, ids = torch.randn(1, 20, 5 * 32, generator=g), torch.randint(0, 64, (1, 20), generator=g)
+    eager = _tiny(False, **recipe)
+    width = feature_width(eager.drafter_config, eager.cfg.train)
+    feats, ids = torch.randn(1, 20, width, generator=g), torch.randint(0, 64, (1, 20), generator=g)
     mask = torch.ones(1, 20, dtype=torch.bool)
     runs = []
     for compiled in (False, True):
-        setup = _tiny(compiled)
+        setup = _tiny(compiled, **recipe)
         d = build_drafter(setup, *head, cpu)
         out = micro_step(d, feats, ids, mask, 1, setup, None)
         out.loss.backward()

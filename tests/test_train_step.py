@@ -25,12 +25,13 @@ def context(**train) -> RunContext:
     return RunContext(loaded, None, "sdpa", None, None, None, tiny_cfg(), 3.0, {}, False)
 
 
-def sequences(cfg, n=len(DENSITY)):
+def sequences(cfg, n=len(DENSITY), width=None):
+    """n sequences: features [n, S, width] (default the drafter's k*H context), tokens, loss masks."""
     g = torch.Generator().manual_seed(7)
-    feats = torch.randn(n, S, cfg.num_context_layers * cfg.hidden_size, generator=g, dtype=torch.float64)
+    width = width or cfg.num_context_layers * cfg.hidden_size
     ids = torch.randint(0, cfg.vocab_size - 1, (n, S), generator=g)
     mask = torch.stack([torch.rand(S, generator=g) < d for d in DENSITY[:n]])
-    return feats, ids, mask
+    return torch.randn(n, S, width, generator=g, dtype=torch.float64), ids, mask
 
 
 def micro(feats, ids, mask, rows, index):
@@ -60,20 +61,26 @@ def grads(rep):   # the step's gradient: what accumulate leaves, times the scale
     return [p.grad * rep.grad_scale.to(p.grad.dtype) for p in rep.params]
 
 
-@pytest.mark.parametrize("n,accum", [(2, 2), (1, 4), (4, 1)])
-def test_split_batch_has_the_gradient_of_the_whole_batch(n, accum):
+@pytest.mark.parametrize("n,accum,recipe", [
+    (2, 2, {}), (1, 4, {}), (4, 1, {}),
+    (2, 2, {"loss_weighting": "dpace"}), (4, 1, {"objective": "kl"}),
+    (2, 2, {"loss_weighting": "dpace", "dpace_alpha": 0.3, "objective": "ce+kl"})])
+def test_split_batch_has_the_gradient_of_the_whole_batch(n, accum, recipe):
+    """Also for each loss recipe: D-PACE's weights depend on the drafter's own predictions (detached) and its loss
+    is normalised by the blocks, kl reads the target's final states carried beside the context features."""
+    from dflash.train.features import feature_width
     cfg = tiny_cfg()
-    feats, ids, mask = sequences(cfg)
+    feats, ids, mask = sequences(cfg, width=feature_width(cfg, context(**recipe).cfg.train))
     assert len({int(m.sum()) for m in mask}) == 4      # unequal supervision, or the test proves nothing
     cpu = torch.device("cpu")
 
-    whole_ctx = context()
+    whole_ctx = context(**recipe)
     whole = Replica(whole_ctx, 0, 1, cpu, make_drafter(cfg, dtype=torch.float64), GradSync(1))
     stats, _ = whole.accumulate([micro(feats, ids, mask, [0, 1, 2, 3], 0)])
     want = grads(whole)
     want_loss = float(stats[0] / stats[1])
 
-    ctx = context(grad_accum=accum)
+    ctx = context(grad_accum=accum, **recipe)
     sync = GradSync(n)
     reps = [Replica(ctx, r, n, cpu, make_drafter(cfg, dtype=torch.float64), sync) for r in range(n)]
     # replica r, accumulation step a takes stream index a*n + r: row a*n + r of the whole batch

@@ -215,8 +215,9 @@ def test_copied_config_with_same_content_reruns_nothing(done):
 
 @pipeline
 @pytest.mark.parametrize("change", [{"train__lr": 1e-3}, {"train__runtime": "distributed"},
-                                    {"train__optimizer": "muon", "train__muon_lr": 2e-3}, {"train__time_budget_s": 60}],
-                         ids=["lr", "runtime", "muon", "time_budget"])
+                                    {"train__optimizer": "muon", "train__muon_lr": 2e-3}, {"train__time_budget_s": 60},
+                                    {"train__loss_weighting": "dpace"}],
+                         ids=["lr", "runtime", "muon", "time_budget", "loss_weighting"])
 def test_train_key_change_reruns_train_to_report_only(done, change):
     work = done[0]
     write_config(work, "tiny-lr.yaml", tiny_config(work, **change))
@@ -226,11 +227,14 @@ def test_train_key_change_reruns_train_to_report_only(done, change):
 
 
 @pipeline
-def test_sliding_window_reruns_the_warmup(done):
-    """drafter.sliding_window changes the compiled masks: the warm-up reruns too."""
+@pytest.mark.parametrize("change", [{"drafter__sliding_window": 8}, {"train__objective": "kl"}],
+                         ids=["sliding_window", "objective"])
+def test_compiled_graph_key_change_reruns_the_warmup_too(done, change):
+    """drafter.sliding_window changes the compiled masks; train.objective widens the features and changes the compiled
+    loss kernel: the warm-up reruns with train."""
     work = done[0]
-    write_config(work, "tiny-sw.yaml", tiny_config(work, drafter__sliding_window=8))
-    r = snakemake(work, "-n", "--configfile", "config/tiny-sw.yaml")
+    write_config(work, "tiny-graph.yaml", tiny_config(work, **change))
+    r = snakemake(work, "-n", "--configfile", "config/tiny-graph.yaml")
     assert planned(r) == {"warmup": 1, "train": 1, "evaluate": 1, "export": 1, "report": 1, "gate": 1, "all": 1}, \
         r.out[-3000:]
 

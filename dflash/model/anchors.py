@@ -104,5 +104,13 @@ def block_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: Anch
     return labels.reshape(B, -1), weights.reshape(B, -1)
 
 
+def block_teacher(final: torch.Tensor, anchors: Anchors) -> torch.Tensor:
+    """final [B, S, H] (the target's states after its final norm) -> [B, A*Bk, H]: for block position k of anchor a
+    the state at position a+k-1, whose LM-head softmax is the target's distribution for the label input_ids[a+k]
+    (clamped into the sequence: position 0 and labels past the end are never scored)."""
+    pos = (block_positions(anchors) - 1).clamp(0, final.shape[1] - 1)          # [B, Q]
+    return final.gather(1, pos[..., None].expand(-1, -1, final.shape[2]))
+
+
 def padded_length(n: int, multiple: int) -> int:
     return int(math.ceil(n / multiple) * multiple)

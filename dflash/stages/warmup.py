@@ -103,9 +103,8 @@ def _target(ctx, device) -> dict:
     """The target's captured layers compiled as the train stage compiles them (LayerCapture.compile / warm_up): the
     same graphs, so its first start finds them in the cache. The record has role 'target'."""
     from dflash.target import load_target
-    from dflash.train.features import LayerCapture
+    from dflash.train.features import run_capture
 
-    capture = LayerCapture(load_target(ctx.cfg.target, device=device, seed=ctx.cfg.seed),
-                           ctx.drafter_config.target_layer_ids)
+    capture = run_capture(load_target(ctx.cfg.target, device=device, seed=ctx.cfg.seed), ctx)
     capture.compile()
     return capture.warm_up(device, ctx.shapes, ctx.drafter_config.vocab_size, ctx.compiled_workers)

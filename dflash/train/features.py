@@ -10,6 +10,11 @@ layers 0..last, the final norm when captured), one by one: regional compilation,
 per input shape. The hooks stay outside the graphs (only `forward` is compiled), and the stop hook sits on a layer
 that is never compiled. `warm_up` compiles every shape bucket single-threaded; after it, `guarded` calls
 hold the FX guard shared and fail on any new graph (see compile_guard).
+
+What a training run captures (`run_capture`, `feature_width`): the drafter's context layers (target_layer_ids, k*H
+columns, the fc reads them) and, with train.objective kl or ce+kl, one more H columns: layer L-1, i.e.
+hidden_states[L], the state after the final norm that the LM head reads (the target's next-token distribution is
+softmax(lm_head(it))). The target then runs every layer. These travel as one tensor [b, S, (k+1)*H] between workers.
 """
 from __future__ import annotations
 
@@ -28,6 +33,21 @@ class _Done(Exception):
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     return decoder.layers
+
+
+def feature_width(drafter_config, train_cfg) -> int:
+    """Columns of a training run's features: k*H context, plus H (the target's final-norm state) for kl / ce+kl."""
+    from dflash.model import uses_target
+    return (drafter_config.num_context_layers + uses_target(train_cfg.objective)) * drafter_config.hidden_size
+
+
+def run_capture(model: nn.Module, ctx) -> "LayerCapture":
+    """The capture a training run (both runtimes, the warm-up stage) makes on the target `model`: see above."""
+    from dflash.model import uses_target
+    ids = list(ctx.drafter_config.target_layer_ids)
+    if uses_target(ctx.cfg.train.objective):
+        ids.append(len(decoder_layers(model)) - 1)
+    return LayerCapture(model, ids)
 
 
 class LayerCapture:

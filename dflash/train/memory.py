@@ -29,6 +29,8 @@ from __future__ import annotations
 import torch
 
 from dflash.errors import UserError
+from dflash.model import uses_target
+from dflash.train.features import feature_width
 
 GiB = 2 ** 30
 # (batch, bucket, anchors, layers, backend) -> peak RSS added by one micro-step, bytes (measured, torch 2.13 CPU)
@@ -64,7 +66,7 @@ def estimate(d, train, max_len: int, backend: str, device_type: str = "cpu", num
     A = num_anchors if num_anchors is not None else train.num_anchors
     compiled = (train.compile and backend != "eager") if compiled is None else compiled
     Bk, H, D, I, V = d.block_size, d.hidden_size, d.head_dim, d.intermediate_size, d.vocab_size
-    nh, nkv, L, k = d.num_attention_heads, d.num_key_value_heads, d.num_layers, d.num_context_layers
+    nh, nkv, L = d.num_attention_heads, d.num_key_value_heads, d.num_layers
     bf16 = train.dtype == "bfloat16" or (train.dtype == "auto" and device_type == "cuda")
     e = 2 if bf16 else 4
     Q, T = A * Bk, S + A * Bk
@@ -88,13 +90,16 @@ def estimate(d, train, max_len: int, backend: str, device_type: str = "cpu", num
             + e * b * Q * H + 2 * e * b * T * D)                                # block embeddings, rope cos/sin
     N = b * A * (Bk - 1)                                                         # scored positions
     C = min(train.loss_chunk, N)
-    # hidden rows and d(hidden); per chunk the logits, overwritten by their gradient (+ float32 work when eager)
-    loss = 2 * e * N * H + C * V * (e if compiled else e + 12)
+    # hidden rows and d(hidden); per chunk the logits, overwritten by their gradient (+ float32 work when eager);
+    # kl / ce+kl: the target's final states at the blocks and, per chunk, its logits (+ float32 work when eager)
+    kl = uses_target(train.objective)
+    loss = 2 * e * N * H + C * V * (e if compiled else e + 12) \
+        + kl * (e * b * Q * H + C * V * (e if compiled else e + 8))
     backward = saved + gqa + (4 * b * nh * Q * T if backend == "eager" else 0)   # one layer's gradients at a time
     parts = {
         "weights": 4 * P, "grads": 4 * P, "optimizer": 8 * P,
         "weight_casts": 2 * P if bf16 and not (compiled and getattr(train, "recompute_weight_casts", False)) else 0,
-        "features": (train.queue_size + 1) * b * S * (k * H * e + 9),
+        "features": (train.queue_size + 1) * b * S * (feature_width(d, train) * e + 9),
         "activations": L * per_layer + once, "loss": loss, "backward": backward,
         # flat gradients, my shard of their sum and a peer's shard in flight (1/n each, n >= 2); DDP's buckets; none
         "grad_buffers": {"flat": 8 * P, "ddp": 4 * P, "none": 0}[reduce],

@@ -22,20 +22,22 @@ SPLIT = ("queue_wait", "target", "drafter", "optimizer")
 
 
 def loss_stats(out, tokens: int) -> torch.Tensor:
-    """[weighted CE sum, weight sum, tokens, scored positions, blocks, accepted, correct_1..K, count_1..K] as one
-    float64 vector: every entry is a sum, so replicas and micro-batches add them up."""
+    """[weighted loss sum, weight sum (the loss's denominator), tokens, scored positions, blocks, accepted,
+    weighted CE sum, weighted KL sum, correct_1..K, count_1..K] as one float64 vector: every entry is a sum, so
+    replicas and micro-batches add them up."""
     dev = out.loss.device
     wsum = out.weight_sum.detach().double()
     head = torch.stack([out.loss.detach().double() * wsum, wsum,
                         torch.full((), float(tokens), dtype=torch.float64, device=dev),
-                        out.count.sum().double(), out.blocks.double(), out.accept_sum.double()])
+                        out.count.sum().double(), out.blocks.double(), out.accept_sum.double(),
+                        out.ce.double() * wsum, out.kl.double() * wsum])
     return torch.cat([head, out.correct.double(), out.count.double()])
 
 
 def split_stats(v: list[float]) -> dict:
-    k = (len(v) - 6) // 2
+    k = (len(v) - 8) // 2
     return {"loss_sum": v[0], "weight_sum": v[1], "tokens": v[2], "positions": v[3], "blocks": v[4],
-            "accepted": v[5], "correct": v[6:6 + k], "count": v[6 + k:]}
+            "accepted": v[5], "ce_sum": v[6], "kl_sum": v[7], "correct": v[8:8 + k], "count": v[8 + k:]}
 
 
 class DeviceTimer:
@@ -130,6 +132,8 @@ class RunMetrics:
         self.first_step_s = None
         self.train_s, self.finished_by = 0.0, None
         self.started_at = datetime.now(timezone.utc)
+        from dflash.model import uses_target
+        self.distills = uses_target(self.cfg.train.objective)
 
     # -- called by the runtime ------------------------------------------------------------------------
     def set_warmup(self, records, seconds_: float):
@@ -202,6 +206,9 @@ class RunMetrics:
         row = {
             "step": step, "elapsed_s": round(now - self.t_start, 3),
             "loss": _finite(loss), "lr": pending[-1][3], "grad_norm": _finite(gnorm),
+            # the objective's parts, normalised as the loss: CE against the data, KL to the target (kl, ce+kl)
+            "ce": _finite(st["ce_sum"] / st["weight_sum"]) if st["weight_sum"] else None,
+            "kl": _finite(st["kl_sum"] / st["weight_sum"]) if st["weight_sum"] and self.distills else None,
             "ktok_per_s": st["tokens"] / window / 1e3 if window > 0 else None,
             "acc_per_position": [c / n if n else None for c, n in zip(st["correct"], st["count"])],
             "acceptance_estimate": st["accepted"] / st["blocks"] if st["blocks"] else None,
@@ -267,9 +274,11 @@ class RunMetrics:
         d = self.ctx.drafter_config
         tokens, samples = self.totals["tokens"], self.totals["samples"]
         mean_len = tokens / samples if samples else 0
-        f_t = flops.target_forward(self.ctx.target_config, int(mean_len), max(d.target_layer_ids) + 1) * samples
+        # kl / ce+kl: the target runs every layer, and the loss makes the target's logits (one forward matmul)
+        layers = self.ctx.target_config.num_hidden_layers if self.distills else max(d.target_layer_ids) + 1
+        f_t = flops.target_forward(self.ctx.target_config, int(mean_len), layers) * samples
         f_d = flops.drafter_train(d, int(mean_len), self.ctx.anchors_for(int(mean_len)), 0) * samples + \
-            3 * 2 * d.hidden_size * d.vocab_size * self.totals["positions"]
+            (3 + self.distills) * 2 * d.hidden_size * d.vocab_size * self.totals["positions"]
         peak = ceiling * 1e12 * gpus * s
         return {**out, "mfu": (f_t + f_d) / peak, "mfu_target": f_t / peak, "mfu_drafter": f_d / peak}
 

@@ -45,44 +45,52 @@ def build_drafter(ctx, embed, head, device: torch.device):
     return drafter.to(device).train()
 
 
-_CE_KERNEL = {}
+_LOSS_KERNEL: dict = {}
 
 
-def ce_kernel(compiled: bool):
-    """The fused loss's per-chunk kernel; compiled (once per process, traced in the warm-up) on the compile path."""
-    from dflash.model.fused_ce import ce_chunk
-    if not compiled:
-        return ce_chunk
-    if "k" not in _CE_KERNEL:
-        _CE_KERNEL["k"] = compile_guard.compiled(ce_chunk, fullgraph=True, dynamic=False)
-    return _CE_KERNEL["k"]
+def loss_kernel(compiled: bool, objective: str = "ce"):
+    """The fused loss's per-chunk kernel (fused_ce.loss_chunk) with the objective bound; compiled (once per process,
+    each objective's graphs traced in the warm-up) on the compile path."""
+    import functools
+
+    from dflash.model.fused_ce import loss_chunk
+    if compiled and "k" not in _LOSS_KERNEL:
+        _LOSS_KERNEL["k"] = compile_guard.compiled(loss_chunk, fullgraph=True, dynamic=False)
+    return functools.partial(_LOSS_KERNEL["k"] if compiled else loss_chunk, objective=objective)
 
 
 def micro_step(drafter, feats, input_ids, loss_mask, index: int, ctx, autocast_dtype):
     """Anchors -> drafter forward -> chunked loss for one micro-batch. Anchors are seeded by the batch index,
     so the same batch gets the same anchors in any runtime, replica or resumed run. `drafter` may be wrapped
-    (DistributedDataParallel): it is called, its `.module` holds the LM head."""
-    from dflash.model import block_labels, dflash_loss, sample_anchors
+    (DistributedDataParallel): it is called, its `.module` holds the LM head. feats [b, S, k*H] are the drafter's
+    context, followed (train.objective kl / ce+kl) by the target's final-norm states [b, S, H] (features.py)."""
+    from dflash.model import block_labels, block_teacher, dflash_loss, sample_anchors, uses_target
 
     core = getattr(drafter, "module", drafter)
+    t = ctx.cfg.train
     device = input_ids.device
     gen = torch.Generator(device=device)
     gen.manual_seed(ctx.cfg.seed * 1_000_003 + index)
-    bk = ctx.drafter_config.block_size
+    bk, kh = ctx.drafter_config.block_size, ctx.drafter_config.num_context_layers * ctx.drafter_config.hidden_size
     anchors = sample_anchors(loss_mask, ctx.anchors_for(input_ids.shape[1]), bk, gen)
     labels, weights = block_labels(input_ids, loss_mask, anchors, ctx.gamma)
+    teacher = block_teacher(feats[..., kh:], anchors) if uses_target(t.objective) else None    # [b, Q, H]
     with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
-        hidden = drafter(feats, input_ids, anchors, backend=ctx.backend)
-        return dflash_loss(hidden, core.lm_head_weight, labels, weights, bk, ctx.cfg.train.loss_chunk,
-                           fused=ctx.cfg.train.loss_kernel == "fused", kernel=ce_kernel(ctx.compile))
+        hidden = drafter(feats[..., :kh], input_ids, anchors, backend=ctx.backend)            # the fc reads k*H
+        return dflash_loss(hidden, core.lm_head_weight, labels, weights, bk, t.loss_chunk,
+                           fused=t.loss_kernel == "fused", kernel=loss_kernel(ctx.compile, t.objective),
+                           objective=t.objective, teacher=teacher, weighting=t.loss_weighting,
+                           dpace_alpha=t.dpace_alpha)
 
 
 def dummy_batch(ctx, batch: int, length: int, device, dtype):
-    """Random features and tokens of one bucket's shape, every position supervised (for warm-up)."""
-    k, h = len(ctx.drafter_config.target_layer_ids), ctx.drafter_config.hidden_size
+    """Random features (of the run's width: features.feature_width) and tokens of one bucket's shape, every
+    position supervised (for warm-up)."""
+    from dflash.train.features import feature_width
     g = torch.Generator(device="cpu").manual_seed(length)
     ids = torch.randint(0, ctx.drafter_config.vocab_size, (batch, length), generator=g).to(device)
-    feats = torch.randn(batch, length, k * h, generator=g).to(device=device, dtype=dtype or torch.float32)
+    feats = torch.randn(batch, length, feature_width(ctx.drafter_config, ctx.cfg.train), generator=g)
+    feats = feats.to(device=device, dtype=dtype or torch.float32)
     return feats, ids, torch.ones(batch, length, dtype=torch.bool, device=device)
 
 

@@ -43,7 +43,8 @@ def write(ctx, metrics, workers: list[dict], status: str, devices: list[dict], c
         # figures of a run whose replicas diverged or whose loss blew up are not throughput to compare against
         "throughput": metrics.throughput() if finite else dict.fromkeys(metrics.throughput()),
         "time_split_s": metrics.time_split(),
-        "loss": last.get("loss"), "acc_per_position": last.get("acc_per_position"),
+        "loss": last.get("loss"), "ce": last.get("ce"), "kl": last.get("kl"),
+        "acc_per_position": last.get("acc_per_position"),
         "acceptance_estimate": last.get("acceptance_estimate"),
         "workers": workers,
         "devices": devices,

@@ -58,11 +58,13 @@ def section(*keys):
 
 
 # train keys that shape no compiled graph (optimiser, schedule, logging, supervision, the runtime that carries the
-# same compiled drafter): a change reruns train onward, not the warm-up
+# same compiled drafter, the loss weighting: applied after the compiled loss kernel): a change reruns train onward,
+# not the warm-up (train.objective changes the features' width and the loss kernel: it reruns the warm-up)
 TRAIN_ONLY = ("steps", "runtime", "optimizer", "lr", "muon_lr", "betas", "weight_decay", "warmup_ratio",
               "min_lr_ratio", "time_budget_s", "grad_clip", "grad_accum", "checkpoint_every", "log_every", "resume",
               "warmup_steps_excluded", "matmul_tflops", "ready_timeout_s", "stall_timeout_s", "fail_at_step",
-              "queue_size", "rendezvous", "check_every", "diverge_at_step", "stop_timeout_s", "profile")
+              "queue_size", "rendezvous", "check_every", "diverge_at_step", "stop_timeout_s", "profile",
+              "loss_weighting", "dpace_alpha")
 
 
 def warmup_section():

@@ -187,7 +187,7 @@ def worker_main(ctx, args) -> int:
     from dflash.fingerprint import compile_cache_dir
     from dflash.train import checkpoint, compile_guard, summary
     from dflash.train.context import set_shapes
-    from dflash.train.features import LayerCapture
+    from dflash.train.features import feature_width, run_capture
     from dflash.train.metrics import RunMetrics
     from dflash.train.step import build_drafter, frozen_head
     from dflash.train.trainer import Diverged, Micro, NonFinite, Replica, StopRun, weight_checksum
@@ -240,7 +240,7 @@ def worker_main(ctx, args) -> int:
     if is_target or coloc:
         from dflash.target import load_target
         model = load_target(cfg.target, device=device, seed=cfg.seed)
-        capture = LayerCapture(model, ctx.drafter_config.target_layer_ids)
+        capture = run_capture(model, ctx)
     if rank == 0 and not coloc:
         embed, head = frozen_head(model, device)
         for j in range(T, T + D):
@@ -346,7 +346,7 @@ def worker_main(ctx, args) -> int:
         compile_guard.configure_thread(len(ctx.shapes), ctx.compiled_workers)
         rep.model = DDP(rep.drafter, device_ids=[device] if device.type == "cuda" else None,
                         process_group=drafter_group, broadcast_buffers=False)
-        k, H = len(ctx.drafter_config.target_layer_ids), ctx.drafter_config.hidden_size
+        width = feature_width(ctx.drafter_config, cfg.train)   # [b, S, width] features per micro-batch
         sampler = GpuSampler([device])
         if metrics:
             metrics.sampler = sampler
@@ -383,7 +383,7 @@ def worker_main(ctx, args) -> int:
             got, tokens, b, s = hdr.tolist()
             if got != index:
                 raise RuntimeError(f"{name}: expected micro-batch {index} from rank {src}, got {got}")
-            feats = torch.empty(b, s, k * H, dtype=dtype, device=device)
+            feats = torch.empty(b, s, width, dtype=dtype, device=device)
             ids = torch.empty(b, s, dtype=torch.long, device=device)
             mask = torch.empty(b, s, dtype=torch.uint8, device=device)
             for t in (feats, ids, mask):
@@ -405,7 +405,7 @@ def worker_main(ctx, args) -> int:
         if prefetch:
             prefetch.shutdown(wait=True, cancel_futures=True)
         if not coloc:
-            _drain(rep, T, k * H, dtype, device)     # what the targets sent beyond the stop, then their end mark
+            _drain(rep, T, width, dtype, device)     # what the targets sent beyond the stop, then their end mark
         sampler.stop()
         desc = {"name": name, "role": "drafter", "device": where, "steps": rep.steps,
                 "checksum": weight_checksum(rep.drafter).tolist(), "peak_memory_gb": _peak(device),

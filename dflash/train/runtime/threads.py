@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash.train import checkpoint, compile_guard
-from dflash.train.features import LayerCapture
+from dflash.train.features import run_capture
 from dflash.train.metrics import DeviceTimer
 from dflash.train.step import build_drafter, frozen_head
 from dflash.train.telemetry import device_report
@@ -126,7 +126,7 @@ class TargetWorker(Worker):
     def load(self):
         from dflash.target import load_target
         self.model = load_target(self.ctx.cfg.target, device=self.device, seed=self.ctx.cfg.seed)
-        self.capture = LayerCapture(self.model, self.ctx.drafter_config.target_layer_ids)
+        self.capture = run_capture(self.model, self.ctx)
         if self.ctx.cfg.train.compile_target:
             self.capture.compile()
 
