@@ -82,3 +82,22 @@ def test_gradsync_reads_only_finished_tensors_and_keeps_them_alive(devices):
 
     in_threads(replica, n, timeout=120)
     assert not bad, bad[:5]
+
+
+def test_recipe_levers_keep_replicas_identical_on_cuda(tmp_path):
+    """Muon (eager, beside the fused AdamW of the norms), D-PACE weights and the ce+kl objective (the target's
+    final-norm state captured beside the features), under bf16 autocast and compiled flex on one GPU with 2 replicas,
+    ended by a time budget: replicas bit-identical at every step, losses finite, the run finished by its budget."""
+    cfg = prepared(tmp_path, targets=["cuda:0"], drafters=["cuda:0", "cuda:0"], runtime="threads", attention="flex",
+                   compile=True, steps=10_000, time_budget_s=8, checkpoint_every=0, log_every=1,
+                   warmup_steps_excluded=2, check_every=1, optimizer="muon", loss_weighting="dpace",
+                   objective="ce+kl")
+    assert main(["train", "--config", str(cfg), "--no-progress"]) == 0
+    s = json.loads((run_dir(cfg) / "summary.json").read_text())
+    rows = [json.loads(x) for x in (run_dir(cfg) / "metrics.jsonl").read_text().splitlines()]
+    assert s["status"] == "completed" and s["finished_by"] == "time_budget", s.get("failure")
+    assert s["replicas_identical"] is True and len(s["replica_checksums"]) == 2
+    assert 8 <= s["train_seconds"] < 8 + 5 and 10 < s["steps"] < 10_000
+    assert all(torch.isfinite(torch.tensor([r["loss"], r["ce"], r["kl"]])).all() for r in rows)
+    assert rows[-1]["kl"] < rows[0]["kl"] and rows[-1]["ce"] < rows[0]["ce"]
+    assert s["compile"]["recompiles_after_warmup"] == 0
