@@ -121,7 +121,8 @@ def test_lr_schedule_and_time_cap():
     assert lr_at(4.5, 100, 1.0) == pytest.approx(0.55)            # a time position between steps
     tok = train_tokenizer(["def f(x):\n    return x\n"] * 4, 300)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(qwen3_config(C.from_dict({"target": {"arch": TINY_ARCH}}).cfg.target.arch, tok))
+    arch = C.from_dict({"target": {"arch": TINY_ARCH}}).cfg.target.arch
+    model = AutoModelForCausalLM.from_config(qwen3_config(arch, tok))
     tokens = list(range(200)) * 3
     capped = pretrain(model, tokens, 50, 2, 16, 0.01, progress=False, max_seconds=1e-6)
     assert capped["steps"] == 1 and capped["stopped_by"] == "time" and capped["tokens_seen"] == 32
@@ -209,7 +210,8 @@ def test_quality_config_runs_target_and_data_on_cpu(repo, tmp_path):
              "target.arch": ARCH, "target.pretrain": SMALL, "data.code_completion.max_conversations": 24,
              "data.holdout": 4, "data.num_proc": 1, "data.min_supervised_blocks": 1,
              "data.regenerate.device": "cpu", "data.regenerate.max_new_tokens": 24}
-    args = ["--config", str(path), "--no-progress"] + [a for k, v in small.items() for a in ("--set", f"{k}={json.dumps(v)}")]
+    args = ["--config", str(path), "--no-progress"]
+    args += [a for k, v in small.items() for a in ("--set", f"{k}={json.dumps(v)}")]
     assert main(["target"] + args) == 0
     assert main(["data"] + args) == 0
     out = tmp_path / "results" / "data" / "code-completion"
@@ -220,3 +222,22 @@ def test_quality_config_runs_target_and_data_on_cpu(repo, tmp_path):
     held = {f.name for f in code_corpus.split(files, SMALL["heldout_fraction"])[1]}
     prompts = shards.read_holdout(out)
     assert len(prompts) == 4 and all(p["id"].split(":")[0].removeprefix("code-") in held for p in prompts)
+
+
+@pytest.mark.gpu
+def test_code_target_on_gpu_compiled_under_a_time_cap(tmp_path):
+    from dflash.data.code_target import build_code_target
+    from dflash.target import load_target
+    arch = {**ARCH, "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+            "intermediate_size": 256, "vocab_size": 2048}
+    pre = {**SMALL, "corpus_mb": 4, "tokenizer_mb": 2, "device": "cuda", "compile": True, "steps": 100000,
+           "max_seconds": 5, "batch_size": 16, "seq_len": 256, "lr": 0.003, "eval_windows": 16, "num_proc": 0}
+    cfg = C.from_dict({"target": {"path": str(tmp_path / "code"), "build": "code", "arch": arch,
+                                  "pretrain": pre}}).cfg
+    info = build_code_target(cfg.target, tmp_path / "code", progress=False)
+    p = info["pretrain"]
+    assert p["device"].startswith("cuda") and p["gpu"] and p["stopped_by"] == "time" and p["steps"] > 20
+    assert 5 <= p["seconds"] - p["first_step_seconds"] < 8 and p["tokens_per_s"] > 0
+    assert p["loss_end"] < p["loss_start"] - 1.0 and math.isfinite(info["heldout"]["nll"])
+    model = load_target(cfg.target, device="cuda")
+    assert next(model.parameters()).dtype == torch.bfloat16 and type(model).__name__ == "Qwen3ForCausalLM"

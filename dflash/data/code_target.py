@@ -136,13 +136,15 @@ def _build(target_cfg, out_dir: Path, seed: int, progress: bool) -> dict:
     tokenizer.save_pretrained(out_dir)
     times["save"] = time.perf_counter() - t
     train_s = done["seconds"] - done["first_step_seconds"]
+    text_bytes = sum(len(t.encode()) for _, t in docs)
     info = {
         "build": "code", "seed": seed, "corpus": corpus,
         "tokenizer": {"size": len(tokenizer), "trained_on_texts": len(sample),
                       "trained_on_chars": sum(len(x) for x in sample),
-                      "bytes_per_token": round(sum(len(t.encode()) for _, t in docs) / max(1, stream.size - len(docs)), 3)},
+                      "bytes_per_token": round(text_bytes / max(1, stream.size - len(docs)), 3)},   # EOS left out
         "params": sum(p.numel() for p in model.parameters()),
-        "pretrain": {"device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "pretrain": {"device": str(device),
+                     "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
                      "compile": pre.compile, "steps": done["steps"], "max_steps": pre.steps,
                      "batch_size": pre.batch_size, "seq_len": pre.seq_len, "lr": pre.lr,
                      "tokens_seen": done["tokens_seen"], "epochs": round(done["tokens_seen"] / stream.size, 3),

@@ -90,7 +90,7 @@ def pretrain(model, tokens, steps: int, batch_size: int, seq_len: int, lr: float
         starts = torch.randint(0, data.numel() - seq_len - 1, (batch_size,), generator=gen)
         batch = _windows(data, starts, seq_len)
         with _autocast(device):
-            logits = model(input_ids=batch[:, :-1]).logits
+            logits = model(input_ids=batch[:, :-1], use_cache=False).logits
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), batch[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -139,10 +139,11 @@ def mean_nll(model, tokens, seq_len: int, windows: int, batch_size: int) -> dict
     last = n - seq_len - 1
     starts = torch.unique(torch.linspace(0, last, max(1, windows)).round().long())
     total, count = 0.0, 0
-    with torch.inference_mode(), _autocast(device):
+    # eager even where the layers are compiled for training: no inference graphs to compile for a few batches
+    with torch.inference_mode(), _autocast(device), torch.compiler.set_stance("force_eager"):
         for i in range(0, len(starts), batch_size):
             batch = _windows(data, starts[i:i + batch_size], seq_len)
-            logits = model(input_ids=batch[:, :-1]).logits
+            logits = model(input_ids=batch[:, :-1], use_cache=False).logits
             nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(),
                                                     batch[:, 1:].reshape(-1), reduction="sum")
             total += float(nll)
