@@ -14,7 +14,9 @@ The target pre-trains on the other files; the `code` data source makes conversat
 Conversations: for a top-level function or method of 6-60 lines, the user asks to complete it given its
 decorators, signature and docstring (a function without a docstring: its signature and first statement), the
 assistant answers with the rest of the function; {"id": "code-<root>/<path>:<qualname>:<line>", "file",
-"messages"}. `conversations(files, ...)` visits files in a seeded hash order, at most `MAX_PER_FILE` per file.
+"messages"}. `conversations(files, ...)` visits files in a seeded hash order, at most `MAX_PER_FILE` per file;
+with `processes` > 1 spawned workers parse the files (a script calling it so needs an `if __name__ == "__main__":`
+guard, as spawn re-imports the main module; `python -m dflash` is safe).
 """
 from __future__ import annotations
 
