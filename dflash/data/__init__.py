@@ -1,8 +1,12 @@
-"""Data: the built-in corpus, the embedded tiny target, and dataset expansion into length-bucketed shards.
+"""Data: the built-in corpus, the embedded tiny and code targets, and dataset expansion into length-bucketed shards.
 
 Public entry points used by other stages:
 - `dflash.data.corpus.conversations(max_conversations)` -> list of {"id", "messages"} (OpenAI form)
 - `dflash.data.tiny_target.build_target(target_cfg, out_dir, seed=0, corpus_size=1500)` -> build.json dict
+- `dflash.data.code_target.build_code_target(target_cfg, out_dir, seed=0)` -> build.json dict (`build: code`)
+- `dflash.data.code_corpus`: the code corpus, `is_heldout` (its file split) and "complete this function"
+  conversations; `heldout_conversations(target_cfg.pretrain, n)` is the `code` data source
+- `dflash.data.pretrain.pretrain(model, tokens, ...)`, `mean_nll(...)`: the targets' pre-training loop and NLL
 - `dflash.data.expand.expand(loaded, out_dir, cache_dir=None)` -> manifest dict (writes shards, holdout.jsonl,
   manifest.json); the sharded form: `expand_part(loaded, shard, nshards, part_dir)` then
   `finish(loaded, [read_part(d) for d in part_dirs], out_dir)`

@@ -209,24 +209,33 @@ def _first_assistant(messages) -> int:
     return next(i for i, m in enumerate(messages) if m["role"] == "assistant")
 
 
+BUILTIN_SOURCES = {"stdlib": "builtin_corpus", "code": "code_completion"}   # source name: the data section enabling it
+
+
 def _source_specs(dcfg) -> list[SourceSpec]:
     specs = [SourceSpec.of(s) for s in dcfg.sources]
     names = [s.name for s in specs]
-    if dcfg.builtin_corpus.enabled:
-        if "stdlib" in names:
-            raise UserError("data.sources: the name 'stdlib' is taken by the built-in corpus (data.builtin_corpus)")
-        specs.append(SourceSpec(name="stdlib", path="<builtin>", kind="builtin", format="openai"))
-        names.append("stdlib")
+    for name, section in BUILTIN_SOURCES.items():
+        if getattr(dcfg, section).enabled:
+            if name in names:
+                raise UserError(f"data.sources: the name '{name}' is taken by the built-in source data.{section}")
+            specs.append(SourceSpec(name=name, path="<builtin>", kind="builtin", format="openai"))
+            names.append(name)
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise UserError(f"data.sources: duplicate source name(s) {', '.join(dup)}")
     return specs
 
 
-def _read_source(spec: SourceSpec, dcfg, seed):
+def _read_source(spec: SourceSpec, cfg):
+    if spec.kind == "builtin" and spec.name == "code":
+        from dflash.data import code_corpus
+        convs = code_corpus.heldout_conversations(cfg.target.pretrain, cfg.data.code_completion.max_conversations,
+                                                  processes=_num_proc(cfg.data))
+        return (Row("code", i, c) for i, c in enumerate(convs))
     if spec.kind == "builtin":
         from dflash.data import corpus
-        convs = corpus.conversations(dcfg.builtin_corpus.max_conversations, seed=0)
+        convs = corpus.conversations(cfg.data.builtin_corpus.max_conversations, seed=0)
         return (Row("stdlib", i, c) for i, c in enumerate(convs))
     return read_rows(spec)
 
@@ -429,7 +438,8 @@ def expand_part(loaded, shard: int, nshards: int, part_dir, cache_dir=None, prog
         else:
             specs = _source_specs(d)
             if not specs:
-                raise UserError("data: no sources (data.sources is empty and data.builtin_corpus.enabled is false)")
+                raise UserError("data: no sources (data.sources is empty and data.builtin_corpus and "
+                                "data.code_completion are not enabled)")
             holdout, ds = _expand_sources(loaded, specs, shard, nshards, work, cache_dir, tokenizer, min_sup, stats,
                                           rejects, weights, regen, progress)
         for src in ds.select_columns(["source"]).iter(batch_size=8192):
@@ -468,7 +478,7 @@ def _expand_sources(loaded, specs, shard, nshards, work, cache_dir, tokenizer, m
     for spec in specs:
         weights[spec.name] = spec.weight
         st = read_stats[spec.name]
-        for row in _read_source(spec, d, cfg.seed):
+        for row in _read_source(spec, cfg):
             st["rows"] += 1
             if row.reject:
                 read_rejects[spec.name][row.reject] += 1

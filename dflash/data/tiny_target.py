@@ -10,11 +10,11 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import time
 from pathlib import Path
 
 from dflash.data import corpus as corpus_mod
+from dflash.data.pretrain import compile_layers, loss_summary, pretrain
 
 log = logging.getLogger("dflash.target")
 
@@ -81,54 +81,11 @@ def qwen3_config(arch, tokenizer, dtype: str = "float32"):
     )
 
 
-def _generation_config(tokenizer):
+def generation_config(tokenizer):
     from transformers import GenerationConfig
     return GenerationConfig(eos_token_id=[tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(EOS)],
                             pad_token_id=tokenizer.convert_tokens_to_ids(EOS),
                             bos_token_id=tokenizer.convert_tokens_to_ids(EOS), do_sample=False)
-
-
-def pretrain(model, token_stream, steps: int, batch_size: int, seq_len: int, lr: float, seed: int = 0,
-             progress: bool = True) -> list[float]:
-    """Next-token pre-training on random windows of one token stream; AdamW, warm-up + cosine. Returns losses."""
-    import torch
-    from tqdm import tqdm
-
-    data = torch.tensor(token_stream, dtype=torch.long)
-    if data.numel() <= seq_len + 1:
-        raise ValueError(f"corpus too small for seq_len {seq_len}: {data.numel()} tokens")
-    gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
-    warm = max(1, steps // 10)
-
-    def lr_at(step):
-        if step < warm:
-            return lr * (step + 1) / warm
-        t = (step - warm) / max(1, steps - warm)
-        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
-
-    model.train()
-    losses = []
-    bar = tqdm(range(steps), desc="pretrain tiny target", disable=not progress, mininterval=2.0)
-    for step in bar:
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step)
-        starts = torch.randint(0, data.numel() - seq_len - 1, (batch_size,), generator=gen)
-        batch = torch.stack([data[s:s + seq_len + 1] for s in starts.tolist()])
-        out = model(input_ids=batch[:, :-1])
-        logits = out.logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), batch[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item())
-        bar.set_postfix(loss=f"{losses[-1]:.3f}")
-        if not progress and (step + 1) % max(1, steps // 6) == 0:   # no bar (a pipe, a log file): a periodic line
-            logging.getLogger("dflash.target").info("pretrain tiny target: step %d/%d, loss %.3f", step + 1, steps,
-                                                    losses[-1])
-    model.eval()
-    return losses
 
 
 def build_target(target_cfg, out_dir, seed: int = 0, corpus_size: int = 1500, progress: bool = True,
@@ -171,7 +128,7 @@ def _build_target(target_cfg, out_dir, seed, corpus_size, progress) -> dict:
     if build == "random":
         config = qwen3_config(arch, tokenizer, "bfloat16" if dtype_name == "auto" else dtype_name)
         config.save_pretrained(out_dir)
-        _generation_config(tokenizer).save_pretrained(out_dir)
+        generation_config(tokenizer).save_pretrained(out_dir)
         tokenizer.save_pretrained(out_dir)
         info["seconds"] = round(time.time() - t0, 3)
         (out_dir / "build.json").write_text(json.dumps(info, indent=2) + "\n")
@@ -190,21 +147,22 @@ def _build_target(target_cfg, out_dir, seed, corpus_size, progress) -> dict:
     pre = _get(target_cfg, "pretrain")
     steps = int(_get(pre, "steps"))
     t1 = time.time()
-    losses = pretrain(model, stream, steps, int(_get(pre, "batch_size")), int(_get(pre, "seq_len")),
-                      float(_get(pre, "lr")), seed=seed, progress=progress) if steps else []
+    if _get(pre, "compile"):
+        compile_layers(model)
+    done = pretrain(model, stream, steps, int(_get(pre, "batch_size")), int(_get(pre, "seq_len")),
+                    float(_get(pre, "lr")), seed=seed, progress=progress, max_seconds=_get(pre, "max_seconds"),
+                    label="tiny target") if steps else {"losses": [], "steps": 0}
     t_train = time.time() - t1
-    model.generation_config = _generation_config(tokenizer)
+    model.generation_config = generation_config(tokenizer)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
-    k = max(1, min(10, len(losses) // 10)) if losses else 1
     info.update({
         "params": sum(p.numel() for p in model.parameters()),
         "corpus_tokens": len(stream),
-        "pretrain": {"steps": steps, "seconds": round(t_train, 3),
-                     "tokens_per_s": round(steps * int(_get(pre, "batch_size")) * int(_get(pre, "seq_len")) / max(t_train, 1e-9), 1),
-                     "loss_start": round(sum(losses[:k]) / k, 4) if losses else None,
-                     "loss_end": round(sum(losses[-k:]) / k, 4) if losses else None,
-                     "loss_curve": [round(x, 4) for x in losses[:: max(1, len(losses) // 50)]]},
+        "pretrain": {"steps": done["steps"], "seconds": round(t_train, 3),
+                     "tokens_per_s": round(done["steps"] * int(_get(pre, "batch_size")) * int(_get(pre, "seq_len"))
+                                           / max(t_train, 1e-9), 1),
+                     **loss_summary(done["losses"])},
         "seconds": round(time.time() - t0, 3),
         "threads": torch.get_num_threads(),
     })

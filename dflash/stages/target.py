@@ -1,5 +1,6 @@
-"""Stage `target`: build the embedded tiny target (`build: tiny`) or a random-weight benchmark target's config and
-tokenizer (`build: random`) into target.path, atomically. `build: none` has nothing to build."""
+"""Stage `target`: build the embedded tiny target (`build: tiny`), the code target pre-trained on Python source
+(`build: code`) or a random-weight benchmark target's config and tokenizer (`build: random`) into target.path,
+atomically. `build: none` has nothing to build."""
 import json
 import logging
 
@@ -18,6 +19,7 @@ def add_arguments(p):
 def run(loaded, args):
     from dflash.atomic import atomic_dir
     from dflash.config import REPO, inside
+    from dflash.data.code_target import build_code_target
     from dflash.data.tiny_target import build_target
 
     cfg = loaded.cfg
@@ -26,8 +28,16 @@ def run(loaded, args):
     out = args.out or cfg.target.path
     inside(out, cfg.results_dir, REPO)
     with atomic_dir(out) as tmp:
-        info = build_target(cfg.target, tmp, seed=cfg.seed, corpus_size=cfg.data.builtin_corpus.max_conversations,
-                            progress=not args.no_progress, threads=args.threads)
+        if cfg.target.build == "code":
+            info = build_code_target(cfg.target, tmp, seed=cfg.seed, progress=not args.no_progress,
+                                     threads=args.threads)
+        else:
+            info = build_target(cfg.target, tmp, seed=cfg.seed, corpus_size=cfg.data.builtin_corpus.max_conversations,
+                                progress=not args.no_progress, threads=args.threads)
+    if cfg.target.build == "code":
+        log.info("target code: %d params, %d files, held-out perplexity %s, %.1fs -> %s", info["params"],
+                 info["corpus"]["files"], info["heldout"]["perplexity"], info["seconds"], out)
+        return 0
     pre = info.get("pretrain") or {}
     log.info("target %s (%s): tokenizer %d tokens%s, %.1fs -> %s", cfg.target.build, json.dumps(info["corpus"]),
              info["tokenizer"]["size"],

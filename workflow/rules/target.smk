@@ -1,5 +1,8 @@
-# Stage 'target': build the tiny (or random-weight) target into target.path. With build none there is no rule:
-# target.path must already hold a model folder (the data rule takes it as input).
+# Stage 'target': build the tiny, code or random-weight target into target.path. With build none there is no rule:
+# target.path must already hold a model folder (the data rule takes it as input). The job holds a GPU when the code
+# build pre-trains on one (as the data rule's DATA_GPU).
+TARGET_GPU = int(config["target"]["build"] == "code" and str(config["target"]["pretrain"]["device"]) != "cpu")
+
 if config["target"]["build"] != "none":
 
     rule target:
@@ -10,6 +13,8 @@ if config["target"]["build"] != "none":
             config=section("target", "seed"),
             corpus=config["data"]["builtin_corpus"]["max_conversations"],
         threads: 1
+        resources:
+            gpu=TARGET_GPU,
         log:
             LOGS / "target.log",
         benchmark:
