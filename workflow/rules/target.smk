@@ -1,6 +1,12 @@
 # Stage 'target': build the tiny (or random-weight) target into target.path. With build none there is no rule:
-# target.path must already hold a model folder (the data rule takes it as input).
+# target.path must already hold a model folder (the data rule takes it as input). With tiny or random, an existing
+# target.path must be a folder the target stage built (its build.json): a model the user points at is never replaced.
 if config["target"]["build"] != "none":
+    # Snakemake removes a rule's output before its job: a folder this pipeline did not build is refused now
+    try:
+        check_target_out(TARGET_DIR, RESULTS)
+    except (ConfigError, UserError) as e:
+        raise WorkflowError(f"target.path: {e}") from None
 
     rule target:
         output:
