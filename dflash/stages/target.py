@@ -23,10 +23,14 @@ def check_out(out, results_dir) -> None:
     make (a model the user points at is an input: build none). Checked by the stage and by the Snakefile when it is
     read, before Snakemake removes the rule's output."""
     from dflash.atomic import check_ours
-    from dflash.config import REPO, inside
-    inside(out, results_dir, REPO)
-    check_ours(out, RECORD, f"to use that model as it is set target.build: none (it is then an input); to build a "
-                            f"target, point target.path at a new folder")
+    from dflash.config import REPO, ConfigError, inside
+    check_ours(out, RECORD, "to use that model as it is set target.build: none (it is then an input); to build a "
+                            "target, point target.path at a new folder")
+    try:
+        inside(out, results_dir, REPO)
+    except ConfigError as e:
+        raise ConfigError(f"target.path: {e}: the target stage builds only there (a model folder elsewhere is used "
+                          f"with target.build: none)") from None
 
 
 def run(loaded, args):

@@ -4,9 +4,12 @@ read back with weights_only=True), trainer.json, and last manifest.json (size an
 
 A checkpoint is written into a temporary folder and renamed, so a kill -9 never leaves half of one; the manifest
 catches what happens to it later (a truncated copy, rotten bytes). Resume takes the newest checkpoint whose files
-match its manifest, saying in one line which ones it skipped and why. `load_drafter` is the package's one loader
-of drafter weights (evaluate, export, `drafter.init_from`): the drafter's shape comes from the folder's config.json,
-never from the YAML.
+match its manifest, saying in one line which ones it skipped and why, when the run was interrupted with the same
+result-changing config and data (`identity`, `finished`, `resumable`). summary.json names the checkpoint a run
+ended with (`describe`); evaluate and export read exactly that one (`ended_with`). A completed run keeps its outputs
+in checkpoints/finished.json, and a rerun with the same identity writes them back instead of training (`restore`).
+`load_drafter` is the package's one loader of drafter weights (evaluate, export, `drafter.init_from`): the drafter's
+shape comes from the folder's config.json, never from the YAML.
 """
 from __future__ import annotations
 

@@ -15,7 +15,8 @@ from dflash.stages.target import check_out as check_target_out
 # `--configfile a --configfile b` reaches it as b alone (argparse keeps the last flag), so the command line is read too.
 _given = configfile_flags(sys.argv[1:])
 if len(workflow.overwrite_configfiles) > 1 or len(_given) > 1:
-    _files = " ".join(map(str, workflow.overwrite_configfiles if len(workflow.overwrite_configfiles) > 1 else _given))
+    _many = workflow.overwrite_configfiles if len(workflow.overwrite_configfiles) > 1 else _given
+    _files = " ".join(os.path.relpath(f) for f in _many)
     raise WorkflowError(f"give one --configfile (got {_files}): the stages read that single YAML, so several are not "
                         "merged; put the keys in one file, or give the differences as --config KEY=VALUE")
 # The stages read this file themselves (plus --config values as --set). It is neither an input nor a param:
