@@ -182,8 +182,7 @@ def finish(setup, step, text="summary of the finished run\n"):
     """What summary.write does when a run completes: the outputs, and their record beside the checkpoints."""
     (setup.run_dir / "summary.json").write_text(text)
     (setup.run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
-    C.record_finished(setup.run_dir, C.describe(setup.run_dir, step),
-                      {n: (setup.run_dir / n).read_text() for n in ("summary.json", "metrics.jsonl")})
+    C.record_finished(setup.run_dir, C.describe(setup.run_dir, step))
 
 
 def test_a_finished_run_is_restored_never_retrained(tmp_path):

@@ -115,9 +115,9 @@ def read_manifest(root) -> dict:
 def _diagnose(root: Path, m: dict) -> list[str]:
     """Which of an edited manifest's keys disagree with the data on disk (on the error path only: it reads it all)."""
     try:
-        problems = _mismatches(root, m)
-        if problems:
-            return [p.removeprefix(f"{root / MANIFEST}: ") for p in problems]
+        problem = _mismatch(root, m)
+        if problem:
+            return [problem.removeprefix(f"{root / MANIFEST}: ")]
         found = []
         samples = _samples_by_id(root, m)
         n = len(samples) if samples is not None else 0
@@ -133,46 +133,50 @@ def _diagnose(root: Path, m: dict) -> list[str]:
 
 
 def _samples_by_id(root: Path, m: dict):
-    """Every training row of the dataset (all buckets), sorted by id, as one datasets.Dataset."""
+    """Every training row of the dataset (all buckets), sorted by id, as one datasets.Dataset (None: no rows)."""
     from datasets import concatenate_datasets, load_from_disk
     parts = [load_from_disk(str(bucket_dir(root, int(e)))) for e, n in m.get("buckets", {}).items() if n]
     return concatenate_datasets(parts).sort("id") if parts else None
 
 
-def _mismatches(root: Path, m: dict) -> list[str]:
-    """Disk against manifest in every direction: files (listed, present, hashes), bucket folders, row counts."""
+def _kind(name: str) -> str:
+    return "shard" if name.startswith("train/") else "file"
+
+
+def _mismatch(root: Path, m: dict) -> str | None:
+    """The first difference between the disk and the manifest, in every direction: files (listed, present, hashes),
+    bucket folders, row counts; None when there is none."""
     from datasets import load_from_disk
     files = m["files"]
     have = {f.relative_to(root).as_posix() for f in root.rglob("*") if f.is_file()} - {MANIFEST}
-    def what(name):
-        return "shard" if name.startswith("train/") else "file"
-    for name in sorted(have - set(files)):
-        return [f"{root / name}: {what(name)} not in the dataset manifest (the dataset folder was changed after the "
-                f"data stage)"]
+    extra = sorted(have - set(files))
+    if extra:
+        return f"{root / extra[0]}: {_kind(extra[0])} not in the dataset manifest (the folder was changed after the " \
+               f"data stage)"
     for name, digest in sorted(files.items()):
         path = root / name
         if not path.is_file():
-            return [f"{path}: {what(name)} missing (listed in {root / MANIFEST})"]
+            return f"{path}: {_kind(name)} missing (listed in {root / MANIFEST})"
         got = _sha256(path)
         if got != digest:
-            return [f"{path}: {what(name)} corrupted (sha256 {got[:16]}... differs from the manifest's "
-                    f"{digest[:16]}...)"]
+            return f"{path}: {_kind(name)} corrupted (sha256 {got[:16]}... differs from the manifest's {digest[:16]}...)"
     want = {int(e): int(n) for e, n in (m.get("buckets") or {}).items() if n}
     folders = {int(d.name.split("-")[1]): d for d in (root / "train").glob("bucket-*") if d.is_dir()}
-    for edge in sorted(set(folders) - set(want)):
-        return [f"{folders[edge]}: a bucket folder the manifest does not list"]
-    for edge in sorted(set(want) - set(folders)):
-        return [f"{bucket_dir(root, edge)}: missing (the manifest lists {want[edge]} rows there)"]
+    if set(folders) - set(want):
+        return f"{folders[min(set(folders) - set(want))]}: a bucket folder the manifest does not list"
+    if set(want) - set(folders):
+        edge = min(set(want) - set(folders))
+        return f"{bucket_dir(root, edge)}: missing (the manifest lists {want[edge]} rows there)"
     for edge, n in sorted(want.items()):
         rows = len(load_from_disk(str(folders[edge])))
         if rows != n:
-            return [f"{folders[edge]} holds {rows} rows, {root / MANIFEST} says {n} (buckets)"]
+            return f"{folders[edge]} holds {rows} rows, {root / MANIFEST} says {n} (buckets)"
     if sum(want.values()) != m.get("num_samples"):
-        return [f"{root / MANIFEST}: num_samples says {m.get('num_samples')}, the shards hold {sum(want.values())} rows"]
+        return f"{root / MANIFEST}: num_samples says {m.get('num_samples')}, the shards hold {sum(want.values())} rows"
     held = len(read_holdout(root))
     if "holdout" in m and held != m["holdout"]:
-        return [f"{root / HOLDOUT} holds {held} prompts, {root / MANIFEST} says {m['holdout']}"]
-    return []
+        return f"{root / HOLDOUT} holds {held} prompts, {root / MANIFEST} says {m['holdout']}"
+    return None
 
 
 def verify_dataset(root) -> dict:
@@ -182,9 +186,9 @@ def verify_dataset(root) -> dict:
     from dflash.errors import UserError
     root = Path(root)
     m = read_manifest(root)
-    problems = _mismatches(root, m)
-    if problems:
-        raise UserError(f"{problems[0]}; rerun the data stage to rebuild the dataset")
+    problem = _mismatch(root, m)
+    if problem:
+        raise UserError(f"{problem}; rerun the data stage to rebuild the dataset")
     return m
 
 

@@ -177,6 +177,7 @@ def resumable(setup) -> Path | None:
 
 # ---- a finished run's outputs --------------------------------------------------------------------------------
 FINISHED = "finished.json"   # in checkpoints/: the final checkpoint's name and the run's outputs, byte for byte
+OUTPUTS = ("summary.json", "metrics.jsonl")   # the train stage's outputs (the rule's), kept there and restored
 
 
 def describe(run_dir, step: int) -> dict | None:
@@ -206,7 +207,7 @@ def ended_with(run_dir) -> Path:
         raise UserError(f"{summary}: names no final checkpoint (the run failed before one, or an older train stage "
                         f"wrote it); {again}")
     path = Path(run_dir, final["path"])
-    if not (path / MANIFEST).is_file():
+    if not (path / MANIFEST).is_file() or not _within(path, run_dir):
         raise UserError(f"{path}: missing ({summary} says the run ended with it); {again}")
     if _describe(path / MANIFEST)[HASH] != final.get("manifest"):
         raise UserError(f"{path}: not the checkpoint the run ended with (its {MANIFEST} changed after {summary} "
@@ -217,9 +218,14 @@ def ended_with(run_dir) -> Path:
     return path
 
 
-def record_finished(run_dir, final: dict, outputs: dict[str, str]) -> None:
-    """Keep a finished run's outputs ({file name: text}) beside its checkpoints, for `restore`."""
-    atomic_write_json(Path(run_dir, "checkpoints", FINISHED), {"checkpoint": final, "outputs": outputs})
+def _within(path: Path, run_dir) -> bool:
+    return Path(path).resolve().is_relative_to(Path(run_dir).resolve())
+
+
+def record_finished(run_dir, final: dict) -> None:
+    """Keep a finished run's outputs (OUTPUTS, as written) beside its checkpoints, for `restore`."""
+    atomic_write_json(Path(run_dir, "checkpoints", FINISHED),
+                      {"checkpoint": final, "outputs": {n: Path(run_dir, n).read_text() for n in OUTPUTS}})
 
 
 def restore(setup) -> dict | None:
@@ -234,15 +240,16 @@ def restore(setup) -> dict | None:
         path = run_dir / final["path"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if not setup.cfg.train.resume or candidates(run_dir)[:1] != [path] or verify(path) is not None \
-            or _describe(path / MANIFEST)[HASH] != final["manifest"]:
+    if not setup.cfg.train.resume or not _within(path, run_dir) or candidates(run_dir)[:1] != [path] \
+            or verify(path) is not None or _describe(path / MANIFEST)[HASH] != final.get("manifest") \
+            or not all(isinstance(outputs.get(n), str) for n in OUTPUTS):
         return None
     saved = read_json(path / TRAINER)
     want = identity(setup)
     if any(saved.get(k) != v for k, v in want.items()) or not finished(saved, setup):
         return None
-    for name, text in outputs.items():
-        atomic_write_text(run_dir / name, text)
+    for name in OUTPUTS:
+        atomic_write_text(run_dir / name, outputs[name])
     return record
 
 

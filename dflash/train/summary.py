@@ -58,8 +58,7 @@ def write(ctx, metrics, workers: list[dict], status: str, devices: list[dict], c
     }
     atomic_write_json(ctx.run_dir / "summary.json", summary)
     if status == "completed" and summary["checkpoint"]:   # a rerun of this finished run restores these outputs
-        checkpoint.record_finished(ctx.run_dir, summary["checkpoint"],
-                                   {n: (ctx.run_dir / n).read_text() for n in ("summary.json", "metrics.jsonl")})
+        checkpoint.record_finished(ctx.run_dir, summary["checkpoint"])
     tp = summary["throughput"]
     log.info("run %s %s: %d steps, %s Ktok/s, loss %s", summary["run_id"], status, metrics.step,
              f"{tp['ktok_per_s']:.3f}" if tp.get("ktok_per_s") else "n/a",
