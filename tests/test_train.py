@@ -80,7 +80,8 @@ def test_two_replicas_train_in_lockstep(tmp_path):
     assert rows[-1]["loss"] < rows[0]["loss"]
     assert len(rows[-1]["acc_per_position"]) == 3  # block 4 -> positions 1..3
     assert sorted(p.name for p in (run_dir(cfg) / "checkpoints").iterdir()) == \
-        ["step-000004", "step-000008", "step-000012"]
+        ["finished.json", "step-000004", "step-000008", "step-000012"]
+    assert s["checkpoint"]["path"] == "checkpoints/step-000012"       # what evaluate and export read
 
 
 def test_rerun_resumes_an_interrupted_run_restores_a_finished_one_and_retrains_it_when_told(tmp_path, caplog):
