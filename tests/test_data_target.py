@@ -114,8 +114,9 @@ def test_damaged_tokenizer_file_is_named(tmp_path, tiny_target):
 
 
 def test_target_stage_never_replaces_a_folder_it_did_not_build(tmp_path, tiny_target):
-    """Rule 1 beyond the table: `python -m dflash target --out DIR` by hand over a model folder (no build.json) is
-    refused and leaves it as it was (it replaced it: a stage never deletes what it did not make)."""
+    """Rule 1 beyond the table: `python -m dflash target --out DIR` (or a data part, `data --shard I/N --out DIR`) by
+    hand over a model folder is refused and leaves it as it was (it was replaced: a stage never deletes what it did
+    not make; its record, build.json or part.json, is not there)."""
     import shutil
 
     import yaml
@@ -129,6 +130,8 @@ def test_target_stage_never_replaces_a_folder_it_did_not_build(tmp_path, tiny_ta
     (mine / "build.json").unlink()
     before = {f.name: f.read_bytes() for f in mine.iterdir()}
     assert main(["target", "--config", str(p), "--out", str(mine), "--no-progress"]) == 1
+    assert {f.name: f.read_bytes() for f in mine.iterdir()} == before
+    assert main(["data", "--config", str(p), "--shard", "0/1", "--out", str(mine), "--no-progress"]) == 1   # no part.json
     assert {f.name: f.read_bytes() for f in mine.iterdir()} == before
 
 
