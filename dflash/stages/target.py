@@ -24,8 +24,11 @@ def check_out(out, results_dir) -> None:
     read, before Snakemake removes the rule's output."""
     from dflash.atomic import check_ours
     from dflash.config import REPO, ConfigError, inside
-    check_ours(out, RECORD, "to use that model as it is set target.build: none (it is then an input); to build a "
-                            "target, point target.path at a new folder")
+    try:
+        check_ours(out, RECORD, "to use that model as it is set target.build: none (it is then an input); to build a "
+                                "target, point target.path at a new folder")
+    except UserError as e:
+        raise UserError(f"target.path: {e}") from None
     try:
         inside(out, results_dir, REPO)
     except ConfigError as e:

@@ -6,7 +6,7 @@ if config["target"]["build"] != "none":
     try:
         check_target_out(TARGET_DIR, RESULTS)
     except (ConfigError, UserError) as e:
-        raise WorkflowError(f"target.path: {e}") from None
+        raise WorkflowError(str(e)) from None
 
     rule target:
         output:
