@@ -131,7 +131,7 @@ def test_target_stage_never_replaces_a_folder_it_did_not_build(tmp_path, tiny_ta
     before = {f.name: f.read_bytes() for f in mine.iterdir()}
     assert main(["target", "--config", str(p), "--out", str(mine), "--no-progress"]) == 1
     assert {f.name: f.read_bytes() for f in mine.iterdir()} == before
-    assert main(["data", "--config", str(p), "--shard", "0/1", "--out", str(mine), "--no-progress"]) == 1   # no part.json
+    assert main(["data", "--config", str(p), "--shard", "0/1", "--out", str(mine), "--no-progress"]) == 1   # part
     assert {f.name: f.read_bytes() for f in mine.iterdir()} == before
 
 

@@ -43,8 +43,8 @@ def no_space_in_save_to_disk(*a, **k):
 
 
 @pytest.mark.parametrize("where", ["manifest", "shards"])
-def test_full_disk_during_data_is_one_line_and_the_rerun_is_exact(tmp_path, tiny_target, monkeypatch, capsys,  # noqa: F811
-                                                                   where):
+def test_full_disk_during_data_is_one_line_and_the_rerun_is_exact(tmp_path, tiny_target, monkeypatch,  # noqa: F811
+                                                                   capsys, where):
     """It was a raw `OSError: [Errno 28]` with no path, or a `DatasetGenerationError`."""
     from datasets import Dataset
 

@@ -146,7 +146,8 @@ def test_slurm_profile_plans_the_8gpu_job(wf):
 def test_two_configfiles_refused(wf):
     """Several YAMLs are refused, never silently reduced to one: `--configfile a b`, and `--configfile a
     --configfile b` (argparse keeps only b: it ran on b alone), naming both files."""
-    for args in (["config/config.yaml", "config/h200.yaml"], ["config/config.yaml", "--configfile", "config/h200.yaml"]):
+    for args in (["config/config.yaml", "config/h200.yaml"],
+                 ["config/config.yaml", "--configfile", "config/h200.yaml"]):
         r = snakemake(wf, "-n", "--configfile", *args)
         assert r.returncode != 0 and "give one --configfile (got config/config.yaml config/h200.yaml)" in r.out, r.out
 

@@ -159,7 +159,8 @@ def _mismatch(root: Path, m: dict) -> str | None:
             return f"{path}: {_kind(name)} missing (listed in {root / MANIFEST})"
         got = _sha256(path)
         if got != digest:
-            return f"{path}: {_kind(name)} corrupted (sha256 {got[:16]}... differs from the manifest's {digest[:16]}...)"
+            return f"{path}: {_kind(name)} corrupted (sha256 {got[:16]}... differs from the manifest's " \
+                   f"{digest[:16]}...)"
     want = {int(e): int(n) for e, n in (m.get("buckets") or {}).items() if n}
     folders = {int(d.name.split("-")[1]): d for d in (root / "train").glob("bucket-*") if d.is_dir()}
     if set(folders) - set(want):

@@ -12,8 +12,8 @@ log = logging.getLogger("dflash.evaluate")
 def add_arguments(p):
     p.add_argument("--run-dir", default=None, help="run folder (default: <results_dir>/runs/<run_name>)")
     p.add_argument("--drafter", default=None,
-                   help="a drafter folder: an export or a checkpoint (default: the checkpoint the run ended with, as its "
-                        "summary.json names it)")
+                   help="a drafter folder: an export or a checkpoint (default: the checkpoint the run ended with, "
+                        "as its summary.json names it)")
     p.add_argument("--holdout", default=None,
                    help="held-out prompts (default: <results_dir>/data/<dataset_name>/holdout.jsonl)")
     p.add_argument("--out", default=None, help="output JSON (default: <run-dir>/acceptance.json)")
@@ -44,7 +44,7 @@ def run(loaded, args):
     run_dir = Path(args.run_dir) if args.run_dir else paths.run(cfg.results_dir, cfg.run_name)
     out = Path(args.out) if args.out else run_dir / "acceptance.json"
     holdout = Path(args.holdout or paths.dataset(cfg.results_dir, cfg.dataset_name) / HOLDOUT)
-    if not args.holdout or (holdout.parent / MANIFEST).is_file():   # a dataset's held-out set: as the data stage wrote it
+    if not args.holdout or (holdout.parent / MANIFEST).is_file():   # a dataset's holdout: as the data stage wrote it
         verify_file(holdout.parent, holdout.name)
     if args.same_config and not args.drafter:
         check_run_config(loaded, run_dir)
