@@ -35,10 +35,23 @@ def atomic_write_json(path: str | Path, obj) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
 
 
-@contextlib.contextmanager
-def atomic_dir(path: str | Path):
-    """Yield a temporary sibling folder; on success it replaces `path` in one rename."""
+def check_ours(path: str | Path, record: str, remedy: str = "move it away, or give another output folder") -> None:
+    """A stage never deletes what it did not make: an existing `path` that is not an empty folder and holds no
+    `record` (the file the stage writes into every folder it makes, e.g. build.json) is refused, naming both."""
     path = Path(path)
+    if path.exists() and not (path / record).is_file() and not (path.is_dir() and not any(path.iterdir())):
+        from dflash.errors import UserError
+        raise UserError(f"{path}: exists and was not made by this pipeline (no {record} in it), so it is never "
+                        f"replaced: {remedy}")
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | Path, record: str | None = None):
+    """Yield a temporary sibling folder; on success it replaces `path` in one rename. With `record`, an existing
+    `path` without that file is refused first (`check_ours`)."""
+    path = Path(path)
+    if record is not None:
+        check_ours(path, record)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     os.chmod(tmp, 0o777 & ~_umask())

@@ -7,7 +7,7 @@ import logging
 import sys
 
 from dflash.config import ConfigError, load
-from dflash.errors import UserError
+from dflash.errors import UserError, disk_full, written_path
 
 # stage name -> one-line help; the module is dflash.stages.<name> (dashes become underscores).
 STAGES = {
@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
+    loaded = None
     try:
         overrides = {}
         for item in args.set:
@@ -90,18 +91,38 @@ def _run(args) -> int:
         return _fail(args, f"dflash {args.stage}: config error: {e}", 2)
     except UserError as e:
         return _fail(args, f"dflash {args.stage}: error: {e}", 1)
-    except Exception:
+    except Exception as e:
+        if disk_full(e):
+            results = loaded.cfg.results_dir if loaded is not None else "the results folder"
+            return _fail(args, f"dflash {args.stage}: error: {_no_space(args, e, results)}", 1)
         if args.log:  # the traceback goes to the log file as well as to the console
             logging.getLogger(f"dflash.{args.stage}").exception("dflash %s failed", args.stage)
             return 1
         raise
 
 
+def _no_space(args, e: Exception, results: str) -> str:
+    """A full disk in one line: where (the file being written, else the stage's output, else the results folder),
+    the space left there, the remedy."""
+    import shutil
+    from pathlib import Path
+    where = written_path(e) or getattr(args, "out", None) or getattr(args, "run_dir", None) or results
+    p = Path(where).absolute()
+    near = next((d for d in (p, *p.parents) if d.exists()), Path.cwd())
+    free = shutil.disk_usage(near).free / 2**20
+    return (f"no space left on device while writing {where} ({free:.0f} MiB free there now): free space on that disk "
+            f"(or set results_dir to another one) and rerun; every output is written whole or not at all, so none is "
+            f"left half-written")
+
+
 def _fail(args, line: str, code: int) -> int:
     """One line on the console (no traceback), the same line in the --log file."""
     print(line, file=sys.stderr)
     if args.log:
-        with open(args.log, "a") as f:
-            f.write(line + "\n")
+        try:
+            with open(args.log, "a") as f:
+                f.write(line + "\n")
+        except OSError:   # e.g. the full disk the line is about: the console has it
+            pass
     return code
 

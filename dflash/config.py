@@ -19,6 +19,13 @@ REPO = Path(__file__).resolve().parent.parent
 SCHEMA_PATH = REPO / "workflow" / "schemas" / "config.schema.yaml"
 # Keys that name or place a run but do not change what it computes: left out of the config hash.
 UNHASHED = ("run_name", "results_dir", "report", "evaluate", "strict_env")
+# train keys that change how a run is carried out, never the drafter it trains (logging, checkpoint cadence, timeouts,
+# stall and divergence checks, queue depth, allocator, launch, profiling, test hooks): left out of the result hash,
+# so changing one resumes (or restores) a run instead of training it anew. Every other key changes the result,
+# a new one too: keep this list short and explicit.
+OPERATIONAL = ("log_every", "checkpoint_every", "resume", "warmup_steps_excluded", "matmul_tflops",
+               "ready_timeout_s", "stall_timeout_s", "stop_timeout_s", "check_every", "queue_size",
+               "expandable_segments", "rendezvous", "profile", "fail_at_step", "diverge_at_step")
 
 
 class ConfigError(ValueError):
@@ -167,6 +174,10 @@ class Loaded:
     def hash(self) -> str:
         return config_hash(self.raw)
 
+    @property
+    def result_hash(self) -> str:
+        return result_hash(self.raw)
+
 
 def from_dict(data: dict, source: str = "<config>") -> Loaded:
     schema = load_schema()
@@ -187,6 +198,14 @@ def config_hash(raw: dict) -> str:
     return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def result_hash(raw: dict) -> str:
+    """Stable hash of what decides the trained drafter: the config hash without the OPERATIONAL train keys. A
+    checkpoint resumes, and a finished run is restored, only under the same result hash."""
+    kept = {k: v for k, v in raw.items() if k != "train"}
+    kept["train"] = {k: v for k, v in (raw.get("train") or {}).items() if k not in OPERATIONAL}
+    return config_hash(kept)
+
+
 def inside(path: str | Path, *roots: str | Path) -> Path:
     """Resolve `path` and insist it lies under one of `roots` (paths from config stay in declared folders)."""
     p = Path(path).resolve()
@@ -204,6 +223,22 @@ def _leaves(data, prefix=""):
             yield from _leaves(v, f"{prefix}{k}.")
         else:
             yield f"{prefix}{k}", v
+
+
+def configfile_flags(argv: list[str]) -> list[str]:
+    """The files named after each `--configfile`/`--configfiles` flag of a Snakemake command line, in order (argparse
+    keeps only the last flag's: the Snakefile refuses more than one file)."""
+    files, taking = [], False
+    for arg in argv:
+        flag, eq, value = arg.partition("=")
+        if flag in ("--configfile", "--configfiles"):
+            taking = not eq
+            files += [value] if eq else []
+        elif taking and not arg.startswith("-"):
+            files.append(arg)
+        else:
+            taking = False
+    return files
 
 
 def for_workflow(path: str | Path, cli: dict) -> tuple[dict, list[str]]:

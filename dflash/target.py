@@ -71,10 +71,30 @@ def load_tokenizer(target_cfg):
     try:
         tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=bool(_get(target_cfg, "trust_remote_code", False)))
     except (OSError, ValueError) as e:
-        raise UserError(f"target.path {path}: cannot load the tokenizer: {str(e).splitlines()[0]}") from None
+        raise UserError(f"target.path {path}: cannot load the tokenizer: {_tokenizer_fault(path, e)}") from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+# what a tokenizer is read from: the fast tokenizer's file, or a slow tokenizer's vocabulary
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def _tokenizer_fault(path: Path, e: Exception) -> str:
+    """Why AutoTokenizer could not load the folder, naming the file and the remedy (transformers' message is several
+    lines and names none)."""
+    import json
+    fast = path / "tokenizer.json"
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        return (f"{fast} is missing (nor is there a slow tokenizer's {', '.join(TOKENIZER_FILES[1:])}): copy the "
+                f"model's tokenizer files into {path}")
+    if fast.is_file():
+        try:
+            json.loads(fast.read_text())
+        except (OSError, ValueError) as bad:
+            return f"{fast} is not a tokenizer file ({type(bad).__name__}: {bad}): copy it again from the model"
+    return " ".join(str(e).split()) + f" (the tokenizer files in {path}: copy them again from the model)"
 
 
 def load_target(target_cfg, device="cpu", dtype=None, seed=0):

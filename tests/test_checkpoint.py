@@ -36,11 +36,12 @@ def trained(seed=0):
     return d, opt, sched
 
 
-def fake_setup(tmp_path, steps=12, resume=True, config_hash="c1", data_hash="d1"):
+def fake_setup(tmp_path, steps=12, resume=True, result_hash="c1", data_hash="d1"):
+    from dflash.data.shards import write_manifest
     data = tmp_path / "data"
     data.mkdir(exist_ok=True)
-    (data / "manifest.json").write_text(json.dumps({"content_hash": data_hash}))
-    return SimpleNamespace(run_dir=tmp_path / "run", data_dir=data, loaded=SimpleNamespace(hash=config_hash),
+    write_manifest(data, {"content_hash": data_hash})
+    return SimpleNamespace(run_dir=tmp_path / "run", data_dir=data, loaded=SimpleNamespace(result_hash=result_hash),
                            cfg=SimpleNamespace(train=SimpleNamespace(steps=steps, resume=resume)))
 
 
@@ -165,7 +166,7 @@ def test_interrupted_run_resumes_finished_or_changed_run_starts_anew(tmp_path, c
     assert C.resumable(setup) == C.step_dir(setup.run_dir, 8)          # interrupted at 8 of 12
     prev = setup.run_dir / C.PREVIOUS
     for changed, word in ((fake_setup(tmp_path, steps=8), "finished at step 8"),
-                          (fake_setup(tmp_path, config_hash="c2"), "another config or data"),
+                          (fake_setup(tmp_path, result_hash="c2"), "another config or data"),
                           (fake_setup(tmp_path, resume=False), "train.resume is false")):
         saved(setup)
         caplog.clear()
@@ -187,6 +188,65 @@ def test_a_run_finished_by_its_time_budget_is_not_resumed(tmp_path, caplog):
         assert C.resumable(setup) is None
     assert [r.getMessage() for r in caplog.records if "finished at step 8" in r.getMessage()]
     assert not (setup.run_dir / "checkpoints").exists()
+
+
+def finish(setup, step, text="summary of the finished run\n"):
+    """What summary.write does when a run completes: the outputs, and their record beside the checkpoints."""
+    (setup.run_dir / "summary.json").write_text(text)
+    (setup.run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    C.record_finished(setup.run_dir, C.describe(setup.run_dir, step))
+
+
+def test_a_finished_run_is_restored_never_retrained(tmp_path):
+    """Rule 2: Snakemake deletes a finished run's outputs before a rerun it forces for a timestamp, an identical
+    fingerprint or an incomplete marker; the same result-changing config and data restore them, byte for byte,
+    and the checkpoints stay where they are. Another identity, a newer checkpoint, a damaged final one or
+    train.resume false restore nothing."""
+    setup = fake_setup(tmp_path, steps=8)
+    saved(setup)
+    finish(setup, 8)
+    for name in ("summary.json", "metrics.jsonl"):
+        (setup.run_dir / name).unlink()
+    assert C.restore(setup)["checkpoint"]["path"] == "checkpoints/step-000008"
+    assert (setup.run_dir / "summary.json").read_text() == "summary of the finished run\n"
+    assert (setup.run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert sorted(p.name for p in (setup.run_dir / "checkpoints").iterdir()) == \
+        [C.FINISHED, "step-000004", "step-000008"]
+    for other in ({"result_hash": "c2"}, {"data_hash": "d2"}, {"steps": 12}, {"resume": False}):
+        (setup.run_dir / "summary.json").unlink()
+        assert C.restore(fake_setup(tmp_path, **{"steps": 8, **other})) is None, other
+        assert not (setup.run_dir / "summary.json").exists()
+        finish(fake_setup(tmp_path, steps=8), 8)
+    weights = C.step_dir(setup.run_dir, 8) / C.WEIGHTS
+    weights.write_bytes(weights.read_bytes()[:100])
+    assert C.restore(fake_setup(tmp_path, steps=8)) is None
+
+
+def test_finished_is_one_predicate():
+    """resumable and restore ask one question of a checkpoint's trainer state (extend it there)."""
+    setup = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(steps=8)))
+    assert C.finished({"step": 8}, setup) and not C.finished({"step": 7}, setup)
+    assert C.finished({"step": 3, "finished": True, "finished_by": "time_budget"}, setup)
+
+
+def test_evaluate_and_export_read_exactly_the_checkpoint_the_run_ended_with(tmp_path):
+    """Rule 3: the consumer of a run's output uses that output or stops naming what is missing, never a stand-in:
+    summary.json names the final checkpoint (and its manifest's hash); gone, damaged or replaced, it is refused."""
+    setup = fake_setup(tmp_path, steps=8)
+    saved(setup)
+    final = C.describe(setup.run_dir, 8)
+    (setup.run_dir / "summary.json").write_text(json.dumps({"status": "completed", "checkpoint": final}))
+    assert C.ended_with(setup.run_dir) == C.step_dir(setup.run_dir, 8)
+    weights = C.step_dir(setup.run_dir, 8) / C.WEIGHTS
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(UserError, match=r"step-000008: model\.safetensors is 100 bytes.*final drafter is damaged"):
+        C.ended_with(setup.run_dir)             # not step 4 instead
+    C.save(setup.run_dir, 8, 99, *trained(seed=1), C.identity(setup))   # another checkpoint under the same name
+    with pytest.raises(UserError, match=r"step-000008: not the checkpoint the run ended with"):
+        C.ended_with(setup.run_dir)
+    (setup.run_dir / "summary.json").write_text(json.dumps({"status": "failed", "checkpoint": None}))
+    with pytest.raises(UserError, match=r"summary\.json: names no final checkpoint"):
+        C.ended_with(setup.run_dir)
 
 
 def test_checkpoint_loads_into_the_reference_package(tmp_path):

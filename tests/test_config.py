@@ -1,3 +1,4 @@
+import copy
 import subprocess
 import sys
 
@@ -137,11 +138,38 @@ def test_cli_log_file_gets_the_log_and_the_one_line_error(tmp_path, repo):
 
 
 def test_run_trained_with_another_config_refused(tmp_path):
+    """Only keys that change the trained drafter refuse a run: names, evaluate settings and operational train keys
+    (a finished run restored under another train.log_every) do not."""
+    import json
+
     from dflash.errors import UserError
     from dflash.stages import check_run_config
     loaded = C.from_dict({"train": {"steps": 7}})
-    (tmp_path / "summary.json").write_text('{"config_hash": "%s"}' % loaded.hash)
+    (tmp_path / "summary.json").write_text(json.dumps({"config_hash": loaded.hash, "config": loaded.raw}))
     check_run_config(loaded, tmp_path)                                       # same config: fine
     check_run_config(C.from_dict({"train": {"steps": 7}, "run_name": "x", "evaluate": {"num_prompts": 2}}), tmp_path)
+    check_run_config(C.from_dict({"train": {"steps": 7, "log_every": 3, "stall_timeout_s": 5}}), tmp_path)
     with pytest.raises(UserError, match="summary.json was trained with another config"):
         check_run_config(C.from_dict({"train": {"steps": 50}}), tmp_path)
+
+
+def test_result_hash_ignores_only_the_operational_train_keys():
+    """Rule 2: resumption follows what changes the result. Every operational key exists in the schema; changing one
+    keeps the result hash, changing any other train key (lr, steps, ... and any key not listed, e.g. one added later)
+    changes it."""
+    train_keys = C.load_schema()["properties"]["train"]["properties"]
+    assert set(C.OPERATIONAL) <= set(train_keys)
+    base = C.from_dict({})
+    assert C.from_dict({"train": {"log_every": 3, "checkpoint_every": 7, "stall_timeout_s": 9, "check_every": 0,
+                                  "fail_at_step": {"worker": "drafter-0", "step": 2}}}).result_hash == base.result_hash
+    for changed in ({"lr": 1e-3}, {"steps": 5}, {"num_anchors": 3}, {"runtime": "threads"}, {"seed_like_new": 1}):
+        raw = copy.deepcopy(base.raw)
+        raw["train"].update(changed)            # a key the schema does not know yet counts too
+        assert C.result_hash(raw) != base.result_hash, changed
+    assert C.from_dict({"run_name": "x", "report": {"threshold": -0.2}}).result_hash == base.result_hash
+
+
+def test_configfile_flags_are_read_from_the_command_line():
+    argv = ["-n", "--configfile", "a.yaml", "--cores", "2", "--configfile=b.yaml", "all", "--configfiles", "c", "d"]
+    assert C.configfile_flags(argv) == ["a.yaml", "b.yaml", "c", "d"]
+    assert C.configfile_flags(["results/x", "--configfile", "a.yaml"]) == ["a.yaml"]

@@ -86,6 +86,55 @@ def test_missing_or_invalid_target_named(tmp_path):
         load_tokenizer(cfg)
 
 
+def tokenizer_error(tmp_path, tiny_target, damage) -> str:
+    import shutil
+
+    from dflash.target import load_tokenizer
+    path = tmp_path / "model"
+    shutil.copytree(tiny_target, path)
+    damage(path)
+    with pytest.raises(UserError) as e:
+        load_tokenizer(C.from_dict({"target": {"path": str(path), "build": "none"}}).cfg.target)
+    return str(e.value)
+
+
+def test_missing_tokenizer_file_is_named(tmp_path, tiny_target):
+    """The message was cut after "Couldn't instantiate the backend tokenizer from one of:" and named no file."""
+    msg = tokenizer_error(tmp_path, tiny_target, lambda p: (p / "tokenizer.json").unlink())
+    assert f"{tmp_path / 'model' / 'tokenizer.json'} is missing" in msg and "copy the model's tokenizer files" in msg
+
+
+def test_damaged_tokenizer_file_is_named(tmp_path, tiny_target):
+    """Rule 6 beyond the table: a cut tokenizer.json gave a bare JSON error; the file and the remedy are named."""
+    def cut(p):
+        f = p / "tokenizer.json"
+        f.write_text(f.read_text()[:200])
+    msg = tokenizer_error(tmp_path, tiny_target, cut)
+    assert f"{tmp_path / 'model' / 'tokenizer.json'} is not a tokenizer file" in msg and "copy it again" in msg
+
+
+def test_target_stage_never_replaces_a_folder_it_did_not_build(tmp_path, tiny_target):
+    """Rule 1 beyond the table: `python -m dflash target --out DIR` (or a data part, `data --shard I/N --out DIR`) by
+    hand over a model folder is refused and leaves it as it was (it was replaced: a stage never deletes what it did
+    not make; its record, build.json or part.json, is not there)."""
+    import shutil
+
+    import yaml
+
+    from dflash.cli import main
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump({"results_dir": str(tmp_path), "target": target_section(tmp_path / "t", "random"),
+                                 "data": {"builtin_corpus": {"max_conversations": 100}}}))
+    mine = tmp_path / "mine"
+    shutil.copytree(tiny_target, mine)
+    (mine / "build.json").unlink()
+    before = {f.name: f.read_bytes() for f in mine.iterdir()}
+    assert main(["target", "--config", str(p), "--out", str(mine), "--no-progress"]) == 1
+    assert {f.name: f.read_bytes() for f in mine.iterdir()} == before
+    assert main(["data", "--config", str(p), "--shard", "0/1", "--out", str(mine), "--no-progress"]) == 1   # part
+    assert {f.name: f.read_bytes() for f in mine.iterdir()} == before
+
+
 def test_target_stage_cli_random(tmp_path, repo):
     import yaml
     p = tmp_path / "c.yaml"

@@ -11,6 +11,7 @@ import yaml
 
 from conftest_data import target_section, tiny_target  # noqa: F401
 from dflash.cli import main
+from dflash.data.shards import write_manifest
 
 
 @pytest.fixture(autouse=True)
@@ -42,7 +43,7 @@ def run(tmp_path, tiny_target):  # noqa: F811
             ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
             ids = ids["input_ids"] if hasattr(ids, "keys") else ids
             f.write(json.dumps({"id": f"h{i}", "source": "test", "prompt_ids": list(ids), "reference_ids": []}) + "\n")
-    (hold.parent / "manifest.json").write_text(json.dumps({"content_hash": "abcdef0123456789"}))
+    write_manifest(hold.parent, {"content_hash": "abcdef0123456789", "holdout": 4})
     from dflash.model import DFlashDrafter, DrafterConfig
     from dflash.target import mask_token_id
     from dflash.train import checkpoint
@@ -56,7 +57,8 @@ def run(tmp_path, tiny_target):  # noqa: F811
     for step in (5, 10):
         checkpoint.save(run_dir, step, step, d, opt, sched)
     (run_dir / "summary.json").write_text(json.dumps({"run_id": "t-1", "status": "completed", "steps": 10,
-                                                       "throughput": {"ktok_per_s": 1.25}, "config_hash": "c0ffee"}))
+                                                       "throughput": {"ktok_per_s": 1.25}, "config_hash": "c0ffee",
+                                                       "checkpoint": checkpoint.describe(run_dir, 10)}))
     return cfg_file, run_dir, d
 
 
@@ -107,6 +109,9 @@ def test_bad_inputs_are_named(run, capsys):
     cfg_file, run_dir, _ = run
     hold = Path(yaml.safe_load(cfg_file.read_text())["results_dir"]) / "data" / "default" / "holdout.jsonl"
     hold.write_text(hold.read_text().splitlines()[0] + "\n{\"id\": 1}\n")
+    assert main(["evaluate", "--config", str(cfg_file), "--no-progress"]) == 1      # not the data stage's holdout
+    assert "holdout.jsonl: changed after the data stage" in capsys.readouterr().err
+    write_manifest(hold.parent, {"content_hash": "abcdef0123456789", "holdout": 2})   # a data stage that wrote it so
     raw = yaml.safe_load(cfg_file.read_text())
     raw["evaluate"]["num_prompts"] = 5
     cfg_file.write_text(yaml.safe_dump(raw))
@@ -116,25 +121,27 @@ def test_bad_inputs_are_named(run, capsys):
     import shutil
     shutil.rmtree(run_dir / "checkpoints")
     assert main(["export", "--config", str(cfg_file)]) == 1
-    assert "no intact checkpoint" in capsys.readouterr().err
+    assert "step-000010: missing (" in capsys.readouterr().err
     assert not (run_dir / "drafter").exists()
 
 
-def test_evaluate_and_export_ignore_edited_drafter_keys(run, caplog):
+def test_evaluate_and_export_ignore_edited_drafter_keys(run, capsys):
     """The drafter is described by its checkpoint's config.json: editing the YAML's drafter keys after training
-    changes neither the export nor the evaluation; a damaged newest checkpoint is skipped in one line."""
+    changes neither the export nor the evaluation. Both read the checkpoint the run ended with (summary.json): a
+    damaged one is refused by name, never replaced by an older one."""
     cfg_file, run_dir, d = run
     raw = yaml.safe_load(cfg_file.read_text())
     raw["drafter"] = {"num_layers": 3, "block_size": 8, "target_layer_ids": [1], "mask_token_id": 3}
     cfg_file.write_text(yaml.safe_dump(raw))
-    w = run_dir / "checkpoints" / "step-000010" / "model.safetensors"
-    w.write_bytes(w.read_bytes()[:100])
     assert main(["export", "--config", str(cfg_file)]) == 0
-    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert len(warned) == 1 and "step-000010 skipped: model.safetensors is 100 bytes" in warned[0]
     conf = json.loads((run_dir / "drafter" / "config.json").read_text())
     assert conf["num_hidden_layers"] == 1 and conf["block_size"] == 4
     assert conf["dflash_config"] == {"mask_token_id": d.cfg.mask_token_id, "target_layer_ids": [0, 1], "block_size": 4}
     assert main(["evaluate", "--config", str(cfg_file), "--no-progress"]) == 0
     acc = json.loads((run_dir / "acceptance.json").read_text())
-    assert acc["block_size"] == 4 and acc["checkpoint_step"] == 5 and acc["lossless"] is True
+    assert acc["block_size"] == 4 and acc["checkpoint_step"] == 10 and acc["lossless"] is True
+    w = run_dir / "checkpoints" / "step-000010" / "model.safetensors"
+    w.write_bytes(w.read_bytes()[:100])
+    for stage in (["export"], ["evaluate", "--no-progress"]):
+        assert main([stage[0], "--config", str(cfg_file), *stage[1:]]) == 1
+        assert "step-000010: model.safetensors is 100 bytes" in capsys.readouterr().err

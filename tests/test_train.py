@@ -81,13 +81,16 @@ def test_two_replicas_train_in_lockstep(tmp_path):
     assert rows[-1]["loss"] < rows[0]["loss"]
     assert len(rows[-1]["acc_per_position"]) == 3  # block 4 -> positions 1..3
     assert sorted(p.name for p in (run_dir(cfg) / "checkpoints").iterdir()) == \
-        ["step-000004", "step-000008", "step-000012"]
+        ["finished.json", "step-000004", "step-000008", "step-000012"]
+    assert s["checkpoint"]["path"] == "checkpoints/step-000012"       # what evaluate and export read
 
 
-def test_rerun_resumes_an_interrupted_run_and_trains_a_finished_one_anew(tmp_path, caplog):
-    """Snakemake deletes a job's outputs before rerunning it (`-R train`, a failed job). A run whose final
-    checkpoint is damaged resumes from the previous intact one (one line says which was skipped); a finished run
-    trains a new run, its checkpoints set aside in checkpoints.previous/."""
+def test_rerun_resumes_an_interrupted_run_restores_a_finished_one_and_retrains_it_when_told(tmp_path, caplog):
+    """Snakemake deletes a job's outputs before rerunning it (`-R train`, a failed job, a newer input). A run whose
+    final checkpoint is damaged resumes from the previous intact one (one line says which was skipped); a finished
+    run with the same config and data is restored, not retrained (a newer but identical fingerprint, `-R data` with
+    unchanged data, `--rerun-incomplete`); `--retrain` (what `snakemake -R train` passes) trains a new run, its
+    checkpoints set aside in checkpoints.previous/."""
     cfg = prepared(tmp_path, steps=4, checkpoint_every=2)
     train_ok(cfg)
     final = run_dir(cfg) / "checkpoints" / "step-000004" / "model.safetensors"
@@ -102,12 +105,38 @@ def test_rerun_resumes_an_interrupted_run_and_trains_a_finished_one_anew(tmp_pat
     assert s["resumed_from_step"] == 2 and s["status"] == "completed" and s["steps"] == 4
     for k, v in load_file(str(final)).items():   # retrained exactly from step 2
         torch.testing.assert_close(v, first[k], rtol=0, atol=0)
+    outputs = {n: (run_dir(cfg) / n).read_bytes() for n in ("summary.json", "metrics.jsonl")}
+    for name in outputs:
+        (run_dir(cfg) / name).unlink()
     caplog.clear()
     train_ok(cfg)
+    assert {n: (run_dir(cfg) / n).read_bytes() for n in outputs} == outputs     # restored byte for byte
+    assert any("finished at step 4" in r.getMessage() and "restored, nothing trained" in r.getMessage()
+               for r in caplog.records)
+    assert not any("step 1/4" in r.getMessage() for r in caplog.records)
+    assert not (run_dir(cfg) / "checkpoints.previous").exists()
+    caplog.clear()
+    train_ok(cfg, "--retrain")
     assert any("the run finished at step 4" in r.getMessage() for r in caplog.records)
     s = json.loads((run_dir(cfg) / "summary.json").read_text())
     assert s["resumed_from_step"] is None and s["status"] == "completed" and s["steps"] == 4
-    assert sorted(p.name for p in (run_dir(cfg) / "checkpoints.previous").iterdir()) == ["step-000002", "step-000004"]
+    assert sorted(p.name for p in (run_dir(cfg) / "checkpoints.previous").iterdir()) == \
+        ["finished.json", "step-000002", "step-000004"]
+
+
+def test_an_operational_key_changed_on_an_interrupted_run_resumes_it(tmp_path, caplog):
+    """Rule 2: only keys that change the trained drafter start a new run. A run stopped at step 5 (the test hook
+    makes it fail there), then rerun with another train.log_every, stall timeout and no hook, resumes from its step-4
+    checkpoint (it started from scratch: every train key was in the identity)."""
+    cfg = prepared(tmp_path, steps=6, checkpoint_every=2, fail_at_step={"worker": "drafter-0", "step": 5})
+    assert main(["train", "--config", str(cfg), "--no-progress"]) == 1
+    raw = yaml.safe_load(cfg.read_text())
+    raw["train"].update(log_every=3, stall_timeout_s=900, fail_at_step=None)
+    cfg.write_text(yaml.safe_dump(raw))
+    train_ok(cfg)
+    s = json.loads((run_dir(cfg) / "summary.json").read_text())
+    assert s["resumed_from_step"] == 4 and s["status"] == "completed" and s["steps"] == 6
+    assert not any("starting from scratch" in r.getMessage() for r in caplog.records)
 
 
 def test_kill9_then_resume_trains_exactly_the_same(tmp_path):

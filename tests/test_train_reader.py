@@ -1,10 +1,9 @@
 """The batch stream's order: a step's micro-batches come from one length bucket (equal work per replica), the
 stream stays a pure function of (seed, group, index), and group 1 is the plain shuffle."""
-import json
-
 import datasets
 import pytest
 
+from dflash.data.shards import write_manifest
 from dflash.train.reader import ShardReader
 
 SIZES = {16: 13, 32: 9, 64: 7}     # rows per bucket: batches of 2 leave partial groups in every bucket
@@ -18,7 +17,7 @@ def data_dir(tmp_path_factory):
         datasets.Dataset.from_dict({"id": [f"{edge}-{i}" for i in range(n)], "input_ids": rows,
                                     "loss_mask": [[True] * len(r) for r in rows]}
                                    ).save_to_disk(str(root / "train" / f"bucket-{edge:05d}"))
-    (root / "manifest.json").write_text(json.dumps({"files": None}))
+    write_manifest(root, {"buckets": {str(e): n for e, n in SIZES.items()}, "num_samples": sum(SIZES.values())})
     return root
 
 

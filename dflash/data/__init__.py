@@ -11,6 +11,8 @@ Public entry points used by other stages:
   manifest.json); the sharded form: `expand_part(loaded, shard, nshards, part_dir)` then
   `finish(loaded, [read_part(d) for d in part_dirs], out_dir)`
 - `dflash.data.regen`: engines `hf`/`openai` and the resumable chunk cache
-- `dflash.data.shards.verify_bucket(root, folder, manifest["files"])`: the reader's shard check
-- `dflash.data.shards.load_manifest(dir)`, `bucket_dirs(dir)`, `read_holdout(dir)`
+- `dflash.data.shards.verify_dataset(dir)`: the folder exactly as the data stage wrote it (the reader's check);
+  `read_manifest(dir)` (the manifest matching its own hash), `verify_file(dir, name)` (e.g. holdout.jsonl),
+  `write_manifest(dir, manifest)` (adds the file hashes and the manifest's own hash), `bucket_dirs(dir)`,
+  `read_holdout(dir)`
 """

@@ -445,7 +445,7 @@ def expand_part(loaded, shard: int, nshards: int, part_dir, cache_dir=None, prog
         for src in ds.select_columns(["source"]).iter(batch_size=8192):
             for name, n in Counter(src["source"]).items():
                 stats[name]["samples"] += n
-        ds.save_to_disk(str(part_dir / "samples"))
+        ds.save_to_disk(str(part_dir / "samples"), num_shards=1 if not len(ds) else None)   # an empty part too
     finally:
         if bars:
             datasets.enable_progress_bars()
@@ -544,18 +544,18 @@ def _expand_sources(loaded, specs, shard, nshards, work, cache_dir, tokenizer, m
     train.close()
     # 4. tokenise, mask, truncate, filter: datasets.map over Arrow on disk, data.num_proc processes
     feats = Features({"id": Value("string"), "source": Value("string"), "messages": Value("string")})
+    out_feats = Features({**shards.features(), "reject": Value("string"), "truncated": Value("bool")})
     if train.n:
         ds = Dataset.from_generator(_spill_rows, features=feats, gen_kwargs={"path": str(train.path)},
                                     cache_dir=str(work / "hf"), writer_batch_size=1000)
-    else:
-        ds = Dataset.from_dict({"id": [], "source": [], "messages": []}, features=feats)
-    nproc = min(_num_proc(d), max(1, train.n // 256)) if train.n else None
-    out_feats = Features({**shards.features(), "reject": Value("string"), "truncated": Value("bool")})
-    ds = ds.map(_tokenise_batch, batched=True, batch_size=256, num_proc=nproc if nproc and nproc > 1 else None,
-                remove_columns=["messages"], features=out_feats, desc="tokenise",
-                cache_file_name=str(work / "tokenised.arrow"),
-                fn_kwargs={"tokenizer": tokenizer, "stop_strings": _stop_strings(tokenizer), "max_length": d.max_length,
-                           "truncation": d.truncation, "min_sup": min_sup})
+        nproc = min(_num_proc(d), max(1, train.n // 256))
+        ds = ds.map(_tokenise_batch, batched=True, batch_size=256, num_proc=nproc if nproc > 1 else None,
+                    remove_columns=["messages"], features=out_feats, desc="tokenise",
+                    cache_file_name=str(work / "tokenised.arrow"),
+                    fn_kwargs={"tokenizer": tokenizer, "stop_strings": _stop_strings(tokenizer),
+                               "max_length": d.max_length, "truncation": d.truncation, "min_sup": min_sup})
+    else:   # nothing left to tokenise (every conversation rejected above): the gather names the rejects
+        ds = Dataset.from_dict({k: [] for k in out_feats}, features=out_feats)
     kept_per = Counter()
     for b in ds.select_columns(["source", "reject", "truncated"]).iter(batch_size=8192):
         for src, rj, tr in zip(b["source"], b["reject"], b["truncated"]):
@@ -574,6 +574,19 @@ def _expand_sources(loaded, specs, shard, nshards, work, cache_dir, tokenizer, m
         ds = ds.map(_weight_batch, batched=True, batch_size=1024, fn_kwargs={"weights": weights, "seed": cfg.seed},
                     features=shards.features(), cache_file_name=str(work / "weighted.arrow"))
     return holdout, ds
+
+
+# what to change when every row is rejected for a reason (the data stage's one-line error says it)
+REMEDY = {"empty_response": "the target regenerated empty answers: is it trained? (data.regenerate.enabled: false "
+                            "keeps the sources' answers)",
+          "too_few_supervised": "lower data.min_supervised_blocks",
+          "too_long": "raise data.max_length or set data.truncation: truncate",
+          "prompt_too_long": "raise data.max_length"}
+
+
+def _reasons(counts: Counter) -> str:
+    """"empty_response: 268: <remedy>, duplicate: 3": each reject reason with its count and what to change."""
+    return ", ".join(f"{k}: {v}" + (f": {REMEDY[k]}" if k in REMEDY else "") for k, v in counts.most_common())
 
 
 def read_part(folder) -> dict:
@@ -634,7 +647,11 @@ def finish(loaded, parts: list[dict], out_dir) -> dict:
     for n in names:
         if not stats[n]["kept"] and not stats[n]["holdout"]:
             raise UserError(f"source '{n}' ({paths.get(n, n)}): all {stats[n]['rows']} rows rejected "
-                            f"({', '.join(f'{k}: {v}' for k, v in rejects[n].most_common())})")
+                            f"({_reasons(rejects[n])})")
+    if not any(stats[n]["kept"] for n in names):
+        raise UserError("data: no row left to train on: " + "; ".join(
+            f"source '{n}' ({paths.get(n, n)}): {stats[n]['rows']} rows, {stats[n]['holdout']} held out, all others "
+            f"rejected ({_reasons(rejects[n])})" for n in names))
     holdout = sorted((h for p in parts for h in p["holdout"]), key=lambda s: s["id"])
     min_sup = min_supervised_tokens(cfg)
     few = sum(r.get("too_few_supervised", 0) for r in rejects.values())
@@ -681,7 +698,7 @@ def finish(loaded, parts: list[dict], out_dir) -> dict:
         if bars:
             datasets.enable_progress_bars()
         shutil.rmtree(work, ignore_errors=True)
-    shards.write_holdout(out_dir / "holdout.jsonl", holdout)
+    shards.write_holdout(out_dir / shards.HOLDOUT, holdout)
     manifest = {
         "dataset": cfg.dataset_name,
         "content_hash": chash,
@@ -708,7 +725,6 @@ def finish(loaded, parts: list[dict], out_dir) -> dict:
         "block_size": cfg.drafter.block_size,
         "synthetic": bool(d.synthetic.enabled),
         "data_shards": len(parts),
-        "files": shards.file_hashes(out_dir),
         "tokenizer": {"size": len(tokenizer), "vocab_size": vocab_size, "pad_token_id": tokenizer.pad_token_id,
                       "eos_token_id": tokenizer.eos_token_id, "mask_token_id": mask_token_id(tokenizer, vocab_size)},
         "target_path": str(cfg.target.path),
@@ -716,6 +732,4 @@ def finish(loaded, parts: list[dict], out_dir) -> dict:
         "seconds": round(max(p["seconds"] for p in parts) + time.time() - t_start, 3),
         "created_at": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
-    from dflash.atomic import atomic_write_json
-    atomic_write_json(out_dir / "manifest.json", manifest)
-    return manifest
+    return shards.write_manifest(out_dir, manifest)   # + the file hashes and its own hash

@@ -59,38 +59,154 @@ def write_buckets(samples: list[dict], root, edges, shard_rows: int) -> dict[int
     return counts
 
 
+MANIFEST, HOLDOUT = "manifest.json", "holdout.jsonl"
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
 def file_hashes(root) -> dict[str, str]:
-    """{path relative to root: sha256} of every file under root/train: what the reader checks before training."""
-    import hashlib
+    """{path relative to root: sha256} of the dataset's files: the shards under train/ and holdout.jsonl (what the
+    reader and evaluate check before they use them; any other file found there later is refused)."""
     root = Path(root)
-    out = {}
-    for f in sorted((root / "train").rglob("*")):
-        if f.is_file():
-            with open(f, "rb") as fh:
-                out[f.relative_to(root).as_posix()] = hashlib.file_digest(fh, "sha256").hexdigest()
-    return out
+    files = [f for f in sorted((root / "train").rglob("*")) if f.is_file()] + [root / HOLDOUT]
+    return {f.relative_to(root).as_posix(): _sha256(f) for f in files if f.is_file()}
 
 
-def verify_bucket(root, folder, files: dict[str, str]) -> None:
-    """Check every file of one bucket folder against the manifest's hashes; a UserError names the first bad shard."""
-    import hashlib
+def _seal(manifest: dict) -> str:
+    """The manifest's hash of its own content (every key but manifest_hash): 16 hex."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_hash"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def write_manifest(root, manifest: dict) -> dict:
+    """Write root/manifest.json (atomically): `manifest` plus `files` (file_hashes) and `manifest_hash` (its own
+    hash, so an edit is caught). Returns what was written."""
+    from dflash.atomic import atomic_write_json
+    manifest = json.loads(json.dumps({**manifest, "files": file_hashes(root)}, default=str))
+    manifest["manifest_hash"] = _seal(manifest)
+    atomic_write_json(Path(root) / MANIFEST, manifest)
+    return manifest
+
+
+def read_manifest(root) -> dict:
+    """root/manifest.json, only as the data stage wrote it: with its file hashes and matching its own hash (cheap;
+    `verify_dataset` checks the files too). Otherwise a UserError naming the file, what is wrong and the remedy."""
     from dflash.errors import UserError
-    root, folder = Path(root), Path(folder)
-    rel = folder.relative_to(root).as_posix() + "/"
-    want = {k: v for k, v in files.items() if k.startswith(rel)}
-    have = {f.relative_to(root).as_posix() for f in folder.rglob("*") if f.is_file()}
-    for extra in sorted(have - set(want)):
-        raise UserError(f"{root / extra}: shard not in the dataset manifest (the dataset folder was changed after "
-                        f"the data stage; rerun it)")
-    for name, digest in sorted(want.items()):
+    path = Path(root) / MANIFEST
+    if not path.is_file():
+        raise UserError(f"{path}: dataset manifest not found (run the data stage first)")
+    try:
+        m = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path}: unreadable ({type(e).__name__}: {e}); rerun the data stage") from None
+    if not isinstance(m, dict) or not isinstance(m.get("files"), dict):
+        raise UserError(f"{path}: no file hashes (`files`): made by an older data stage or edited, so the shards "
+                        f"and holdout.jsonl cannot be verified and are not used; rerun the data stage")
+    if m.get("manifest_hash") != _seal(m):
+        found = _diagnose(Path(root), m)
+        raise UserError(f"{path}: edited after the data stage (it no longer matches its manifest_hash"
+                        f"{': ' + '; '.join(found) if found else ''}); rerun the data stage")
+    return m
+
+
+def _diagnose(root: Path, m: dict) -> list[str]:
+    """Which of an edited manifest's keys disagree with the data on disk (on the error path only: it reads it all)."""
+    try:
+        problem = _mismatch(root, m)
+        if problem:
+            return [problem.removeprefix(f"{root / MANIFEST}: ")]
+        found = []
+        samples = _samples_by_id(root, m)
+        n = len(samples) if samples is not None else 0
+        if m.get("num_samples") != n:
+            found.append(f"num_samples says {m.get('num_samples')}, the shards hold {n} rows")
+        holdout = read_holdout(root)
+        chash = content_hash_ds(samples, holdout) if samples is not None else content_hash([], holdout)
+        if m.get("content_hash") != chash:
+            found.append(f"content_hash says {m.get('content_hash')}, the data hashes to {chash}")
+        return found
+    except Exception as e:   # noqa: BLE001 - a diagnosis only: the refusal stands whatever it finds
+        return [f"the data could not be compared ({type(e).__name__})"]
+
+
+def _samples_by_id(root: Path, m: dict):
+    """Every training row of the dataset (all buckets), sorted by id, as one datasets.Dataset (None: no rows)."""
+    from datasets import concatenate_datasets, load_from_disk
+    parts = [load_from_disk(str(bucket_dir(root, int(e)))) for e, n in m.get("buckets", {}).items() if n]
+    return concatenate_datasets(parts).sort("id") if parts else None
+
+
+def _kind(name: str) -> str:
+    return "shard" if name.startswith("train/") else "file"
+
+
+def _mismatch(root: Path, m: dict) -> str | None:
+    """The first difference between the disk and the manifest, in every direction: files (listed, present, hashes),
+    bucket folders, row counts; None when there is none."""
+    from datasets import load_from_disk
+    files = m["files"]
+    have = {f.relative_to(root).as_posix() for f in root.rglob("*") if f.is_file()} - {MANIFEST}
+    extra = sorted(have - set(files))
+    if extra:
+        return f"{root / extra[0]}: {_kind(extra[0])} not in the dataset manifest (the folder was changed after the " \
+               f"data stage)"
+    for name, digest in sorted(files.items()):
         path = root / name
         if not path.is_file():
-            raise UserError(f"{path}: shard missing (listed in {root / 'manifest.json'}; rerun the data stage)")
-        with open(path, "rb") as fh:
-            got = hashlib.file_digest(fh, "sha256").hexdigest()
+            return f"{path}: {_kind(name)} missing (listed in {root / MANIFEST})"
+        got = _sha256(path)
         if got != digest:
-            raise UserError(f"{path}: shard corrupted (sha256 {got[:16]}... differs from the manifest's "
-                            f"{digest[:16]}...); rerun the data stage to rebuild it")
+            return f"{path}: {_kind(name)} corrupted (sha256 {got[:16]}... differs from the manifest's " \
+                   f"{digest[:16]}...)"
+    want = {int(e): int(n) for e, n in (m.get("buckets") or {}).items() if n}
+    folders = {int(d.name.split("-")[1]): d for d in (root / "train").glob("bucket-*") if d.is_dir()}
+    if set(folders) - set(want):
+        return f"{folders[min(set(folders) - set(want))]}: a bucket folder the manifest does not list"
+    if set(want) - set(folders):
+        edge = min(set(want) - set(folders))
+        return f"{bucket_dir(root, edge)}: missing (the manifest lists {want[edge]} rows there)"
+    for edge, n in sorted(want.items()):
+        rows = len(load_from_disk(str(folders[edge])))
+        if rows != n:
+            return f"{folders[edge]} holds {rows} rows, {root / MANIFEST} says {n} (buckets)"
+    if sum(want.values()) != m.get("num_samples"):
+        return f"{root / MANIFEST}: num_samples says {m.get('num_samples')}, the shards hold {sum(want.values())} rows"
+    held = len(read_holdout(root))
+    if "holdout" in m and held != m["holdout"]:
+        return f"{root / HOLDOUT} holds {held} prompts, {root / MANIFEST} says {m['holdout']}"
+    return None
+
+
+def verify_dataset(root) -> dict:
+    """The dataset folder exactly as the data stage wrote it, or a UserError naming the first difference: the manifest
+    (its own hash, its file hashes), every file (listed, present, sha256), every bucket folder, the row counts of
+    every bucket and the holdout. Reads every file once (sha256). Returns the manifest."""
+    from dflash.errors import UserError
+    root = Path(root)
+    m = read_manifest(root)
+    problem = _mismatch(root, m)
+    if problem:
+        raise UserError(f"{problem}; rerun the data stage to rebuild the dataset")
+    return m
+
+
+def verify_file(root, name: str) -> Path:
+    """One file of the dataset folder (e.g. holdout.jsonl) checked against its hash in the manifest."""
+    from dflash.errors import UserError
+    root = Path(root)
+    files = read_manifest(root)["files"]
+    path = root / name
+    if name not in files:
+        raise UserError(f"{path}: not in {root / MANIFEST}, so it cannot be verified; rerun the data stage")
+    if not path.is_file():
+        raise UserError(f"{path}: missing (listed in {root / MANIFEST}); rerun the data stage")
+    if _sha256(path) != files[name]:
+        raise UserError(f"{path}: changed after the data stage (its sha256 differs from the one in {root / MANIFEST});"
+                        f" rerun the data stage to rebuild it")
+    return path
 
 
 def write_buckets_ds(ds, root, edges, shard_rows: int, work) -> dict[int, int]:
@@ -165,13 +281,9 @@ def write_holdout(path, rows: list[dict]) -> None:
 
 # ---- readers for other stages ----------------------------------------------------------------------------------
 
-def load_manifest(root) -> dict:
-    return json.loads((Path(root) / "manifest.json").read_text())
-
-
 def bucket_dirs(root) -> dict[int, Path]:
     """{edge: folder} of the buckets that hold rows, from the manifest."""
-    m = load_manifest(root)
+    m = read_manifest(root)
     return {int(e): bucket_dir(root, int(e)) for e, n in m["buckets"].items() if n}
 
 
@@ -181,7 +293,7 @@ def load_bucket(root, edge: int):
 
 
 def read_holdout(root) -> list[dict]:
-    p = Path(root) / "holdout.jsonl"
+    p = Path(root) / HOLDOUT
     if not p.exists():
         return []
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]

@@ -10,14 +10,10 @@ from dflash.errors import UserError
 log = logging.getLogger("dflash.evaluate")
 
 
-def newest_checkpoint(run_dir) -> Path:
-    """The newest `checkpoints/step-N/` of a run whose drafter (config.json + model.safetensors) is intact."""
-    from dflash.train.checkpoint import CONFIG, WEIGHTS, latest
-    path = latest(run_dir, (CONFIG, WEIGHTS))
-    if path is None:
-        raise UserError(f"{Path(run_dir, 'checkpoints')}: no intact checkpoint (train the run first, or pass "
-                        f"--drafter DIR)")
-    return path
+def run_checkpoint(run_dir) -> Path:
+    """The checkpoint the run ended with, as its summary.json names it (checkpoint.ended_with)."""
+    from dflash.train.checkpoint import ended_with
+    return ended_with(run_dir)
 
 
 def checkpoint_step(path) -> int | None:

@@ -51,7 +51,7 @@ def run(loaded, args):
         if not args.out:
             raise UserError("--shard needs --out (the part folder)")
         inside(args.out, loaded.cfg.results_dir, REPO)
-        with cpu_threads(args.threads), atomic_dir(args.out) as tmp:
+        with cpu_threads(args.threads), atomic_dir(args.out, "part.json") as tmp:
             part = E.expand_part(loaded, i, n, tmp, cache_dir=args.cache, progress=not args.no_progress)
         log.info("data part %d/%d: %d samples, %d holdout, regenerated %d tokens (%d conversations cached) -> %s",
                  i, n, len(part["samples"]), len(part["holdout"]), part["regeneration"].get("tokens", 0),

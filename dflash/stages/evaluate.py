@@ -12,7 +12,8 @@ log = logging.getLogger("dflash.evaluate")
 def add_arguments(p):
     p.add_argument("--run-dir", default=None, help="run folder (default: <results_dir>/runs/<run_name>)")
     p.add_argument("--drafter", default=None,
-                   help="a drafter folder: an export or a checkpoint (default: the run's newest checkpoint)")
+                   help="a drafter folder: an export or a checkpoint (default: the checkpoint the run ended with, "
+                        "as its summary.json names it)")
     p.add_argument("--holdout", default=None,
                    help="held-out prompts (default: <results_dir>/data/<dataset_name>/holdout.jsonl)")
     p.add_argument("--out", default=None, help="output JSON (default: <run-dir>/acceptance.json)")
@@ -30,6 +31,7 @@ def run(loaded, args):
     from dflash import paths
     from dflash.atomic import atomic_write_json
     from dflash.config import REPO, inside
+    from dflash.data.shards import HOLDOUT, MANIFEST, verify_file
     from dflash.errors import UserError
     from dflash.evaluate import DFlashDraft
     from dflash.evaluate import acceptance as A
@@ -41,22 +43,24 @@ def run(loaded, args):
     cfg, ev = loaded.cfg, loaded.cfg.evaluate
     run_dir = Path(args.run_dir) if args.run_dir else paths.run(cfg.results_dir, cfg.run_name)
     out = Path(args.out) if args.out else run_dir / "acceptance.json"
+    holdout = Path(args.holdout or paths.dataset(cfg.results_dir, cfg.dataset_name) / HOLDOUT)
+    if not args.holdout or (holdout.parent / MANIFEST).is_file():   # a dataset's holdout: as the data stage wrote it
+        verify_file(holdout.parent, holdout.name)
+    if args.same_config and not args.drafter:
+        check_run_config(loaded, run_dir)
+    path = Path(args.drafter) if args.drafter else L.run_checkpoint(run_dir)
     device = resolve_device(ev.device)
     tok = load_tokenizer(cfg.target)
     target = load_target(cfg.target, device=device, seed=cfg.seed)
     dtype = next(target.parameters()).dtype
     embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     # the drafter's shape is its folder's config.json (a checkpoint or an export), never the YAML's drafter keys
-    if args.same_config and not args.drafter:
-        check_run_config(loaded, run_dir)
-    path = Path(args.drafter) if args.drafter else L.newest_checkpoint(run_dir)
     drafter = load_drafter(path, embed, head, device=device, dtype=dtype).eval()
     source, step = str(path), L.checkpoint_step(path)
     draft = DFlashDraft(drafter)
     bsz, mask_id = drafter.cfg.block_size, drafter.cfg.mask_token_id
     stops = stop_token_ids(tok, target)
 
-    holdout = args.holdout or paths.dataset(cfg.results_dir, cfg.dataset_name) / "holdout.jsonl"
     sets = {"holdout": L.read_holdout(holdout, ev.num_prompts)}
     for f in ev.prompt_files:
         path = inside(f, REPO, cfg.results_dir)

@@ -8,7 +8,8 @@ log = logging.getLogger("dflash.export")
 
 def add_arguments(p):
     p.add_argument("--run-dir", default=None, help="run folder (default: <results_dir>/runs/<run_name>)")
-    p.add_argument("--checkpoint", default=None, help="checkpoint folder (default: the run's newest)")
+    p.add_argument("--checkpoint", default=None,
+                   help="checkpoint folder (default: the one the run ended with, as its summary.json names it)")
     p.add_argument("--data", default=None, help="dataset folder, for the model card (default: <results_dir>/data/<dataset_name>)")
     p.add_argument("--out", default=None, help="output folder (default: <run-dir>/drafter)")
     p.add_argument("--same-config", action="store_true",
@@ -38,7 +39,7 @@ def run(loaded, args):
     out = Path(args.out) if args.out else run_dir / "drafter"
     if args.same_config and not args.checkpoint:
         check_run_config(loaded, run_dir)
-    ckpt = Path(args.checkpoint) if args.checkpoint else L.newest_checkpoint(run_dir)
+    ckpt = Path(args.checkpoint) if args.checkpoint else L.run_checkpoint(run_dir)
     tpath = Path(cfg.target.path)
     if not (tpath / "config.json").is_file():
         raise UserError(f"{tpath}: target folder has no config.json (run the target stage, or set target.path)")
@@ -54,6 +55,9 @@ def run(loaded, args):
 
     summary = _read(run_dir / "summary.json")
     acceptance = _read(run_dir / "acceptance.json")
+    if acceptance and Path(str(acceptance.get("drafter"))).resolve() != ckpt.resolve():   # the card states its tau
+        raise UserError(f"{run_dir / 'acceptance.json'} evaluated {acceptance.get('drafter')}, not {ckpt}: evaluate "
+                        f"this drafter first (snakemake -R evaluate)")
     manifest = _read(Path(args.data or paths.dataset(cfg.results_dir, cfg.dataset_name)) / "manifest.json")
     with atomic_dir(out) as tmp:
         save_drafter(drafter, tmp / "weights", dtype=dtype)

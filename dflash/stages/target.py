@@ -16,9 +16,29 @@ def add_arguments(p):
                    help="torch CPU threads for pre-training (default 1: fastest on a shared small machine; 0 leaves torch's)")
 
 
+RECORD = "build.json"   # written by build_target into every target folder it makes
+
+
+def check_out(out, results_dir) -> None:
+    """Where the target stage may build: inside results_dir or the repository, and never over a folder it did not
+    make (a model the user points at is an input: build none). Checked by the stage and by the Snakefile when it is
+    read, before Snakemake removes the rule's output."""
+    from dflash.atomic import check_ours
+    from dflash.config import REPO, ConfigError, inside
+    try:
+        check_ours(out, RECORD, "to use that model as it is set target.build: none (it is then an input); to build a "
+                                "target, point target.path at a new folder")
+    except UserError as e:
+        raise UserError(f"target.path: {e}") from None
+    try:
+        inside(out, results_dir, REPO)
+    except ConfigError as e:
+        raise ConfigError(f"target.path: {e}: the target stage builds only there (a model folder elsewhere is used "
+                          f"with target.build: none)") from None
+
+
 def run(loaded, args):
     from dflash.atomic import atomic_dir
-    from dflash.config import REPO, inside
     from dflash.data.code_target import build_code_target
     from dflash.data.tiny_target import build_target
 
@@ -26,8 +46,8 @@ def run(loaded, args):
     if cfg.target.build == "none":
         raise UserError(f"target.build is none: nothing to build; point target.path ({cfg.target.path}) at a model folder")
     out = args.out or cfg.target.path
-    inside(out, cfg.results_dir, REPO)
-    with atomic_dir(out) as tmp:
+    check_out(out, cfg.results_dir)
+    with atomic_dir(out, RECORD) as tmp:
         if cfg.target.build == "code":
             info = build_code_target(cfg.target, tmp, seed=cfg.seed, progress=not args.no_progress,
                                      threads=args.threads)

@@ -9,6 +9,9 @@ def add_arguments(p):
     p.add_argument("--data", default=None, help="dataset folder (default: <results_dir>/data/<dataset_name>)")
     p.add_argument("--run-dir", default=None, help="run folder (default: <results_dir>/runs/<run_name>)")
     p.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    p.add_argument("--retrain", action="store_true",
+                   help="train a finished run anew (its checkpoints set aside) instead of restoring its outputs; the "
+                        "workflow passes it when train is forced (snakemake -R train, --forceall)")
 
 
 def run(loaded, args):
@@ -19,15 +22,20 @@ def run(loaded, args):
 
     from dflash.atomic import atomic_write_text
     from dflash.fingerprint import compile_cache_dir
-    from dflash.train import compile_guard
+    from dflash.train import checkpoint, compile_guard
     from dflash.train.context import prepare, set_shapes
     from dflash.train.metrics import RunMetrics
-    from dflash.train.runtime import threads
+    from dflash.train.runtime import distributed, threads
     from dflash.train.telemetry import GpuSampler
 
     ctx = prepare(loaded, run_dir=args.run_dir, data_dir=args.data)
+    done = None if args.retrain or distributed.is_rank() else checkpoint.restore(ctx)   # the launcher decides
+    if done is not None:
+        log.info("run %s finished at step %d (%s) with this config's result keys and this data: summary.json and "
+                 "metrics.jsonl restored, nothing trained (--retrain, or snakemake -R train, trains it anew)",
+                 cfg.run_name, done["checkpoint"]["step"], ctx.run_dir / done["checkpoint"]["path"])
+        return 0
     if ctx.placement.runtime == "distributed":
-        from dflash.train.runtime import distributed
         return distributed.launch(ctx, args)
     compile_guard.use_compile_cache(compile_cache_dir(cfg.results_dir, ctx.env["hash"]))
     ctx.run_dir.mkdir(parents=True, exist_ok=True)

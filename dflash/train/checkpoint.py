@@ -4,13 +4,15 @@ read back with weights_only=True), trainer.json, and last manifest.json (size an
 
 A checkpoint is written into a temporary folder and renamed, so a kill -9 never leaves half of one; the manifest
 catches what happens to it later (a truncated copy, rotten bytes). Resume takes the newest checkpoint whose files
-match its manifest, saying in one line which ones it skipped and why. `load_drafter` is the package's one loader
-of drafter weights (evaluate, export, `drafter.init_from`): the drafter's shape comes from the folder's config.json,
-never from the YAML.
+match its manifest, saying in one line which ones it skipped and why, when the run was interrupted with the same
+result-changing config and data (`identity`, `finished`, `resumable`). summary.json names the checkpoint a run
+ended with (`describe`); evaluate and export read exactly that one (`ended_with`). A completed run keeps its outputs
+in checkpoints/finished.json, and a rerun with the same identity writes them back instead of training (`restore`).
+`load_drafter` is the package's one loader of drafter weights (evaluate, export, `drafter.init_from`): the drafter's
+shape comes from the folder's config.json, never from the YAML.
 """
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import random
@@ -19,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from dflash.atomic import atomic_dir, atomic_write_json, read_json
-from dflash.errors import UserError
+from dflash.atomic import atomic_dir, atomic_write_json, atomic_write_text, read_json
+from dflash.errors import UserError, disk_full
 
 log = logging.getLogger("dflash.train")
 
@@ -62,7 +64,7 @@ def save(run_dir, step: int, data_index: int, drafter, optimizer, scheduler, ext
             atomic_write_json(tmp / MANIFEST, {"step": step, "hash": HASH,
                                                "files": {n: _describe(tmp / n) for n in FILES}})
     except Exception as e:
-        if _disk_full(e):
+        if disk_full(e):
             free = shutil.disk_usage(out.parent).free if out.parent.is_dir() else 0
             raise UserError(f"{out}: no space left on device while writing the checkpoint ({free / 2**20:.0f} MiB "
                             f"free now); nothing was left half-written. Free space on that disk (or set results_dir "
@@ -74,18 +76,6 @@ def save(run_dir, step: int, data_index: int, drafter, optimizer, scheduler, ext
 def _torch_save(obj, path: Path):
     with open(path, "wb") as f:   # a Python file: a full disk surfaces as OSError(ENOSPC), not "unexpected pos"
         torch.save(obj, f)
-
-
-def _disk_full(e: BaseException) -> bool:
-    for _ in range(8):   # the exception and what it was raised from (torch.save's RuntimeError hides the OSError)
-        if e is None:
-            return False
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-            return True
-        if "No space left on device" in str(e) or "os error 28" in str(e):   # safetensors' Rust writer
-            return True
-        e = e.__cause__ or e.__context__
-    return False
 
 
 def _py_state():
@@ -145,16 +135,25 @@ def latest(run_dir, names=FILES) -> Path | None:
 
 
 def identity(setup) -> dict:
-    """What a checkpoint must match to be resumed: the config (names aside) and the data content."""
+    """What a checkpoint must match to be resumed (or a finished run to be restored): the config's result hash (every
+    key but names, report/evaluate settings and the operational train keys: dflash.config.OPERATIONAL) and the
+    data's content hash (from a manifest that matches its own hash)."""
     from dflash.train.context import read_manifest
-    return {"config_hash": setup.loaded.hash, "data_hash": read_manifest(setup).get("content_hash")}
+    return {"result_hash": setup.loaded.result_hash, "data_hash": read_manifest(setup).get("content_hash")}
+
+
+def finished(state: dict, setup) -> bool:
+    """Whether a checkpoint's trainer state (trainer.json) ends its run: the one test of "finished" (train.steps
+    reached, or the run ended by its train.time_budget_s: trainer.json's `finished`)."""
+    return bool(state.get("finished")) or state["step"] >= setup.cfg.train.steps
 
 
 def resumable(setup) -> Path | None:
-    """The checkpoint to resume from: the newest intact one, if the run was interrupted (its step < train.steps)
-    with the same config and data. Otherwise the run trains from scratch and the old checkpoints are moved to
-    `checkpoints.previous/` (replacing an older one): a finished run (a forced rerun trains a new run), another
-    config or data, `train.resume: false`. Checkpoints none of which is intact: UserError naming them."""
+    """The checkpoint to resume from: the newest intact one, if the run was interrupted (not `finished`) with the same
+    result-changing config and data. Otherwise the run trains from scratch and the old checkpoints are moved to
+    `checkpoints.previous/` (replacing an older one): a finished run that is not restored (`restore`: --retrain, or
+    no record of its outputs), another config or data, `train.resume: false`. Checkpoints none of which is intact:
+    UserError naming them."""
     run_dir = Path(setup.run_dir)
     if not candidates(run_dir):
         return None
@@ -171,10 +170,88 @@ def resumable(setup) -> Path | None:
         set_aside(run_dir, f"they were made with another config or data "
                            f"({ {k: saved.get(k) for k in want} } != {want})")
         return None
-    if saved["step"] >= setup.cfg.train.steps or saved.get("finished"):   # finished: steps or the time budget
+    if finished(saved, setup):
         set_aside(run_dir, f"the run finished at step {saved['step']} ({path.name}), so this rerun trains a new run")
         return None
     return path
+
+
+# ---- a finished run's outputs --------------------------------------------------------------------------------
+FINISHED = "finished.json"   # in checkpoints/: the final checkpoint's name and the run's outputs, byte for byte
+OUTPUTS = ("summary.json", "metrics.jsonl")   # the train stage's outputs (the rule's), kept there and restored
+
+
+def describe(run_dir, step: int) -> dict | None:
+    """How summary.json names the checkpoint a run ended with: {"path" (relative to the run folder), "step",
+    "manifest" (xxh3 of its manifest.json: that very checkpoint, not a later one of the same name)}; None when the
+    run left none at that step."""
+    path = step_dir(run_dir, step)
+    if not (path / MANIFEST).is_file():
+        return None
+    return {"path": path.relative_to(run_dir).as_posix(), "step": step, "manifest": _describe(path / MANIFEST)[HASH]}
+
+
+def ended_with(run_dir) -> Path:
+    """The checkpoint a run ended with, exactly as its summary.json names it (`describe`): that very folder (its
+    manifest.json's hash) with its drafter intact. What evaluate and export read; anything missing or changed is a
+    UserError naming it, never another checkpoint in its place."""
+    summary = Path(run_dir, "summary.json")
+    again = "retrain the run (snakemake -R train), or give a drafter folder by hand"
+    try:
+        final = read_json(summary).get("checkpoint")
+    except FileNotFoundError:
+        raise UserError(f"{summary}: missing, so the run's final checkpoint is unknown: train the run first, or "
+                        f"give a drafter folder by hand") from None
+    except (OSError, ValueError, AttributeError) as e:
+        raise UserError(f"{summary}: unreadable ({type(e).__name__}); {again}") from None
+    if not isinstance(final, dict) or not final.get("path"):
+        raise UserError(f"{summary}: names no final checkpoint (the run failed before one, or an older train stage "
+                        f"wrote it); {again}")
+    path = Path(run_dir, final["path"])
+    if not (path / MANIFEST).is_file() or not _within(path, run_dir):
+        raise UserError(f"{path}: missing ({summary} says the run ended with it); {again}")
+    if _describe(path / MANIFEST)[HASH] != final.get("manifest"):
+        raise UserError(f"{path}: not the checkpoint the run ended with (its {MANIFEST} changed after {summary} "
+                        f"was written); {again}")
+    why = verify(path, (CONFIG, WEIGHTS))
+    if why:
+        raise UserError(f"{path}: {why}: the run's final drafter is damaged; {again}")
+    return path
+
+
+def _within(path: Path, run_dir) -> bool:
+    return Path(path).resolve().is_relative_to(Path(run_dir).resolve())
+
+
+def record_finished(run_dir, final: dict) -> None:
+    """Keep a finished run's outputs (OUTPUTS, as written) beside its checkpoints, for `restore`."""
+    atomic_write_json(Path(run_dir, "checkpoints", FINISHED),
+                      {"checkpoint": final, "outputs": {n: Path(run_dir, n).read_text() for n in OUTPUTS}})
+
+
+def restore(setup) -> dict | None:
+    """A finished run whose config (result keys) and data did not change is never trained again: when the newest
+    checkpoint is the intact final one of a finished run with this identity, write back the outputs it finished
+    with (Snakemake deletes a job's outputs before a rerun it forces for a timestamp, an identical fingerprint or an
+    incomplete marker) and return its record; otherwise None and nothing is touched."""
+    run_dir = Path(setup.run_dir)
+    try:
+        record = read_json(run_dir / "checkpoints" / FINISHED)
+        final, outputs = record["checkpoint"], record["outputs"]
+        path = run_dir / final["path"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not setup.cfg.train.resume or not _within(path, run_dir) or candidates(run_dir)[:1] != [path] \
+            or verify(path) is not None or _describe(path / MANIFEST)[HASH] != final.get("manifest") \
+            or not all(isinstance(outputs.get(n), str) for n in OUTPUTS):
+        return None
+    saved = read_json(path / TRAINER)
+    want = identity(setup)
+    if any(saved.get(k) != v for k, v in want.items()) or not finished(saved, setup):
+        return None
+    for name in OUTPUTS:
+        atomic_write_text(run_dir / name, outputs[name])
+    return record
 
 
 def set_aside(run_dir, why: str) -> Path:

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash import fingerprint
-from dflash.atomic import read_json
 from dflash import paths
 from dflash.config import REPO
 from dflash.errors import UserError
@@ -129,4 +128,6 @@ def data_summary(manifest: dict) -> dict:
 
 
 def read_manifest(ctx: RunContext) -> dict:
-    return read_json(ctx.data_dir / "manifest.json")
+    """The dataset's manifest as the data stage wrote it (its own hash checked; the reader checks the files)."""
+    from dflash.data.shards import read_manifest
+    return read_manifest(ctx.data_dir)

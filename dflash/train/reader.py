@@ -17,8 +17,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.atomic import read_json
-from dflash.data.shards import verify_bucket
+from dflash.data.shards import verify_dataset
 from dflash.errors import UserError
 
 log = logging.getLogger("dflash.train")
@@ -50,20 +49,11 @@ class ShardReader:
         import datasets
 
         self.data_dir = Path(data_dir)
-        manifest = self.data_dir / "manifest.json"
-        if not manifest.is_file():
-            raise UserError(f"{manifest}: dataset manifest not found (run the data stage first)")
-        self.manifest = read_json(manifest)
+        self.manifest = verify_dataset(self.data_dir)    # once per run: the manifest, every file's sha256, the counts
         self.batch_size, self.seed, self.pad_id, self.group = batch_size, seed, pad_id, max(1, group)
         self.buckets: dict[int, "datasets.Dataset"] = {}
-        files = self.manifest.get("files")
-        if files is None:
-            log.warning("%s has no shard hashes (made by an older data stage): shards not verified; rerun the data "
-                        "stage to add them", manifest)
         for folder in sorted((self.data_dir / "train").glob("bucket-*")):
             edge = int(folder.name.split("-")[1])
-            if files is not None:
-                verify_bucket(self.data_dir, folder, files)     # once per shard per run: sha256 of each file
             try:
                 ds = datasets.load_from_disk(str(folder))
             except Exception as e:

@@ -5,7 +5,7 @@ import logging
 from datetime import datetime, timezone
 
 from dflash.atomic import atomic_write_json
-from dflash.train import compile_guard
+from dflash.train import checkpoint, compile_guard
 from dflash.train.context import data_summary, git_state, read_manifest
 
 log = logging.getLogger("dflash.train")
@@ -58,8 +58,11 @@ def write(ctx, metrics, workers: list[dict], status: str, devices: list[dict], c
         "diverged": ({"step": failure.get("step"), "replicas": failure.get("replicas")}
                      if failure and failure.get("kind") == "diverged" else None),
         "queue_depth_mean": (sum(r["queue_depth"] for r in rows) / len(rows)) if rows else None,
+        "checkpoint": checkpoint.describe(ctx.run_dir, metrics.step),   # what evaluate and export read, exactly
     }
     atomic_write_json(ctx.run_dir / "summary.json", summary)
+    if status == "completed" and summary["checkpoint"]:   # a rerun of this finished run restores these outputs
+        checkpoint.record_finished(ctx.run_dir, summary["checkpoint"])
     tp = summary["throughput"]
     log.info("run %s %s: %d steps, %s Ktok/s, loss %s", summary["run_id"], status, metrics.step,
              f"{tp['ktok_per_s']:.3f}" if tp.get("ktok_per_s") else "n/a",

@@ -7,10 +7,18 @@ import platform
 from snakemake.exceptions import WorkflowError
 
 from dflash import fingerprint, paths
-from dflash.config import ConfigError, for_workflow
+from dflash.config import ConfigError, configfile_flags, for_workflow
+from dflash.errors import UserError
+from dflash.stages.target import check_out as check_target_out
 
-if len(workflow.overwrite_configfiles) > 1:
-    raise WorkflowError("give one --configfile: the stages read that single YAML")
+# Several YAMLs are refused, never silently dropped: `--configfile a b` reaches the workflow as two files, while
+# `--configfile a --configfile b` reaches it as b alone (argparse keeps the last flag), so the command line is read too.
+_given = configfile_flags(sys.argv[1:])
+if len(workflow.overwrite_configfiles) > 1 or len(_given) > 1:
+    _many = workflow.overwrite_configfiles if len(workflow.overwrite_configfiles) > 1 else _given
+    _files = " ".join(os.path.relpath(f) for f in _many)
+    raise WorkflowError(f"give one --configfile (got {_files}): the stages read that single YAML, so several are not "
+                        "merged; put the keys in one file, or give the differences as --config KEY=VALUE")
 # The stages read this file themselves (plus --config values as --set). It is neither an input nor a param:
 # a copy with the same content reruns nothing; a changed key reruns the rules whose params hold its section.
 CONFIG_FILE = (os.path.relpath(workflow.overwrite_configfiles[0]) if workflow.overwrite_configfiles
@@ -50,6 +58,14 @@ BENCH = paths.benchmarks(RESULTS)
 WARMUP_DEVICES = sorted({paths.device_slug(d) for d in config["train"]["drafters"]
                          + (config["train"]["targets"] if config["train"]["compile_target"] else [])})
 TRAIN_GPUS = len({paths.device_slug(d) for d in config["train"]["targets"] + config["train"]["drafters"]} - {"cpu"})
+
+
+def forced(rule, outputs) -> bool:
+    """Whether the command line forces this rule itself (-R RULE or one of its outputs, --forceall, -f on its
+    output): not merely a rerun Snakemake decides (a newer input, a changed param, an incomplete marker)."""
+    ds = workflow.dag_settings
+    asked = {str(x) for x in ds.forcerun} | ({str(x) for x in ds.targets} if ds.forcetargets else set())
+    return ds.forceall or rule in asked or any(str(o) in asked for o in outputs)
 
 
 def section(*keys):

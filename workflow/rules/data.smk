@@ -46,6 +46,7 @@ if DATA_SHARDS > 1:
             parts=DATA_PARTS,
         output:
             manifest=paths.dataset(RESULTS, DATASET) / "manifest.json",
+            holdout=paths.dataset(RESULTS, DATASET) / "holdout.jsonl",
         params:
             stage_config=config_args,
             out=lambda wildcards, output: os.path.dirname(output.manifest),
@@ -69,6 +70,7 @@ else:
             sources=DATA_SOURCES,
         output:
             manifest=paths.dataset(RESULTS, DATASET) / "manifest.json",
+            holdout=paths.dataset(RESULTS, DATASET) / "holdout.jsonl",
         params:
             stage_config=config_args,
             out=lambda wildcards, output: os.path.dirname(output.manifest),

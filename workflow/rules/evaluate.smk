@@ -1,17 +1,17 @@
-# Stage 'evaluate': speculative decoding of held-out prompts with the target and the run's newest checkpoint;
+# Stage 'evaluate': speculative decoding of held-out prompts with the target and the checkpoint the run ended with;
 # writes acceptance.json (tau, its distribution, tokens/s, losslessness).
 rule evaluate:
     input:
         summary=rules.train.output.summary,
         target=TARGET_DIR,
         data=rules.data.output.manifest,
+        holdout=rules.data.output.holdout,  # hashed in the manifest; a changed file reruns evaluate, which refuses it
         prompts=config["evaluate"]["prompt_files"],
     output:
         paths.run(RESULTS, RUN) / "acceptance.json",
     params:
         stage_config=config_args,
         run_dir=lambda wildcards, input: os.path.dirname(input.summary),
-        holdout=lambda wildcards, input: os.path.join(os.path.dirname(input.data), "holdout.jsonl"),
         config=section("evaluate", "drafter", "target", "seed"),
     log:
         LOGS / "evaluate" / f"{RUN}.log",
@@ -20,5 +20,5 @@ rule evaluate:
     conda:
         ENV
     shell:
-        "python -m dflash evaluate {params.stage_config:q} --run-dir {params.run_dir:q} --holdout {params.holdout:q}"
+        "python -m dflash evaluate {params.stage_config:q} --run-dir {params.run_dir:q} --holdout {input.holdout:q}"
         " --same-config --out {output:q} --log {log:q}"

@@ -1,9 +1,15 @@
 # Stage 'target': build the tiny, code or random-weight target into target.path. With build none there is no rule:
-# target.path must already hold a model folder (the data rule takes it as input). The job holds a GPU when the code
-# build pre-trains on one (as the data rule's DATA_GPU).
+# target.path must already hold a model folder (the data rule takes it as input). Otherwise an existing target.path
+# must be a folder the target stage built (its build.json): a model the user points at is never replaced. The job holds
+# a GPU when the code build pre-trains on one (as the data rule's DATA_GPU).
 TARGET_GPU = int(config["target"]["build"] == "code" and str(config["target"]["pretrain"]["device"]) != "cpu")
 
 if config["target"]["build"] != "none":
+    # Snakemake removes a rule's output before its job: a folder this pipeline did not build is refused now
+    try:
+        check_target_out(TARGET_DIR, RESULTS)
+    except (ConfigError, UserError) as e:
+        raise WorkflowError(str(e)) from None
 
     rule target:
         output:

@@ -10,7 +10,9 @@ rule train:
         summary=paths.run(RESULTS, RUN) / "summary.json",
         metrics=paths.run(RESULTS, RUN) / "metrics.jsonl",
     params:
-        stage_config=config_args,
+        # a finished run is restored, not retrained, unless train itself is forced (a function of the input: no trigger)
+        stage_config=lambda wildcards, input: config_args(wildcards, input)
+        + (["--retrain"] if forced("train", rules.train.output) else []),
         data=lambda wildcards, input: os.path.dirname(input.data),
         run_dir=lambda wildcards, output: os.path.dirname(output.summary),
         config=section("drafter", "train", "target", "seed"),

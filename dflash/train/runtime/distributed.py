@@ -85,9 +85,14 @@ def torchrun_command(loaded, placement, overrides=()) -> list[str]:
     return cmd
 
 
+def is_rank() -> bool:
+    """Whether this process is one of the launched ranks (not the launcher, nor the threads runtime)."""
+    return "LOCAL_RANK" in os.environ
+
+
 def launch(ctx, args) -> int:
     loaded, run_dir = ctx.loaded, ctx.run_dir
-    if "LOCAL_RANK" in os.environ:          # we are one of the launched ranks
+    if is_rank():
         return worker_main(ctx, args)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
