@@ -209,6 +209,10 @@ class Bench:
                        *self.sets(self.recipe_sets(name)), "--data", str(data), "--run-dir", str(self.run_dir(run)),
                        "--no-progress"]
                 jobs.append((f"train {run}", cmd, self.logs / f"train-{run}.log"))
+        if jobs and self.budget.left() < self.args.seconds + 150:   # a recipe cut short is lost: start none
+            print(f"train: {len(jobs)} recipe(s) not started, {self.budget.left():.0f} s left (< {self.args.seconds:.0f}"
+                  " s of training + 150 s)", flush=True)
+            return
         self.pool(jobs, cap=self.args.seconds + 240)
 
     def runs(self) -> list[tuple[str, str]]:

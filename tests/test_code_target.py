@@ -212,7 +212,7 @@ def test_quality_config_runs_target_and_data_on_cpu(repo, tmp_path):
     assert main(["target"] + args) == 0
     assert main(["data"] + args) == 0
     out = tmp_path / "results" / "data" / "code-completion"
-    m = shards.load_manifest(out)
+    m = shards.read_manifest(out)
     assert list(m["sources"]) == ["code"] and m["sources"]["code"]["kept"] > 0 and m["regeneration"]["tokens"] > 0
     files, _ = code_corpus.read_files(code_corpus.cap_bytes(C.from_dict(
         {"target": {"pretrain": SMALL}}).cfg.target.pretrain))

@@ -301,7 +301,8 @@ def test_time_budget_ends_the_run_agreed_with_the_schedule_following_time(tmp_pa
     on the mean, 1.5 s per step (alone, drafter-0 would stop after 7 steps, drafter-1 after 4), so both stop after
     step 5 (7.5 s >= 7), far before train.steps, identical. Each step's LR is the warm-up + cosine at the agreed
     time (warm-up 30% = 2.1 s). The run is finished (summary, trainer state); resumed from its step-4 checkpoint it
-    ends at the same step with the same weights (the time survives resume); a rerun of it trains a new run."""
+    ends at the same step with the same weights (the time survives resume); a rerun of it restores it (nothing
+    trained) and --retrain trains a new run."""
     fake_clock(monkeypatch, {"drafter-0": 1.0, "drafter-1": 2.0})
     cfg = prepared(tmp_path, steps=50, time_budget_s=7, warmup_ratio=0.3, min_lr_ratio=0.1, lr=1e-3, log_every=1,
                    checkpoint_every=2, check_every=1)
@@ -326,7 +327,11 @@ def test_time_budget_ends_the_run_agreed_with_the_schedule_following_time(tmp_pa
     resumed = weights(cfg, 5)
     for k in straight:
         torch.testing.assert_close(resumed[k], straight[k], rtol=0, atol=0)
+    done = (run_dir(cfg) / "summary.json").read_text()
+    (run_dir(cfg) / "summary.json").unlink()
+    train_ok(cfg)                                            # finished by its budget: restored, nothing trained
+    assert (run_dir(cfg) / "summary.json").read_text() == done
     caplog.clear()
-    train_ok(cfg)
+    train_ok(cfg, "--retrain")
     assert any("the run finished at step 5" in r.getMessage() for r in caplog.records)
     assert json.loads((run_dir(cfg) / "summary.json").read_text())["resumed_from_step"] is None
