@@ -162,6 +162,7 @@ class Bench:
         """Run (key, cmd, log) jobs, --parallel at a time, each at most `cap` s and within the budget."""
         env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // max(1, self.args.parallel)))}
         waiting, running = list(jobs), []
+        width = min(self.args.parallel, len(jobs))   # how many really share the GPU
         while waiting or running:
             while waiting and len(running) < self.args.parallel and self.budget.left() > 30:
                 key, cmd, log = waiting.pop(0)
@@ -188,7 +189,7 @@ class Bench:
                 f.close()
                 running.remove(job)
                 self.state["commands"][key] = {"command": shlex.join(cmd[1:]), "exit": code,
-                                               "wall_s": round(time.monotonic() - t0, 1), "parallel": self.args.parallel}
+                                               "wall_s": round(time.monotonic() - t0, 1), "parallel": width}
                 self.save_state()
                 print(f"{key}: exit {code} in {time.monotonic() - t0:.0f} s", flush=True)
             if not running and waiting and self.budget.left() <= 30:
@@ -244,7 +245,8 @@ class Bench:
         row = {"recipe": label, "run": run, "overrides": RECIPES.get(label, {}), "status": s.get("status"),
                "steps": s.get("steps"), "train_seconds": s.get("train_seconds"), "finished_by": s.get("finished_by"),
                "ktok_per_s": tp.get("ktok_per_s"), "loss": s.get("loss"), "acceptance_estimate": s.get("acceptance_estimate"),
-               "replicas_identical": s.get("replicas_identical"), "time_budget_s": s.get("time_budget_s")}
+               "replicas_identical": s.get("replicas_identical"), "time_budget_s": s.get("time_budget_s"),
+               "parallel": (self.state["commands"].get(f"train {run}") or {}).get("parallel")}
         files = {f.stem.replace("acceptance-", ""): f for f in sorted(rd.glob("acceptance-t*.json"))}
         for temp in (0.0, 1.0):
             if f"t{temp:g}" not in files and pipeline_eval(rd, temp):
@@ -254,9 +256,9 @@ class Bench:
             row[f"tau_{key}"] = a.get("tau")
             row[f"lossless_{key}"] = a.get("lossless")
             row[f"speedup_{key}"] = a.get("speedup")
-        row["curve"] = [{k: m.get(k) for k in ("step", "elapsed_s", "loss", "ce", "kl")}
+        row["curve"] = [{k: m.get(k) for k in ("step", "elapsed_s", "loss", "ce", "kl", "acceptance_estimate")}
                         for m in map(json.loads, (rd / "metrics.jsonl").read_text().splitlines())
-                        if m.get("ce") is not None] if (rd / "metrics.jsonl").exists() else []
+                        ] if (rd / "metrics.jsonl").exists() else []
         return row
 
     def table(self):
@@ -269,9 +271,13 @@ class Bench:
                 r["tau_t0_vs_baseline"] = r["tau_t0"] - mean
                 r["beats_spread"] = spread is not None and abs(r["tau_t0"] - mean) > spread
         build = REPO / self.cfg.target.path / "build.json"
-        doc = {"date": datetime.now(timezone.utc).isoformat(), "config": self.config, "seconds": self.args.seconds,
-               "parallel": self.args.parallel,
-               "device": device_name(), "torch": torch_version(), "git": git_rev(), "rows": rows,
+        env = next((json.loads((self.run_dir(r["run"]) / "summary.json").read_text()).get("env") or {} for r in rows), {})
+        trained = [r for r in rows if r["recipe"] != "pipeline"]
+        doc = {"date": datetime.now(timezone.utc).isoformat(), "config": self.args.config,
+               "seconds": trained[0].get("time_budget_s") if trained else None,
+               "parallel": max((r.get("parallel") or 1 for r in trained), default=None),
+               "device": ", ".join((env.get("gpu") or {}).get("models") or ["cpu"]),
+               "torch": (env.get("packages") or {}).get("torch"), "git": git_rev(), "rows": rows,
                "baseline_tau_t0_mean": mean, "baseline_seed_spread_t0": spread,
                "target_build": json.loads(build.read_text()) if build.exists() else None,
                "state": self.state}
@@ -317,9 +323,11 @@ def markdown(doc: dict) -> str:
             t1=_f(r.get("tau_t1"), 3), ll=r.get("lossless_t0"), d=_f(r.get("tau_t0_vs_baseline"), 3),
             b=r.get("beats_spread", "")))
     return (f"# Quality, {doc['date'][:10]}, {doc['device']}, torch {doc['torch']}, tree {doc['git']}\n\n"
-            f"Each recipe trained for {doc['seconds']} s of GPU time (train.time_budget_s) on `{doc['config']}`'s target "
-            f"and data; tau on the held-out prompts. Baseline tau (T=0) mean {_f(doc['baseline_tau_t0_mean'], 3)}, "
-            f"seed spread {_f(doc['baseline_seed_spread_t0'], 3)}.\n\n" + head + "\n".join(lines) + "\n")
+            f"Each recipe trained for {doc['seconds']} s of wall time (train.time_budget_s), {doc['parallel']} at once on "
+            f"the one GPU (each about 1/{doc['parallel']} of it: equal shared GPU time, Ktok/s a share), on "
+            f"`{doc['config']}`'s target and data; `pipeline` is the snakemake run of that config, alone on the GPU. "
+            f"tau on the held-out prompts. Baseline tau (T=0) mean {_f(doc['baseline_tau_t0_mean'], 3)}, seed spread "
+            f"{_f(doc['baseline_seed_spread_t0'], 3)}.\n\n" + head + "\n".join(lines) + "\n")
 
 
 def _f(x, nd):
@@ -327,7 +335,9 @@ def _f(x, nd):
 
 
 def plot(rows: list[dict], path: Path):
-    """Left: tau of each run at temperature 0 and 1. Right: each run's training CE against its training seconds."""
+    """Left: tau of each run at temperature 0 and 1. Right: each run's training-time acceptance estimate (accepted
+    draft tokens per block from its argmax accuracy: the same measure for every weighting and objective, unlike the
+    logged loss) against seconds."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -339,29 +349,17 @@ def plot(rows: list[dict], path: Path):
     bars.set_ylabel("tau on held-out prompts")
     bars.legend(fontsize=8)
     for r in rows:
-        pts = [(c["elapsed_s"], c["ce"]) for c in r["curve"] if c.get("elapsed_s") is not None]
+        pts = [(c["elapsed_s"], c["acceptance_estimate"]) for c in r["curve"]
+               if c.get("elapsed_s") is not None and c.get("acceptance_estimate") is not None]
         if pts:
             curves.plot(*zip(*pts), label=r["recipe"])
     curves.set_xlabel("seconds since the run started (metrics.jsonl elapsed_s)")
-    curves.set_ylabel("CE on the data's tokens (logged)")
+    curves.set_ylabel("training acceptance estimate (draft tokens per block)")
     curves.grid(alpha=0.3)
     curves.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def device_name() -> str:
-    try:
-        import torch
-        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    except Exception:   # noqa: BLE001 - a label only
-        return "unknown"
-
-
-def torch_version() -> str:
-    import torch
-    return torch.__version__
 
 
 def git_rev() -> str:
