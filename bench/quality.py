@@ -85,6 +85,16 @@ def write_config(src: str, changes: dict, dst: str) -> None:
     Path(dst).write_text(yaml.safe_dump(doc, sort_keys=False))
 
 
+def stop(p: subprocess.Popen) -> None:
+    """End a job started in its own session, and everything it started: SIGTERM, then SIGKILL after 20 s."""
+    os.killpg(p.pid, 15)
+    try:
+        p.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, 9)
+        p.wait()
+
+
 class Budget:
     def __init__(self, seconds: float):
         self.end = time.monotonic() + seconds
@@ -131,12 +141,7 @@ class Bench:
             try:
                 return p.wait(timeout=max(1.0, timeout))
             except subprocess.TimeoutExpired:
-                os.killpg(p.pid, 15)
-                try:
-                    p.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    os.killpg(p.pid, 9)
-                    p.wait()
+                stop(p)
                 return None
 
     # -- parts ----------------------------------------------------------------------------------------------------
@@ -176,16 +181,7 @@ class Bench:
                 late = time.monotonic() - t0 > cap or self.budget.left() < 10
                 if p.poll() is None and not late:
                     continue
-                if p.poll() is None:
-                    os.killpg(p.pid, 15)
-                    try:
-                        p.wait(timeout=20)
-                    except subprocess.TimeoutExpired:
-                        os.killpg(p.pid, 9)
-                        p.wait()
-                    code = None
-                else:
-                    code = p.returncode
+                code = stop(p) if p.poll() is None else p.returncode
                 f.close()
                 running.remove(job)
                 self.state["commands"][key] = {"command": shlex.join(cmd[1:]), "exit": code,
