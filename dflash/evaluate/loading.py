@@ -10,12 +10,6 @@ from dflash.errors import UserError
 log = logging.getLogger("dflash.evaluate")
 
 
-def run_checkpoint(run_dir) -> Path:
-    """The checkpoint the run ended with, as its summary.json names it (checkpoint.ended_with)."""
-    from dflash.train.checkpoint import ended_with
-    return ended_with(run_dir)
-
-
 def checkpoint_step(path) -> int | None:
     from dflash.train.checkpoint import step_of
     return step_of(path)

@@ -38,7 +38,7 @@ def run(loaded, args):
     from dflash.evaluate import loading as L
     from dflash.stages import check_run_config
     from dflash.target import load_target, load_tokenizer, resolve_device, stop_token_ids
-    from dflash.train.checkpoint import load_drafter
+    from dflash.train.checkpoint import ended_with, load_drafter
 
     cfg, ev = loaded.cfg, loaded.cfg.evaluate
     run_dir = Path(args.run_dir) if args.run_dir else paths.run(cfg.results_dir, cfg.run_name)
@@ -48,7 +48,7 @@ def run(loaded, args):
         verify_file(holdout.parent, holdout.name)
     if args.same_config and not args.drafter:
         check_run_config(loaded, run_dir)
-    path = Path(args.drafter) if args.drafter else L.run_checkpoint(run_dir)
+    path = Path(args.drafter) if args.drafter else ended_with(run_dir)
     device = resolve_device(ev.device)
     tok = load_tokenizer(cfg.target)
     target = load_target(cfg.target, device=device, seed=cfg.seed)

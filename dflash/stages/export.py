@@ -28,18 +28,17 @@ def run(loaded, args):
     from dflash import paths
     from dflash.atomic import atomic_dir, read_json
     from dflash.errors import UserError
-    from dflash.evaluate import loading as L
     from dflash.evaluate.modelcard import model_card
     from dflash.model import save_drafter
     from dflash.stages import check_run_config
-    from dflash.train.checkpoint import load_drafter
+    from dflash.train.checkpoint import ended_with, load_drafter
 
     cfg = loaded.cfg
     run_dir = Path(args.run_dir) if args.run_dir else paths.run(cfg.results_dir, cfg.run_name)
     out = Path(args.out) if args.out else run_dir / "drafter"
     if args.same_config and not args.checkpoint:
         check_run_config(loaded, run_dir)
-    ckpt = Path(args.checkpoint) if args.checkpoint else L.run_checkpoint(run_dir)
+    ckpt = Path(args.checkpoint) if args.checkpoint else ended_with(run_dir)
     tpath = Path(cfg.target.path)
     if not (tpath / "config.json").is_file():
         raise UserError(f"{tpath}: target folder has no config.json (run the target stage, or set target.path)")
