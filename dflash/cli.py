@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="stage", required=True, metavar="STAGE")
     for name, help_text in STAGES.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        p.add_argument("--config", required=True, help="pipeline YAML (validated by workflow/schemas/config.schema.yaml)")
+        p.add_argument("--config", required=True, help="pipeline YAML (its keys: dflash/config_model.py)")
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config key, e.g. --set train.steps=10 (repeatable)")
         p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
