@@ -112,7 +112,8 @@ def main():
     s = SMALL
     cfg = DrafterConfig(vocab_size=512, hidden_size=s["H"], num_layers=1, num_attention_heads=s["NH"],
                         num_key_value_heads=s["NKV"], head_dim=s["D"], intermediate_size=s["I"],
-                        target_layer_ids=[1, 2, 3, 4, 5], mask_token_id=511, num_target_layers=8)
+                        target_layer_ids=[1, 2, 3, 4, 5], mask_token_id=511, num_target_layers=8,
+                        block_size=16)
     A = s["Q"] // cfg.block_size
     torch.manual_seed(0)
     pos = torch.randperm(s["S"] - 1)[:A].sort().values[None]

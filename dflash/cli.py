@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="stage", required=True, metavar="STAGE")
     for name, help_text in STAGES.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        p.add_argument("--config", required=True, help="pipeline YAML (validated by workflow/schemas/config.schema.yaml)")
+        p.add_argument("--config", required=True, help="pipeline YAML (its keys: dflash/config_model.py)")
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config key, e.g. --set train.steps=10 (repeatable)")
         p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -41,7 +41,32 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also write the log (and any traceback) to FILE; the console keeps it and progress bars")
         module = importlib.import_module(f"dflash.stages.{name}")
         module.add_arguments(p)
+    p = sub.add_parser("schema", help=SCHEMA_HELP, description=SCHEMA_HELP)
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--write", action="store_true", help=f"write it to {SCHEMA_FILE}")
+    what.add_argument("--check", action="store_true", help=f"exit 1 when {SCHEMA_FILE} differs from the models")
     return parser
+
+
+SCHEMA_FILE = "workflow/schemas/config.schema.yaml"
+SCHEMA_HELP = f"print the config's JSON schema generated from dflash/config_model.py (--write: into {SCHEMA_FILE})"
+
+
+def schema(args) -> int:
+    """`dflash schema`: the generated schema on stdout, written atomically to its file, or checked against it."""
+    from dflash.atomic import atomic_write_text
+    from dflash.config import SCHEMA_PATH, schema_text
+    text = schema_text()
+    if args.write:
+        atomic_write_text(SCHEMA_PATH, text)
+    elif args.check:
+        if not SCHEMA_PATH.is_file() or SCHEMA_PATH.read_text() != text:
+            print(f"{SCHEMA_FILE} differs from dflash/config_model.py: run `python -m dflash schema --write`",
+                  file=sys.stderr)
+            return 1
+    else:
+        sys.stdout.write(text)
+    return 0
 
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -66,6 +91,8 @@ def setup_logging(args) -> logging.Handler | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.stage == "schema":
+        return schema(args)
     handler = setup_logging(args)
     try:
         return _run(args)

@@ -1,19 +1,22 @@
-"""Config: one YAML, validated by workflow/schemas/config.schema.yaml, loaded into typed, frozen objects.
+"""Config: one YAML, resolved against the typed models of dflash/config_model.py into a frozen `DflashConfig`.
 
-The schema is the single source of truth: defaults and types come from it, and the dataclasses are built from it,
-so a key exists in exactly one place. Errors are one line naming the config file and the key.
+The models are the single source of keys, types, defaults and descriptions; `workflow/schemas/config.schema.yaml`
+is generated from them (`python -m dflash schema --write`; a test keeps the file equal to them). Errors are one line
+naming the config file and the key.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
 
 import yaml
-from jsonschema import Draft202012Validator
+from pydantic import ValidationError
+
+from dflash.config_model import DflashConfig
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEMA_PATH = REPO / "workflow" / "schemas" / "config.schema.yaml"
@@ -32,8 +35,50 @@ class ConfigError(ValueError):
     """A bad config: the message is one line naming the file and the key."""
 
 
+# ---- the JSON schema, generated from the models --------------------------------------------------------------
+# Key order of a schema node in the YAML file (any other key follows).
+_ORDER = ("$schema", "$id", "title", "type", "additionalProperties", "required", "pattern", "enum", "minimum",
+          "exclusiveMinimum", "maximum", "exclusiveMaximum", "minItems", "maxItems", "items", "default",
+          "description", "properties")
+
+
+def _plain(node, defs: dict):
+    """pydantic's schema node in the form a reader (and Snakemake's validate with defaults) takes: references
+    inlined, `anyOf [X, null]` as `type: [X, "null"]`, no generated titles, keys in _ORDER."""
+    if isinstance(node, list):
+        return [_plain(x, defs) for x in node]
+    if not isinstance(node, dict):
+        return node
+    node = dict(node)
+    if "$ref" in node:
+        node = {**defs[node.pop("$ref").rsplit("/", 1)[-1]], **node}
+    options = node.get("anyOf")
+    if options and len(options) == 2 and {"type": "null"} in options:
+        node.pop("anyOf")
+        other = _plain(next(o for o in options if o != {"type": "null"}), defs)
+        node = {**other, **node, "type": [other["type"], "null"]}
+    out = {k: _plain(v, defs) if k != "properties" else {p: _plain(s, defs) for p, s in v.items()}
+           for k, v in node.items() if k != "title" and k != "$defs"}
+    return {k: out[k] for k in sorted(out, key=lambda k: _ORDER.index(k) if k in _ORDER else len(_ORDER))}
+
+
+@functools.cache
+def json_schema() -> dict:
+    """The config's JSON schema (draft 2020-12), generated from DflashConfig: what the checked-in schema file holds."""
+    raw = DflashConfig.model_json_schema()
+    schema = _plain(raw, raw.get("$defs", {}))
+    schema["title"] = DflashConfig.model_config["title"]
+    return {k: schema[k] for k in sorted(schema, key=lambda k: _ORDER.index(k) if k in _ORDER else len(_ORDER))}
+
+
+def schema_text() -> str:
+    """The text of workflow/schemas/config.schema.yaml."""
+    return ("# GENERATED from dflash/config_model.py by `python -m dflash schema --write`: edit the models, not this "
+            "file.\n" + yaml.safe_dump(json_schema(), sort_keys=False, width=118, allow_unicode=True))
+
+
 def load_schema() -> dict:
-    return yaml.safe_load(SCHEMA_PATH.read_text())
+    return json_schema()
 
 
 class StrictLoader(yaml.SafeLoader):
@@ -84,7 +129,7 @@ def set_dotted(data: dict, overrides: dict) -> dict:
     return data
 
 
-def apply_defaults(data: Any, schema: dict) -> Any:
+def apply_defaults(data, schema: dict):
     """Fill missing keys from schema defaults, recursing into objects and arrays of objects."""
     if isinstance(data, dict) and "properties" in schema:
         for key, sub in schema["properties"].items():
@@ -101,72 +146,51 @@ def _key(path) -> str:
     return ".".join(str(p) for p in path) or "<top level>"
 
 
-def validate(data: dict, source: str = "<config>", schema: dict | None = None) -> dict:
-    """Apply defaults and validate; return the resolved dict or raise ConfigError naming the key."""
-    schema = schema or load_schema()
+# pydantic error types of a value of the wrong JSON type
+_WRONG_TYPE = {"int_type", "float_type", "string_type", "bool_type", "tuple_type", "list_type", "dict_type",
+               "model_type", "model_attributes_type", "none_required"}
+
+
+def _message(error: ValidationError, source: str) -> str:
+    """The first error in one line naming the file and the dotted key (pydantic's `loc`, less its union tags)."""
+    e = error.errors()[0]
+    path, node = [], json_schema()
+    for part in e["loc"]:
+        if isinstance(part, int) and isinstance(node.get("items"), dict):
+            node = node["items"]
+        elif isinstance(part, str) and part in node.get("properties", {}):
+            node = node["properties"][part]
+        else:
+            continue
+        path.append(part)
+    if e["type"] == "extra_forbidden":
+        allowed = ", ".join(sorted(node.get("properties", {})))
+        return f"{source}: unknown key '{_key(path + [e['loc'][-1]])}' (allowed here: {allowed})"
+    if e["type"] in _WRONG_TYPE:
+        return (f"{source}: key '{_key(path)}' must be {node.get('type')}, "
+                f"got {type(e['input']).__name__} {e['input']!r}")
+    got = "" if e["type"] == "missing" else f", got {e['input']!r}"
+    return f"{source}: key '{_key(path)}': {e['msg']}{got}"
+
+
+def resolve(data, source: str = "<config>") -> tuple[DflashConfig, dict]:
+    """(the typed config, the resolved dict: the YAML's keys as written plus every default) or ConfigError naming
+    the key. The dict is what the config hashes and what runs record."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the config must be a mapping of keys, got {type(data).__name__}")
-    data = apply_defaults(copy.deepcopy(data), schema)
-    errors = sorted(Draft202012Validator(schema).iter_errors(data), key=lambda e: (len(e.absolute_path), str(e.absolute_path)))
-    if errors:
-        e = errors[0]
-        if e.validator == "additionalProperties":
-            allowed = sorted(e.schema.get("properties", {}))
-            extra = sorted(set(e.instance) - set(allowed))
-            where = _key(list(e.absolute_path) + [extra[0]]) if extra else _key(e.absolute_path)
-            raise ConfigError(f"{source}: unknown key '{where}' (allowed here: {', '.join(allowed)})")
-        if e.validator == "type":
-            raise ConfigError(f"{source}: key '{_key(e.absolute_path)}' must be {e.validator_value}, "
-                              f"got {type(e.instance).__name__} {e.instance!r}")
-        raise ConfigError(f"{source}: key '{_key(e.absolute_path)}': {e.message}")
-    return data
-
-
-# ---- typed objects built from the schema -------------------------------------------------------------------
-_PY = {"string": str, "integer": int, "number": float, "boolean": bool, "array": list, "object": dict, "null": type(None)}
-
-
-def _annotation(sub: dict):
-    types = sub.get("type", "object")
-    types = types if isinstance(types, list) else [types]
-    out = None
-    for t in types:
-        out = _PY[t] if out is None else out | _PY[t]
-    return out
-
-
-def _class_for(name: str, schema: dict):
-    fields = []
-    for key, sub in schema["properties"].items():
-        ann = _class_for(key, sub) if "properties" in sub else _annotation(sub)
-        fields.append((key, ann))
-    cls = dataclasses.make_dataclass(name.title().replace("_", "") + "Config", fields, frozen=True)
-    cls._schema = schema
-    return cls
-
-
-def _build(cls, data: dict):
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        sub = cls._schema["properties"][f.name]
-        value = data.get(f.name)
-        if "properties" in sub and isinstance(value, dict):
-            value = _build(f.type, value)
-        elif isinstance(sub.get("items"), dict) and "properties" in sub["items"] and isinstance(value, list):
-            item_cls = _class_for(f.name, sub["items"])
-            value = tuple(_build(item_cls, v) for v in value)
-        elif isinstance(value, list):
-            value = tuple(value)
-        kwargs[f.name] = value
-    return cls(**kwargs)
+    raw = apply_defaults(copy.deepcopy(data), json_schema())
+    try:
+        return DflashConfig.model_validate(raw), raw
+    except ValidationError as e:
+        raise ConfigError(_message(e, source)) from None
 
 
 @dataclasses.dataclass(frozen=True)
 class Loaded:
     """A resolved config: the typed view (`cfg`), the plain dict (`raw`) and where it came from."""
-    cfg: Any
+    cfg: DflashConfig
     raw: dict
     source: str
 
@@ -180,9 +204,7 @@ class Loaded:
 
 
 def from_dict(data: dict, source: str = "<config>") -> Loaded:
-    schema = load_schema()
-    raw = validate(data, source, schema)
-    return Loaded(_build(_class_for("dflash", schema), raw), raw, source)
+    return Loaded(*resolve(data, source), source)
 
 
 def load(path: str | Path, overrides: dict | None = None) -> Loaded:
@@ -255,5 +277,5 @@ def for_workflow(path: str | Path, cli: dict) -> tuple[dict, list[str]]:
         if isinstance(value, str) and "." in key:
             value = yaml.safe_load(value)
         overrides[key] = value
-    resolved = validate(set_dotted(data, overrides), str(path))
+    resolved = resolve(set_dotted(data, overrides), str(path))[1]
     return resolved, [f"{k}={json.dumps(v)}" for k, v in overrides.items()]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from dflash.config_model import TargetSection
 from dflash.errors import UserError
 
 log = logging.getLogger("dflash.target")
@@ -22,14 +23,8 @@ MASK_TOKEN = "<|mask|>"
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 
 
-def _get(cfg, key, default=None):
-    if isinstance(cfg, dict):
-        return cfg.get(key, default)
-    return getattr(cfg, key, default)
-
-
-def _path(target_cfg) -> Path:
-    path = Path(_get(target_cfg, "path"))
+def _path(target_cfg: TargetSection) -> Path:
+    path = Path(target_cfg.path)
     if not path.is_dir():
         raise UserError(f"target.path {path}: no such directory (build it with the `target` stage, "
                         f"or point target.path at a transformers model folder)")
@@ -65,11 +60,11 @@ def resolve_device(name) -> str:
     return name
 
 
-def load_tokenizer(target_cfg):
+def load_tokenizer(target_cfg: TargetSection):
     from transformers import AutoTokenizer
     path = _path(target_cfg)
     try:
-        tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=bool(_get(target_cfg, "trust_remote_code", False)))
+        tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=target_cfg.trust_remote_code)
     except (OSError, ValueError) as e:
         raise UserError(f"target.path {path}: cannot load the tokenizer: {_tokenizer_fault(path, e)}") from None
     if tok.pad_token_id is None:
@@ -97,7 +92,7 @@ def _tokenizer_fault(path: Path, e: Exception) -> str:
     return " ".join(str(e).split()) + f" (the tokenizer files in {path}: copy them again from the model)"
 
 
-def load_target(target_cfg, device="cpu", dtype=None, seed=0):
+def load_target(target_cfg: TargetSection, device="cpu", dtype=None, seed=0):
     """The target in eval mode with requires_grad False, on `device` in `dtype` (default: target.dtype).
 
     A folder without weight files and `build: random` is built from its config.json with seeded random weights,
@@ -108,15 +103,15 @@ def load_target(target_cfg, device="cpu", dtype=None, seed=0):
 
     path = _path(target_cfg)
     device = resolve_device(device)
-    dtype = resolve_dtype(dtype if dtype is not None else _get(target_cfg, "dtype", "auto"), device)
-    trust = bool(_get(target_cfg, "trust_remote_code", False))
-    attn = _get(target_cfg, "attn_implementation", "sdpa") or "sdpa"
+    dtype = resolve_dtype(dtype if dtype is not None else target_cfg.dtype, device)
+    trust = target_cfg.trust_remote_code
+    attn = target_cfg.attn_implementation
     try:
         if has_weights(path):
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation=attn,
                                                          trust_remote_code=trust)
             model.to(device)
-        elif _get(target_cfg, "build") == "random":
+        elif target_cfg.build == "random":
             config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust)
             torch.manual_seed(seed)
             default_dtype = torch.get_default_dtype()
@@ -129,7 +124,7 @@ def load_target(target_cfg, device="cpu", dtype=None, seed=0):
                 torch.set_default_dtype(default_dtype)
         else:
             raise UserError(f"target.path {path}: no weight files (*.safetensors or pytorch_model*.bin) and "
-                            f"target.build is {_get(target_cfg, 'build')!r} (only `random` builds weights at load time)")
+                            f"target.build is {target_cfg.build!r} (only `random` builds weights at load time)")
     except (OSError, ValueError, KeyError) as e:
         raise UserError(f"target.path {path}: cannot load the model: {str(e).splitlines()[0]}") from None
     model.eval()

@@ -1,4 +1,5 @@
 import copy
+import json
 import subprocess
 import sys
 
@@ -173,3 +174,76 @@ def test_configfile_flags_are_read_from_the_command_line():
     argv = ["-n", "--configfile", "a.yaml", "--cores", "2", "--configfile=b.yaml", "all", "--configfiles", "c", "d"]
     assert C.configfile_flags(argv) == ["a.yaml", "b.yaml", "c", "d"]
     assert C.configfile_flags(["results/x", "--configfile", "a.yaml"]) == ["a.yaml"]
+
+
+def test_schema_file_is_generated_from_the_models(repo):
+    """workflow/schemas/config.schema.yaml is what `python -m dflash schema --write` makes of dflash/config_model.py;
+    it reads back as the models' schema, and its defaults are the typed config's defaults."""
+    assert (repo / "workflow" / "schemas" / "config.schema.yaml").read_text() == C.schema_text(), \
+        "run `python -m dflash schema --write`"
+    schema = yaml.safe_load(C.schema_text())
+    assert schema == C.json_schema()
+    train = schema["properties"]["train"]["properties"]
+    assert train["steps"] == {"type": "integer", "minimum": 1, "default": 120, "description": "Optimizer steps."}
+    assert train["gamma"]["type"] == ["number", "null"] and "$ref" not in json.dumps(schema)
+    assert schema["properties"]["drafter"]["properties"]["num_layers"]["default"] == \
+        C.from_dict({}).cfg.drafter.num_layers == 2
+
+
+def test_snakemake_validate_takes_the_generated_schema(repo):
+    """Snakemake's validate() reads the generated file as a schema: it passes a resolved config, refuses a bad one."""
+    from snakemake.exceptions import WorkflowError
+    from snakemake.utils import validate
+    path = str(repo / "workflow" / "schemas" / "config.schema.yaml")
+    validate(C.from_dict({"train": {"steps": 3}}).raw, path, set_default=False)
+    with pytest.raises(WorkflowError):
+        validate({"train": {"stepz": 3}}, path, set_default=False)
+
+
+def test_hashes_of_todays_configs_unchanged(repo):
+    """The config and result hashes of the shipped configs and of a config with integers in number keys are those of
+    the schema-built config before the typed models (commit 311df5a): a run trained then resumes, restores and compares
+    the same. A key added with a default changes every hash by design (the resolved config holds it): update the pins
+    in the commit that adds it."""
+    pins = {"config.yaml": ("69560819890f7320", "612db321259d9ead"),
+            "h200.yaml": ("096055ca2d4f8da9", "68234685777bf903"),
+            "8gpu.yaml": ("3bb8c4ca3f4611b3", "a0b6ab7299887dd5"),
+            "quality.yaml": ("d081ec7c970d4c37", "7a2492ab633afac2")}
+    for name, (h, rh) in pins.items():
+        loaded = C.load(repo / "config" / name)
+        assert (loaded.hash, loaded.result_hash) == (h, rh), name
+    inline = C.from_dict({"train": {"steps": 5, "lr": 1, "time_budget_s": 600, "targets": ["cpu"], "betas": [0.9, 1]},
+                          "data": {"sources": [{"name": "x", "path": "a.jsonl", "weight": 2}],
+                                   "regenerate": {"timeout_s": 30}},
+                          "report": {"min_utilisation": 50}, "drafter": {"target_layer_ids": [0, 2]}})
+    assert (inline.hash, inline.result_hash) == ("a91ee2429a95bfea", "40c1250683fbcf0f")
+    assert json.dumps(inline.raw["train"]["betas"]) == "[0.9, 1]" and inline.cfg.train.betas == (0.9, 1)
+    assert type(inline.cfg.train.time_budget_s) is int and type(inline.cfg.train.stall_timeout_s) is int   # as written
+    assert type(C.from_dict({"train": {"lr": 0.001}}).cfg.train.lr) is float
+
+
+def test_typed_config_is_frozen_and_refuses_what_the_schema_refuses(tmp_path):
+    cfg = C.from_dict({}).cfg
+    with pytest.raises(Exception, match="frozen"):
+        cfg.train.steps = 3
+    for data, message in (
+            ({"train": {"drafters": [0]}}, r"key 'train\.drafters\.0' must be string, got int 0"),
+            ({"train": {"steps": 0}}, r"key 'train\.steps': Input should be greater than or equal to 1, got 0"),
+            ({"train": {"steps": "5"}}, r"key 'train\.steps' must be integer, got str '5'"),
+            ({"train": {"profile": 3}}, r"key 'train\.profile' must be \['object', 'null'\], got int 3"),
+            ({"train": {"profile": {"stepz": 1}}}, r"unknown key 'train\.profile\.stepz' \(allowed here: out, "),
+            ({"drafter": {"layer_types": ["full"]}},
+             r"key 'drafter\.layer_types\.0': Input should be 'full_attention'"),
+            ({"data": {"sources": [{"name": "x"}]}}, r"key 'data\.sources\.0\.path': Field required$"),
+            ({"strict_env": 1}, r"key 'strict_env' must be boolean, got int 1"),
+            ({"train": 5}, r"key 'train' must be object, got int 5")):
+        with pytest.raises(C.ConfigError, match=message):
+            C.from_dict(data, str(tmp_path / "c.yaml"))
+
+
+def test_schema_command_writes_and_checks(tmp_path, repo, monkeypatch):
+    from dflash import cli
+    monkeypatch.setattr(C, "SCHEMA_PATH", tmp_path / "schema.yaml")
+    assert cli.main(["schema", "--check"]) == 1
+    assert cli.main(["schema", "--write"]) == 0 and (tmp_path / "schema.yaml").read_text() == C.schema_text()
+    assert cli.main(["schema", "--check"]) == 0

@@ -37,13 +37,15 @@ def test_sliding_window_alone_slides_every_layer_and_round_trips(tmp_path):
     """drafter.sliding_window W with layer_types null: every layer slides with window W, exactly the explicit layout
     [sliding_attention] * n (same masks, same outputs, not the full layout's); an explicit layer_types still wins;
     the export writes the explicit layout and reads it back."""
-    from types import SimpleNamespace
+    from transformers import Qwen3Config
+
     from dflash.model.attention import make_mask
     SW, FA = "sliding_attention", "full_attention"
     alone, explicit, full = tiny_cfg(sliding_window=5), tiny_cfg(layer_types=[SW, SW], sliding_window=5), tiny_cfg()
     assert alone == explicit and alone.layer_types == [SW, SW] and alone.windows() == (5,)
-    target = SimpleNamespace(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                             intermediate_size=48, num_hidden_layers=6, vocab_size=97)
+    target = Qwen3Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         intermediate_size=48, num_hidden_layers=6, vocab_size=97, rms_norm_eps=1e-6,
+                         rope_theta=10000.0, max_position_embeddings=512)
     section = {"num_layers": 2, "block_size": 4, "target_layer_ids": [0, 2, 3], "mask_token_id": 96,
                "sliding_window": 5, "layer_types": None}                 # the YAML's drafter section
     assert DrafterConfig.from_target(target, section).layer_types == [SW, SW]
@@ -135,8 +137,24 @@ def test_from_target_takes_null_sizes_from_the_target():
     with pytest.raises(ValueError, match="mask"):
         DrafterConfig.from_target(target, sec, mask_token_id=None)
     # the typed config section of the pipeline works too
-    pytest.importorskip("jsonschema")
     from dflash.config import from_dict
     typed = from_dict({"drafter": {"num_layers": 2, "target_layer_ids": [0, 11]}}).cfg.drafter
     cfg2 = DrafterConfig.from_target(target, typed, mask_token_id=5)
     assert cfg2.target_layer_ids == [0, 11] and cfg2.num_layers == 2 and cfg2.block_size == 16
+
+
+def test_from_target_takes_the_config_defaults_for_keys_left_out():
+    """A drafter section that leaves out num_layers, block_size and num_target_layers gets the config's defaults
+    (dflash/config_model.py: 2 layers, block 16, 5 target layers), never numbers restated in code."""
+    from transformers import Qwen3Config
+
+    from dflash.config_model import DrafterSection
+    target = Qwen3Config(vocab_size=300, hidden_size=64, num_hidden_layers=12, num_attention_heads=8,
+                         num_key_value_heads=4, head_dim=16, intermediate_size=200)
+    cfg = DrafterConfig.from_target(target, {}, mask_token_id=299)
+    want = DrafterSection()
+    assert (cfg.num_layers, cfg.block_size, len(cfg.target_layer_ids)) == \
+        (want.num_layers, want.block_size, want.num_target_layers) == (2, 16, 5)
+    assert DrafterConfig.from_target(target, None, mask_token_id=299) == cfg
+    with pytest.raises(Exception, match="num_layers"):           # a dict is read as the section: typed, strict
+        DrafterConfig.from_target(target, {"num_layers": "2"}, mask_token_id=299)

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from conftest_data import build_tiny_target, target_section
 from dflash.cli import main
+from dflash.run_summary import RunSummary
 
 REPO = Path(__file__).resolve().parent.parent
 _DATA: dict = {}
@@ -71,6 +72,7 @@ def test_two_replicas_train_in_lockstep(tmp_path):
     cfg = prepared(tmp_path)
     train_ok(cfg)
     s = json.loads((run_dir(cfg) / "summary.json").read_text())
+    RunSummary.model_validate(s)                                      # exactly dflash/run_summary.py's keys and types
     assert s["status"] == "completed" and s["steps"] == 12 and s["measured_steps"] == 10
     assert s["replicas_identical"] is True and len(s["replica_checksums"]) == 2
     assert s["throughput"]["ktok_per_s"] > 0 and s["compile"]["recompiles_after_warmup"] == 0

@@ -8,6 +8,7 @@ import pytest
 import torch
 import yaml
 
+from dflash.config_model import TargetSection
 from dflash.target import load_target
 from dflash.train.features import LayerCapture
 from test_train import dflash, prepared, run_dir, train_ok
@@ -31,7 +32,7 @@ def check(tmp_path, device: str, tol: float, **train):
     assert comp["graphs"] == sum(w["graphs"] for w in comp["per_device"])
     assert comp["recompiles_after_warmup"] == 0 and comp["eager_fallbacks"] == 0
 
-    section = yaml.safe_load(cfg.read_text())["target"]
+    section = TargetSection.model_validate(yaml.safe_load(cfg.read_text())["target"])
     dev = torch.device(device)
     ids = torch.randint(0, 300, (2, 64), generator=torch.Generator().manual_seed(3)).to(dev)
     for layer_ids, modules in (([0, 1], 3), ([0], 1)):   # [0]: a pre-hook on the uncompiled layer 1 stops the forward

@@ -1,12 +1,14 @@
 """README.md model card of an exported drafter."""
 from __future__ import annotations
 
+from dflash.config_model import DflashConfig
+
 
 def _fmt(x, spec=".3f"):
     return "n/a" if x is None else format(x, spec)
 
 
-def model_card(cfg, target_config, dcfg, checkpoint, summary, acceptance, manifest, config_json) -> str:
+def model_card(cfg: DflashConfig, target_config, dcfg, checkpoint, summary, acceptance, manifest, config_json) -> str:
     tput = (summary or {}).get("throughput") or {}
     tau = (acceptance or {}).get("tau")
     arch = (getattr(target_config, "architectures", None) or [getattr(target_config, "model_type", "?")])[0]

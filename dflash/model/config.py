@@ -7,7 +7,12 @@ The reference format (z-lab `dflash` 0.1.0, `DFlashDraftModel`) is a Qwen3 confi
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from dflash.config_model import DrafterSection
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -29,20 +34,12 @@ def default_gamma(block_size: int) -> float:
     return 7.0 * (block_size - 1) / 15.0
 
 
-def _get(obj, key, default=None):
-    if obj is None:
-        return default
-    if isinstance(obj, dict):
-        return obj.get(key, default)
-    return getattr(obj, key, default)
-
-
-def _rope_theta(hf) -> float:
-    rp = _get(hf, "rope_parameters") or _get(hf, "rope_scaling") or {}
-    theta = _get(rp, "rope_theta") if isinstance(rp, dict) else None
-    if theta is None:
-        theta = _get(hf, "rope_theta", 10000.0)
-    return float(theta)
+def _rope_theta(d: dict) -> float:
+    """The RoPE base of an HF config as a dict: `rope_parameters` (transformers 5), `rope_scaling`, or the older
+    top-level `rope_theta` (the transformers default 10000 when none is given)."""
+    rp = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    theta = rp.get("rope_theta") if isinstance(rp, dict) else None
+    return float(theta if theta is not None else d.get("rope_theta", 10000.0))
 
 
 def _layer_layout(d: dict, num_layers: int) -> tuple[list[str] | None, int | None]:
@@ -81,7 +78,7 @@ class DrafterConfig:
     target_layer_ids: list[int]
     mask_token_id: int
     num_target_layers: int                 # decoder layers of the TARGET (config.json `num_target_layers`)
-    block_size: int = 16
+    block_size: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     max_position_embeddings: int = 40960
@@ -129,47 +126,42 @@ class DrafterConfig:
 
     # ---- construction --------------------------------------------------------------------------------------
     @classmethod
-    def from_target(cls, target_config, drafter_section=None, mask_token_id: int | None = None) -> "DrafterConfig":
-        """Sizes left null in `drafter_section` (the typed `cfg.drafter` or a dict) come from the target's HF
-        config; hidden_size must equal the target's (the embedding and LM head are shared)."""
-        sec = drafter_section
-        t_hidden = int(_get(target_config, "hidden_size"))
-        hidden = _get(sec, "hidden_size")
-        if hidden is not None and int(hidden) != t_hidden:
-            raise ValueError(f"drafter.hidden_size {hidden} must equal the target's hidden_size {t_hidden} "
-                             "(the drafter uses the target's embedding and LM head)")
-        heads = _get(sec, "num_attention_heads") or _get(target_config, "num_attention_heads")
-        kv_heads = _get(sec, "num_key_value_heads") or _get(target_config, "num_key_value_heads") or heads
-        head_dim = (_get(sec, "head_dim") or _get(target_config, "head_dim") or t_hidden // int(heads))
-        num_layers = int(_get(sec, "num_layers", 5) or 5)
-        L = int(_get(target_config, "num_hidden_layers"))
-        ids = _get(sec, "target_layer_ids")
-        if ids is None:
-            ids = default_target_layer_ids(L, int(_get(sec, "num_target_layers", 5) or 5))
-        mask_id = _get(sec, "mask_token_id")
-        if mask_id is None:
-            mask_id = mask_token_id
+    def from_target(cls, target_config: PretrainedConfig, drafter: DrafterSection | dict | None = None,
+                    mask_token_id: int | None = None) -> "DrafterConfig":
+        """The drafter of the config's `drafter` section (a dict is read as that section: its missing keys take the
+        section's defaults) for a target of `target_config` (its HF config): sizes left null come from the target;
+        hidden_size must equal the target's (the embedding and LM head are shared)."""
+        sec = drafter if isinstance(drafter, DrafterSection) else DrafterSection.model_validate(drafter or {})
+        t = target_config
+        if sec.hidden_size is not None and sec.hidden_size != t.hidden_size:
+            raise ValueError(f"drafter.hidden_size {sec.hidden_size} must equal the target's hidden_size "
+                             f"{t.hidden_size} (the drafter uses the target's embedding and LM head)")
+        heads = sec.num_attention_heads or t.num_attention_heads
+        mask_id = sec.mask_token_id if sec.mask_token_id is not None else mask_token_id
         if mask_id is None:
             raise ValueError("drafter.mask_token_id is null and no mask token id was given (the tokenizer needs "
                              "a mask token)")
-        layer_types = _get(sec, "layer_types")
+        ids = sec.target_layer_ids
+        if ids is None:
+            ids = default_target_layer_ids(t.num_hidden_layers, sec.num_target_layers)
         return cls(
-            vocab_size=int(_get(target_config, "vocab_size")),
-            hidden_size=t_hidden,
-            num_layers=num_layers,
-            num_attention_heads=int(heads),
-            num_key_value_heads=int(kv_heads),
-            head_dim=int(head_dim),
-            intermediate_size=int(_get(sec, "intermediate_size") or _get(target_config, "intermediate_size")),
+            vocab_size=t.vocab_size,
+            hidden_size=t.hidden_size,
+            num_layers=sec.num_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=sec.num_key_value_heads or t.num_key_value_heads,
+            # head_dim: not every architecture's config has one (hidden / heads then)
+            head_dim=sec.head_dim or getattr(t, "head_dim", None) or t.hidden_size // heads,
+            intermediate_size=sec.intermediate_size or t.intermediate_size,
             target_layer_ids=list(ids),
             mask_token_id=int(mask_id),
-            num_target_layers=L,
-            block_size=int(_get(sec, "block_size", 16) or 16),
-            rms_norm_eps=float(_get(target_config, "rms_norm_eps", 1e-6)),
-            rope_theta=_rope_theta(target_config),
-            max_position_embeddings=int(_get(target_config, "max_position_embeddings", 40960)),
-            layer_types=list(layer_types) if layer_types is not None else None,
-            sliding_window=_get(sec, "sliding_window"),
+            num_target_layers=t.num_hidden_layers,
+            block_size=sec.block_size,
+            rms_norm_eps=float(t.rms_norm_eps),
+            rope_theta=_rope_theta(t.to_dict()),
+            max_position_embeddings=t.max_position_embeddings,
+            layer_types=list(sec.layer_types) if sec.layer_types is not None else None,
+            sliding_window=sec.sliding_window,
         )
 
     # ---- reference config.json ----------------------------------------------------------------------------

@@ -2,10 +2,11 @@
 anomalies, plots, report.md."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+
+from dflash.config_model import ReportSection
 
 log = logging.getLogger("dflash.report")
 
@@ -24,7 +25,7 @@ class Result:
         return self.records[-1] if self.records else None
 
 
-def build(runs_dir: str | Path, out: str | Path, settings) -> Result:
+def build(runs_dir: str | Path, out: str | Path, settings: ReportSection) -> Result:
     """Read run folders, record new runs and re-evaluations in the history, and write history.csv, regressions.json,
     the plots, report.md. `settings`: the config's `report` section."""
     from dflash.atomic import atomic_write_json, atomic_write_text
@@ -39,7 +40,7 @@ def build(runs_dir: str | Path, out: str | Path, settings) -> Result:
     split = placement.suggest(runs[-1].snapshot) if runs else None
     latest = records[-1] if records else {}
     atomic_write_json(out / "regressions.json", {
-        "settings": dataclasses.asdict(settings),
+        "settings": settings.model_dump(),
         "latest": latest.get("run_id"),
         "latest_run_name": latest.get("run_name"),
         "latest_verdict": latest.get("verdict"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dflash.config_model import ReportSection
 from dflash.report.history import Run
 from dflash.report.placement import gpu_roles
 from dflash.report.regress import changed_text
@@ -53,7 +54,7 @@ def _quality_cell(rec: dict) -> str:
     return q["verdict"] + (f" ({q['change']:+.3f})" if q["change"] is not None else "")
 
 
-def _quality(records: list[dict], settings) -> list[str]:
+def _quality(records: list[dict], settings: ReportSection) -> list[str]:
     """The Quality section: the rule, then each quality regression or improvement, then the re-evaluated runs."""
     lines = ["## Quality (tau)", "",
              f"tau is the acceptance length at temperature 0 (acceptance.json), the latest evaluation of each run. A tau "
@@ -72,8 +73,8 @@ def _quality(records: list[dict], settings) -> list[str]:
     return lines + [""]
 
 
-def render(runs: list[Run], records: list[dict], plots: dict[str, Path], out: Path, settings, skipped: list[dict],
-           placement: dict | None = None) -> str:
+def render(runs: list[Run], records: list[dict], plots: dict[str, Path], out: Path, settings: ReportSection,
+           skipped: list[dict], placement: dict | None = None) -> str:
     lines = ["# dflash report: throughput and quality", ""]
     if not records:
         lines += ["No runs in the history yet.", ""]

@@ -12,6 +12,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from dflash.config_model import ReportSection  # noqa: E402
 from dflash.report.history import TIME_KEYS, Run, to_float  # noqa: E402
 
 log = logging.getLogger("dflash.report")
@@ -228,7 +229,7 @@ def training_latest(run: Run | None, path: Path) -> Path:
     return _save(fig, path)
 
 
-def make_all(runs: list[Run], records: list[dict], settings, out: Path) -> dict[str, Path]:
+def make_all(runs: list[Run], records: list[dict], settings: ReportSection, out: Path) -> dict[str, Path]:
     latest = runs[-1] if runs else None
     return {
         "ktok": ktok_history(runs, records, out / PLOTS["ktok"]),

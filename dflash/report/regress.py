@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dflash.config import UNHASHED
+from dflash.config_model import ReportSection
 from dflash.errors import UserError
 from dflash.report.history import Run, evaluation_settings, to_float
 
@@ -35,7 +36,7 @@ DATA_SKIP = ("created_at", "content_hash", "length_histogram", "buckets", "regen
 ALWAYS_REGRESSION = -0.5        # a Ktok/s change at or below this is a regression whatever the threshold
 
 
-def check(settings) -> None:
+def check(settings: ReportSection) -> None:
     """Refuse report settings whose cap is narrower than their floor (the `report` section of the config)."""
     for floor, cap in (("threshold", "threshold_cap"), ("tau_threshold", "tau_threshold_cap")):
         if getattr(settings, cap) > getattr(settings, floor):
@@ -396,7 +397,7 @@ def judge(i: int, runs: list[Run], metric: Metric, st, outliers: set[str]) -> di
     return out
 
 
-def evaluate(runs: list[Run], st) -> list[dict]:
+def evaluate(runs: list[Run], st: ReportSection) -> list[dict]:
     """One record per run (history order) for regressions.json: throughput at the top level, quality under
     `quality`, `regressed` naming which of the two regressed."""
     throughput, quality = metrics_of(st)

@@ -3,9 +3,10 @@
 Stage modules stay thin and import the heavy machinery (torch, transformers) inside `run`, so that
 `python -m dflash --help` is instant.
 """
+from dflash.config import Loaded, result_hash
 
 
-def check_run_config(loaded, run_dir) -> None:
+def check_run_config(loaded: Loaded, run_dir) -> None:
     """Refuse a run folder trained with another config, e.g. by hand with `--set train.steps=50`: its drafter must
     not be evaluated, exported or reported as this config's run. Only keys that change the trained drafter count
     (dflash.config.result_hash): names, report and evaluate settings and the operational train keys never refuse
@@ -13,7 +14,6 @@ def check_run_config(loaded, run_dir) -> None:
     import json
     from pathlib import Path
 
-    from dflash.config import result_hash
     from dflash.errors import UserError
 
     path = Path(run_dir, "summary.json")

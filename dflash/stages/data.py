@@ -10,6 +10,8 @@ so a rerun after a kill regenerates only what no chunk holds.
 """
 import logging
 
+from dflash.config import Loaded
+
 log = logging.getLogger("dflash.data")
 
 
@@ -36,7 +38,7 @@ def _shard(text):
     return i, n
 
 
-def run(loaded, args):
+def run(loaded: Loaded, args) -> int:
     from dflash import paths
     from dflash.atomic import atomic_dir
     from dflash.config import REPO, inside

@@ -1,6 +1,7 @@
 """Stage `env`: check the running environment against envs/ and write results/env/fingerprint.json."""
 import logging
 
+from dflash.config import Loaded
 from dflash.errors import UserError
 
 log = logging.getLogger("dflash.env")
@@ -10,7 +11,7 @@ def add_arguments(p):
     p.add_argument("--out", default=None, help="fingerprint JSON (default: <results_dir>/env/fingerprint.json)")
 
 
-def run(loaded, args):
+def run(loaded: Loaded, args) -> int:
     from dflash import fingerprint, paths
     from dflash.atomic import atomic_write_json
 

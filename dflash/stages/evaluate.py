@@ -6,6 +6,8 @@ speculative output token-identical to plain greedy decoding), per prompt set. Th
 """
 import logging
 
+from dflash.config import Loaded
+
 log = logging.getLogger("dflash.evaluate")
 
 
@@ -22,7 +24,7 @@ def add_arguments(p):
                    help="refuse a run trained with another config, e.g. by hand with --set (the workflow passes it)")
 
 
-def run(loaded, args):
+def run(loaded: Loaded, args) -> int:
     import datetime
     from pathlib import Path
 

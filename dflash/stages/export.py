@@ -3,6 +3,8 @@ z-lab `dflash` 0.1.0 `DFlashDraftModel`, SGLang and vLLM load it) plus a README.
 results/runs/<run>/drafter/ (written in one rename)."""
 import logging
 
+from dflash.config import Loaded
+
 log = logging.getLogger("dflash.export")
 
 
@@ -18,7 +20,7 @@ def add_arguments(p):
                    help="cast the weights (default: as trained)")
 
 
-def run(loaded, args):
+def run(loaded: Loaded, args) -> int:
     import shutil
     from pathlib import Path
 

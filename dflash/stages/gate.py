@@ -6,6 +6,7 @@ import logging
 import sys
 from pathlib import Path
 
+from dflash.config import Loaded
 from dflash.errors import UserError
 
 log = logging.getLogger("dflash.report")
@@ -35,7 +36,7 @@ def regressed(record: dict | None) -> list[str]:
     return ["throughput"] if record.get("verdict") == "regression" else []
 
 
-def run(loaded, args):
+def run(loaded: Loaded, args) -> int:
     from dflash.atomic import atomic_write_json
     from dflash import paths
 

@@ -3,6 +3,8 @@
 It exits 0 whatever the verdict (so Snakemake keeps every output); the `gate` stage fails on a regression."""
 import logging
 
+from dflash.config import Loaded
+
 log = logging.getLogger("dflash.report")
 
 
@@ -13,7 +15,7 @@ def add_arguments(p):
                         "(default: <results_dir>/report)")
 
 
-def run(loaded, args):
+def run(loaded: Loaded, args) -> int:
     from dflash import paths
     from dflash.report import build
 

@@ -4,6 +4,7 @@ atomically. `build: none` has nothing to build."""
 import json
 import logging
 
+from dflash.config import Loaded
 from dflash.errors import UserError
 
 log = logging.getLogger("dflash.target")
@@ -37,7 +38,7 @@ def check_out(out, results_dir) -> None:
                           f"with target.build: none)") from None
 
 
-def run(loaded, args):
+def run(loaded: Loaded, args) -> int:
     from dflash.atomic import atomic_dir
     from dflash.data.code_target import build_code_target
     from dflash.data.tiny_target import build_target

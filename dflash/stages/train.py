@@ -2,6 +2,8 @@
 import logging
 import os
 
+from dflash.config import Loaded
+
 log = logging.getLogger("dflash.train")
 
 
@@ -14,7 +16,7 @@ def add_arguments(p):
                         "workflow passes it when train is forced (snakemake -R train, --forceall)")
 
 
-def run(loaded, args):
+def run(loaded: Loaded, args) -> int:
     cfg = loaded.cfg
     if cfg.train.expandable_segments:
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")

@@ -4,6 +4,9 @@ train.compile_target, the target's captured layers for every bucket (a device ru
 results/compile/<device>.json."""
 import logging
 
+from dflash.config import Loaded
+from dflash.config_model import TrainSection
+
 log = logging.getLogger("dflash.warmup")
 
 
@@ -13,7 +16,7 @@ def add_arguments(p):
     p.add_argument("--out", default=None, help="record JSON (default: <results_dir>/compile/<device>.json)")
 
 
-def warmup_device(spec: str, train_cfg):
+def warmup_device(spec: str, train_cfg: TrainSection):
     """--device (cpu, cuda:N, N or the file form cudaN) -> torch.device, checked before anything loads.
 
     Inductor's persistent cache is keyed by the CUDA device index: the FX-graph key hashes the example inputs'
@@ -47,7 +50,7 @@ def warmup_device(spec: str, train_cfg):
     return P.parse_device(s)
 
 
-def run(loaded, args):
+def run(loaded: Loaded, args) -> int:
     import gc
 
     import torch

@@ -5,6 +5,7 @@ import logging
 from datetime import datetime, timezone
 
 from dflash.atomic import atomic_write_json
+from dflash.run_summary import RunSummary
 from dflash.train import checkpoint, compile_guard
 from dflash.train.context import data_summary, git_state, read_manifest
 
@@ -60,6 +61,7 @@ def write(ctx, metrics, workers: list[dict], status: str, devices: list[dict], c
         "queue_depth_mean": (sum(r["queue_depth"] for r in rows) / len(rows)) if rows else None,
         "checkpoint": checkpoint.describe(ctx.run_dir, metrics.step),   # what evaluate and export read, exactly
     }
+    RunSummary.model_validate(summary)   # exactly the keys and types dflash/run_summary.py describes
     atomic_write_json(ctx.run_dir / "summary.json", summary)
     if status == "completed" and summary["checkpoint"]:   # a rerun of this finished run restores these outputs
         checkpoint.record_finished(ctx.run_dir, summary["checkpoint"])

@@ -1,0 +1,135 @@
+"""summary.json, the record a training run leaves: one typed description for its writer (train/summary.py), its reader
+(report/history.py) and the docs (docs/architecture.md, checked against it by a test).
+
+`RunSummary` is every key the writer writes, with its meaning; `SummaryCore` is the part the report needs, which a
+summary of any age must hold (older ones may lack the rest, and keys added later).
+"""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Read(BaseModel):
+    """The reader's view: strict types (no "12" for 12), other keys kept."""
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+# The writer's record: exactly these keys.
+WRITTEN = ConfigDict(strict=True, extra="forbid")
+
+
+class GitCore(_Read):
+    commit: str | None = Field(description="HEAD of the checkout that ran (null outside a git checkout).")
+
+
+class ThroughputCore(_Read):
+    ktok_per_s: float | None = Field(description=(
+        "Trained Ktok/s: unpadded sequence tokens consumed by optimizer steps per wall second after the warm-up "
+        "(null: too few steps to measure, or a diverged or non-finite run)."))
+
+
+class SummaryCore(_Read):
+    run_id: str = Field(description="`<run_name>-<start time, UTC>`: the run's key in the history.")
+    started_at: str = Field(description="ISO-8601 start time.")
+    status: str = Field(description="completed, interrupted or failed.")
+    git: GitCore = Field(description="The checkout: `commit`, `dirty` (uncommitted changes to tracked files).")
+    config_hash: str = Field(description="dflash.config.config_hash of `config` (16 hex).")
+    config: dict = Field(description="The resolved config (the YAML's keys plus every default).")
+    env_hash: str = Field(description="Hash of the environment fingerprint (16 hex).")
+    env: dict = Field(description="The environment fingerprint (results/env/fingerprint.json).")
+    data_hash: str | None = Field(description="The dataset manifest's content hash (null without one).")
+    data: dict = Field(description=(
+        "The manifest's content_hash, num_samples, total_tokens, supervised_tokens, buckets, length_histogram, "
+        "bucket_edges, max_length, truncation."))
+    throughput: ThroughputCore = Field(description="Throughput figures (`Throughput`).")
+
+
+class Git(GitCore):
+    model_config = WRITTEN
+
+    dirty: bool | None = Field(description="Uncommitted changes to tracked files (null outside a git checkout).")
+
+
+class Throughput(ThroughputCore):
+    model_config = WRITTEN
+
+    samples_per_s: float | None = Field(description="Sequences per second, measured as ktok_per_s.")
+    draft_positions_per_s: float | None = Field(description="Scored block positions per second.")
+    measured_seconds: float | None = Field(description="The wall seconds measured (after the warm-up).")
+    mfu: float | None = Field(description="Model FLOPs utilisation against the measured matmul ceiling (null on CPU).")
+    mfu_target: float | None = Field(description="The target's share of mfu.")
+    mfu_drafter: float | None = Field(description="The drafter's share of mfu.")
+
+
+class Compile(BaseModel):
+    model_config = WRITTEN
+
+    graphs: int = Field(description="Graphs compiled in the warm-up (every part, every device).")
+    warmup_s: float = Field(description="Seconds of the warm-up.")
+    cache_hits: int = Field(description="Compile-cache hits in the warm-up.")
+    recompiles_after_warmup: int = Field(description="Graphs compiled after the warm-up (0 in a healthy run).")
+    eager_fallbacks: int = Field(description="Compiled calls that fell back to eager.")
+    per_device: list[dict] = Field(description=(
+        "One warm-up record per part and device (`role` drafter or target, `shapes` [{batch, length, seconds}], "
+        "`graphs`, `cache_hits`, `cache_misses`, `seconds`, `compiled`), as results/compile/<device>.json's."))
+
+
+class CheckpointRef(BaseModel):
+    model_config = WRITTEN
+
+    path: str = Field(description="The checkpoint folder, relative to the run folder.")
+    step: int = Field(description="Its step.")
+    manifest: str = Field(description="xxh3_128 of its manifest.json.")
+
+
+class RunSummary(SummaryCore):
+    model_config = WRITTEN
+
+    run_name: str = Field(description="train's run_name.")
+    finished_at: str = Field(description="ISO-8601 time the summary was written.")
+    failure: dict | None = Field(description=(
+        "What stopped a failed run: {kind: diverged, non_finite, worker, stall or not_ready; worker; message}."))
+    resumed_from_step: int | None = Field(description="The checkpoint step this process resumed from (null: none).")
+    git: Git = Field(description="The checkout (`Git`).")
+    runtime: str = Field(description="threads or distributed.")
+    attention: str = Field(description="flex, sdpa or eager.")
+    steps: int = Field(description="Optimizer steps done.")
+    measured_steps: int = Field(description="Steps that count towards Ktok/s (after train.warmup_steps_excluded).")
+    finished: bool = Field(description="The run reached train.steps or its time budget: a rerun trains a new run.")
+    finished_by: str | None = Field(description="steps, time_budget, or null (not finished).")
+    train_seconds: float = Field(description=(
+        "Training time after the warm-up that the replicas agreed on, summed over resumes (what the time budget "
+        "counts)."))
+    time_budget_s: float | None = Field(description="train.time_budget_s, null without one.")
+    seconds_to_first_step: float | None = Field(description="Seconds from start to the first optimizer step.")
+    throughput: Throughput = Field(description="Throughput figures (`Throughput`).")
+    time_split_s: dict[str, float | None] = Field(description=(
+        "Mean seconds per optimizer step of queue_wait, target, drafter, optimizer, seen by drafter replica 0 (on a "
+        "shared GPU the parts overlap, so they can add up to more than the step)."))
+    loss: float | None = Field(description=(
+        "Weighted mean loss over every scored position of the last logging interval (global normalisation)."))
+    ce: float | None = Field(description="Its cross-entropy term (against the data's tokens).")
+    kl: float | None = Field(description="Its KL term (to the target's distribution); null unless train.objective "
+                             "is kl or ce+kl.")
+    acc_per_position: list[float] | None = Field(description="Top-1 accuracy per block position k = 1..B-1.")
+    acceptance_estimate: float | None = Field(description="Expected accepted prefix estimated from the accuracies.")
+    workers: list[dict] = Field(description="One row per worker: name, role, device, steps, ready_s, ...")
+    devices: list[dict] = Field(description="One row per device: device, roles, peak_memory_gb, util_mean, ...")
+    compile: Compile = Field(description="Compile counters (`Compile`).")
+    replica_checksums: list[int] | None = Field(description=(
+        "Each replica's exact weight checksum at the end (the sum of int64 sums of the weights' bit patterns)."))
+    replicas_identical: bool | None = Field(description="All replica checksums equal (null: none taken).")
+    check_every: int = Field(description="train.check_every of the divergence guard.")
+    diverged: dict | None = Field(description="{step, replicas} of a divergence, else null.")
+    queue_depth_mean: float | None = Field(description="Mean feature-queue depth over the logged rows.")
+    checkpoint: CheckpointRef | None = Field(description=(
+        "The checkpoint the run ended with (null: none at its last step); evaluate and export read exactly it."))
+
+
+def key_table() -> str:
+    """The docs' table of summary.json's keys (docs/architecture.md holds it between its `summary-keys` markers)."""
+    rows = ["| key | meaning |", "| --- | --- |"]
+    for prefix, model in (("", RunSummary), ("git.", Git), ("throughput.", Throughput), ("compile.", Compile),
+                          ("checkpoint.", CheckpointRef)):
+        rows += [f"| `{prefix}{key}` | {field.description} |" for key, field in model.model_fields.items()]
+    return "\n".join(rows) + "\n"
