@@ -233,7 +233,8 @@ def test_snakemake_scatters_into_shards_and_gathers(tmp_path):
 def test_static_decoder_and_auto_batch_give_the_greedy_turns_of_generate(talking_target):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash.data.expand import prompt_ids, regenerate
+    from dflash.data.generate import regenerate
+    from dflash.data.tokenise import prompt_ids
     tok = AutoTokenizer.from_pretrained(str(talking_target))
     model = AutoModelForCausalLM.from_pretrained(str(talking_target)).eval()
     prompts = [prompt_ids(tok, r["messages"][:1])[k:] for k, r in zip([0, 3, 5, 0, 9, 2, 7], good_rows(7))]
@@ -260,7 +261,8 @@ def test_static_decoder_cuda_graph_gives_the_greedy_turns_of_generate(talking_ta
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash.data import decode
-    from dflash.data.expand import prompt_ids, regenerate
+    from dflash.data.generate import regenerate
+    from dflash.data.tokenise import prompt_ids
     tok = AutoTokenizer.from_pretrained(str(talking_target))
     model = AutoModelForCausalLM.from_pretrained(str(talking_target)).cuda().eval()
     prompts = [prompt_ids(tok, r["messages"][:1])[k:] for k, r in zip([0, 3, 5, 0, 9, 2, 7, 1], good_rows(8))]
