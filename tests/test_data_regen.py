@@ -278,6 +278,7 @@ def test_a_refused_request_is_one_line_naming_the_server(tmp_path, talking_targe
                tmp_path / "o", progress=False, cache_dir=tmp_path / "c")
 
 
+@pytest.mark.slow
 def test_snakemake_runs_two_data_shards_to_the_hash_of_one(tmp_path, talking_target):
     """The real rules: 2 `data_part` jobs (each its log and benchmark, gpu=0 on CPU) and the gather, through
     Snakemake with --resources gpu=0; both shards do work, and the manifest (content hash, per-source counts, with a
@@ -285,7 +286,7 @@ def test_snakemake_runs_two_data_shards_to_the_hash_of_one(tmp_path, talking_tar
     import yaml
     from dflash.cli import main
     from test_workflow import copy_repo, snakemake
-    src = write_jsonl(tmp_path / "a.jsonl", good_rows(12) + good_rows(4, tag="x"))
+    src = write_jsonl(tmp_path / "a.jsonl", good_rows(8) + good_rows(2, tag="x"))
     res = tmp_path / "res"
     data = {"builtin_corpus": {"enabled": False}, "holdout": 2, "min_supervised_blocks": 1, "max_length": 256,
             "bucket_edges": [64, 128, 256], "sources": [{"name": "a", "path": src, "weight": 1.5}], "shards": 2,
