@@ -5,6 +5,8 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 CORES  ?= all
 CONFIG ?= config/config.yaml
+INTEROP_VENV  := .venv-interop
+INTEROP_STAMP := $(INTEROP_VENV)/.installed
 
 .PHONY: demo test venv lint clean-results interop
 
@@ -22,9 +24,10 @@ $(STAMP): envs/requirements.txt pyproject.toml
 demo: $(STAMP)
 	$(BIN)/snakemake --cores $(CORES) $(if $(filter-out config/config.yaml,$(CONFIG)),--configfile $(CONFIG))
 
-test: $(STAMP)
-	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python -m pytest -q tests
-	$(MAKE) --no-print-directory interop
+# The interop check runs once, inside the suite (tests/test_evaluate_interop.py, the same check as `make interop`):
+# its side venv is built first, and DFLASH_INTEROP=required makes a missing or broken one a failure, not a skip.
+test: $(STAMP) $(INTEROP_STAMP)
+	PATH=$(abspath $(BIN)):$$PATH DFLASH_INTEROP=required $(BIN)/python -m pytest -q tests
 
 lint: $(STAMP)
 	$(BIN)/snakemake --lint
@@ -36,8 +39,6 @@ clean-results:
 # are named `dflash`. torch is pinned to the project's 2.13.0 so pip takes the CPU wheel on disk. The check exports
 # drafters in full, sliding and mixed layer layouts with our code, decodes with our evaluator, then loads, runs and
 # decodes them with the reference; any difference fails.
-INTEROP_VENV  := .venv-interop
-INTEROP_STAMP := $(INTEROP_VENV)/.installed
 INTEROP_OUT   ?= results/interop
 
 $(INTEROP_STAMP):

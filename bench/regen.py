@@ -1,4 +1,4 @@
-"""Regeneration throughput of the `hf` engine (dflash.data.expand.regenerate): generated tokens per second.
+"""Regeneration throughput of the `hf` engine (dflash.data.generate.regenerate): generated tokens per second.
 
     python bench/regen.py --out bench/results/regen.json                      # H200: Qwen3-8B-shaped, 512 x 256
     python bench/regen.py --out /tmp/regen.json --variants generate-128,static-256,cb
@@ -77,7 +77,7 @@ def run_variant(model, tokenizer, prompts, new_tokens, var, device):
     import torch
 
     from dflash.data.decode import release
-    from dflash.data.expand import regenerate
+    from dflash.data.generate import regenerate
     cuda = device.startswith("cuda")
     release(model)                              # the previous variant's decoder: each variant sizes its own
     if cuda:

@@ -143,7 +143,9 @@ class RegenerateSection(Section):
     temperature: float = Field(0.0, ge=0, description="0 is greedy.")
     batch_size: int = Field(0, ge=0, description=(
         "hf: prompts per batch (sorted by length); 0 sizes it from free GPU memory (hundreds of sequences per"
-        " decode step on a GPU; 32 on CPU)."))
+        " decode step on a GPU; cpu_batch_size on CPU)."))
+    cpu_batch_size: int = Field(32, ge=1, description=(
+        "hf: prompts per batch on CPU when batch_size is 0 (there is no GPU memory to size it from)."))
     decoder: Literal["auto", "static", "generate"] = Field("auto", description=(
         "hf: static is our decode loop with a static KV cache (one fixed batch shape; on GPU the decode step "
         "is compiled once and replayed as a CUDA graph); generate is transformers generate (dynamic cache); "

@@ -7,8 +7,10 @@ import torch
 from conftest_data import (data_cfg, one_thread, good_rows, openai, sharegpt, tiny_target, write_jsonl,  # noqa: F401
                            make_loaded)
 from dflash.data import shards
-from dflash.data.expand import conversation_ids, expand, prompt_ids, regenerate
+from dflash.data.expand import expand
+from dflash.data.generate import regenerate
 from dflash.data.sources import normalise
+from dflash.data.tokenise import conversation_ids, prompt_ids
 from dflash.errors import UserError
 
 pytestmark = pytest.mark.usefixtures("one_thread")

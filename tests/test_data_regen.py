@@ -184,28 +184,6 @@ def test_kill_9_of_the_stage_redoes_at_most_one_chunk(tmp_path, talking_target):
     assert m["content_hash"] == ref["content_hash"]
 
 
-def test_two_shards_give_the_same_content_hash_as_one(tmp_path, talking_target):
-    from dflash.cli import main
-    import yaml
-    src = write_jsonl(tmp_path / "a.jsonl", good_rows(12) + good_rows(4, tag="x"))
-    conf = raw_config(tmp_path, talking_target, src, engine="hf")
-    conf["data"]["sources"][0]["weight"] = 1.5                       # per-row weighting, shard-independent
-    p = tmp_path / "c.yaml"
-    p.write_text(yaml.safe_dump(conf))
-    one = expand(make_loaded(tmp_path / "one", talking_target, conf["data"]["sources"], min_supervised_blocks=1,
-                             holdout=2, regenerate=REGEN), tmp_path / "one" / "out", progress=False)
-    parts = [str(tmp_path / "data" / f"p{i}") for i in range(2)]
-    for i in range(2):
-        assert main(["data", "--config", str(p), "--no-progress", "--shard", f"{i}/2", "--out", parts[i]]) == 0
-    assert main(["data", "--config", str(p), "--no-progress", "--gather", *parts]) == 0
-    m = json.loads((tmp_path / "data" / "default" / "manifest.json").read_text())
-    sizes = [json.loads((Path(q) / "part.json").read_text())["stats"]["a"]["kept"] for q in parts]
-    assert all(sizes) and sum(sizes) == 14                             # both shards did work
-    assert m["content_hash"] == one["content_hash"] and m["num_samples"] == one["num_samples"]
-    assert m["sources"] == one["sources"] and m["data_shards"] == 2
-    assert main(["data", "--config", str(p), "--no-progress", "--gather", parts[0]]) == 1   # a part missing
-
-
 def test_openai_engine_needs_servers(tmp_path, talking_target):
     src = write_jsonl(tmp_path / "a.jsonl", good_rows(3))
     with pytest.raises(UserError, match="data.regenerate.servers is empty"):
@@ -233,7 +211,8 @@ def test_snakemake_scatters_into_shards_and_gathers(tmp_path):
 def test_static_decoder_and_auto_batch_give_the_greedy_turns_of_generate(talking_target):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash.data.expand import prompt_ids, regenerate
+    from dflash.data.generate import regenerate
+    from dflash.data.tokenise import prompt_ids
     tok = AutoTokenizer.from_pretrained(str(talking_target))
     model = AutoModelForCausalLM.from_pretrained(str(talking_target)).eval()
     prompts = [prompt_ids(tok, r["messages"][:1])[k:] for k, r in zip([0, 3, 5, 0, 9, 2, 7], good_rows(7))]
@@ -260,7 +239,8 @@ def test_static_decoder_cuda_graph_gives_the_greedy_turns_of_generate(talking_ta
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash.data import decode
-    from dflash.data.expand import prompt_ids, regenerate
+    from dflash.data.generate import regenerate
+    from dflash.data.tokenise import prompt_ids
     tok = AutoTokenizer.from_pretrained(str(talking_target))
     model = AutoModelForCausalLM.from_pretrained(str(talking_target)).cuda().eval()
     prompts = [prompt_ids(tok, r["messages"][:1])[k:] for k, r in zip([0, 3, 5, 0, 9, 2, 7, 1], good_rows(8))]
@@ -298,15 +278,18 @@ def test_a_refused_request_is_one_line_naming_the_server(tmp_path, talking_targe
                tmp_path / "o", progress=False, cache_dir=tmp_path / "c")
 
 
+@pytest.mark.slow
 def test_snakemake_runs_two_data_shards_to_the_hash_of_one(tmp_path, talking_target):
     """The real rules: 2 `data_part` jobs (each its log and benchmark, gpu=0 on CPU) and the gather, through
-    Snakemake with --resources gpu=0; the manifest's content hash is that of the one-process stage."""
+    Snakemake with --resources gpu=0; both shards do work, and the manifest (content hash, per-source counts, with a
+    weight of 1.5: a per-row rule) is that of the one-process stage. A gather of an incomplete set of parts fails."""
     import yaml
+    from dflash.cli import main
     from test_workflow import copy_repo, snakemake
-    src = write_jsonl(tmp_path / "a.jsonl", good_rows(10))
+    src = write_jsonl(tmp_path / "a.jsonl", good_rows(8) + good_rows(2, tag="x"))
     res = tmp_path / "res"
     data = {"builtin_corpus": {"enabled": False}, "holdout": 2, "min_supervised_blocks": 1, "max_length": 256,
-            "bucket_edges": [64, 128, 256], "sources": [{"name": "a", "path": src}], "shards": 2,
+            "bucket_edges": [64, 128, 256], "sources": [{"name": "a", "path": src, "weight": 1.5}], "shards": 2,
             "regenerate": {**REGEN, "engine": "hf"}}
     conf = {"results_dir": str(res), "target": {"path": str(talking_target), "build": "none"},
             "drafter": {"block_size": 4}, "data": data}
@@ -315,13 +298,21 @@ def test_snakemake_runs_two_data_shards_to_the_hash_of_one(tmp_path, talking_tar
                   "--configfile", str(tmp_path / "s.yaml"))
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     m = json.loads((res / "data" / "default" / "manifest.json").read_text())
+    samples = []
     for i in range(2):
-        assert (res / "logs" / "data-default" / f"part-{i}.log").is_file()
+        log = (res / "logs" / "data-default" / f"part-{i}.log").read_text()
+        samples.append(int(log.split(f"data part {i}/2: ")[1].split(" samples")[0]))
         assert (res / "benchmarks" / "data-default" / f"part-{i}.jsonl").is_file()
+    assert all(samples) and sum(samples) == m["num_samples"]                      # both shards did work
     assert not (res / "data" / "default.parts" / "part-0-of-2").exists()          # temp: removed once gathered
     one = expand(make_loaded(tmp_path / "one", talking_target, data["sources"], min_supervised_blocks=1, holdout=2,
                              regenerate=REGEN), tmp_path / "one" / "out", progress=False)
     assert m["data_shards"] == 2 and m["content_hash"] == one["content_hash"]
+    assert m["num_samples"] == one["num_samples"] and m["sources"] == one["sources"]
+    part = str(res / "p0")                              # shard 0 again (its turns from the cache): a set of one part
+    assert main(["data", "--config", str(tmp_path / "s.yaml"), "--no-progress", "--shard", "0/2", "--out", part]) == 0
+    assert main(["data", "--config", str(tmp_path / "s.yaml"), "--no-progress", "--out", str(res / "g"),
+                 "--gather", part]) == 1
 
 
 def test_grouped_decode_attention_equals_transformers_sdpa():

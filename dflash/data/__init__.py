@@ -8,9 +8,11 @@ Public entry points used by other stages:
   conversations; `heldout_conversations(target_cfg.pretrain, n)` is the `code` data source
 - `dflash.data.pretrain.pretrain(model, tokens, ...)`, `mean_nll(...)`: the targets' pre-training loop and NLL
 - `dflash.data.expand.expand(loaded, out_dir, cache_dir=None)` -> manifest dict (writes shards, holdout.jsonl,
-  manifest.json); the sharded form: `expand_part(loaded, shard, nshards, part_dir)` then
-  `finish(loaded, [read_part(d) for d in part_dirs], out_dir)`
-- `dflash.data.regen`: engines `hf`/`openai` and the resumable chunk cache
+  manifest.json); the sharded form: `expand.expand_part(loaded, shard, nshards, part_dir)` then
+  `gather.finish(loaded, [gather.read_part(d) for d in part_dirs], out_dir)`
+- `dflash.data.tokenise`: chat templates, token ids and the loss mask; `dflash.data.rows`: the per-row rules
+- `dflash.data.regen`: engines `hf`/`openai` and the resumable chunk cache; `dflash.data.generate.regenerate`: the
+  in-process generation driver and its batch size
 - `dflash.data.shards.verify_dataset(dir)`: the folder exactly as the data stage wrote it (the reader's check);
   `read_manifest(dir)` (the manifest matching its own hash), `verify_file(dir, name)` (e.g. holdout.jsonl),
   `write_manifest(dir, manifest)` (adds the file hashes and the manifest's own hash), `bucket_dirs(dir)`,

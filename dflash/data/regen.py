@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 
 from dflash.atomic import atomic_write_text
+from dflash.data.generate import regenerate
+from dflash.data.tokenise import prompt_ids, render
 from dflash.errors import UserError
 
 log = logging.getLogger("dflash.data")
@@ -72,17 +74,16 @@ def write_chunk(folder: Path, entries: list[dict]) -> Path:
 
 class HFEngine:
     """In-process generation: prompts sorted by length, left-padded batches, transformers `generate` or the static-cache
-    decoder with a CUDA-graph decode step (see expand.regenerate)."""
+    decoder with a CUDA-graph decode step (`dflash.data.generate.regenerate`)."""
 
     def __init__(self, model, tokenizer, rcfg):
         self.model, self.tokenizer, self.r = model, tokenizer, rcfg
 
     def generate(self, prompts, seed: int):
-        from dflash.data.expand import regenerate
         r = self.r
         resp, st = regenerate(self.model, self.tokenizer, [ids for _, ids in prompts], r.max_new_tokens,
                               r.temperature, r.batch_size, seed=seed, progress=False,
-                              decoder=r.decoder, compile=r.compile)
+                              decoder=r.decoder, compile=r.compile, cpu_batch_size=r.cpu_batch_size)
         return [self.tokenizer.decode(x, skip_special_tokens=True) for x in resp], st["tokens"]
 
 
@@ -177,10 +178,9 @@ def make_engine(cfg, shard: int = 0):
 
 # ---- the rounds -------------------------------------------------------------------------------------------------
 
-def _regenerate_chunk(engine, tokenizer, chunk, max_length, seed, render):
+def _regenerate_chunk(engine, tokenizer, chunk, max_length, seed, prompt_text):
     """Regenerate every assistant turn of the conversations of one chunk, one round per turn (a later turn sees the
     regenerated earlier ones). Returns ([entry], generated tokens)."""
-    from dflash.data.expand import prompt_ids
     pending = {c["hash"]: list(c["messages"]) for c in chunk}
     done: dict[str, list] = {h: [] for h in pending}
     failed: dict[str, str] = {}
@@ -202,7 +202,7 @@ def _regenerate_chunk(engine, tokenizer, chunk, max_length, seed, render):
             done[h].extend(msgs[:a])
             pending[h] = msgs[a:]
             todo.append(h)
-            prompts.append((render(done[h]), ids))
+            prompts.append((prompt_text(done[h]), ids))
         if not todo:
             break
         texts, n = engine.generate(prompts, seed + rnd)
@@ -269,7 +269,6 @@ def regenerate_stream(convs, total: int, tokenizer, cfg, cache_dir, stats: dict,
     filled in place (tokens, seconds, cached...)."""
     from tqdm import tqdm
 
-    from dflash.data.expand import _render
     r = cfg.data.regenerate
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -279,7 +278,7 @@ def regenerate_stream(convs, total: int, tokenizer, cfg, cache_dir, stats: dict,
                   "tokens_per_s": 0.0, "cache": str(cache_dir)})
     log.info("regeneration (%s): %d conversations, %d finished ones in %s", r.engine, total, len(index.where),
              cache_dir)
-    render = lambda m: _render(tokenizer, m, add_generation_prompt=True)    # noqa: E731
+    prompt_text = lambda m: render(tokenizer, m, add_generation_prompt=True)    # noqa: E731
     bar = tqdm(total=total, desc=f"regenerate ({r.engine})", unit="conv", disable=not progress, mininterval=2.0)
     t_gen = 0.0
     last_log = time.time()
@@ -297,7 +296,7 @@ def regenerate_stream(convs, total: int, tokenizer, cfg, cache_dir, stats: dict,
                     stats["device"] = str(next(engine.model.parameters()).device)
             t0 = time.time()
             seed = cfg.seed + int(todo[0]["hash"][:8], 16) if r.temperature > 0 else cfg.seed
-            entries, n = _regenerate_chunk(engine, tokenizer, todo, cfg.data.max_length, seed, render)
+            entries, n = _regenerate_chunk(engine, tokenizer, todo, cfg.data.max_length, seed, prompt_text)
             name = write_chunk(cache_dir, entries).name
             index.add(name, entries)
             fresh = {e["hash"]: e for e in entries}

@@ -43,6 +43,7 @@ def run(loaded: Loaded, args) -> int:
     from dflash.atomic import atomic_dir
     from dflash.config import REPO, inside
     from dflash.data import expand as E
+    from dflash.data import gather
     from dflash.data.tiny_target import cpu_threads
     from dflash.errors import UserError
 
@@ -63,7 +64,7 @@ def run(loaded: Loaded, args) -> int:
     inside(out, loaded.cfg.results_dir, REPO)
     with cpu_threads(args.threads), atomic_dir(out) as tmp:
         if args.gather:
-            m = E.finish(loaded, [E.read_part(p) for p in args.gather], tmp)
+            m = gather.finish(loaded, [gather.read_part(p) for p in args.gather], tmp)
         else:
             m = E.expand(loaded, tmp, progress=not args.no_progress, cache_dir=args.cache)
     regen = m["regeneration"]
