@@ -13,6 +13,7 @@ import logging
 import time
 from pathlib import Path
 
+from dflash.config_model import ArchSection, TargetSection
 from dflash.data import corpus as corpus_mod
 from dflash.data.pretrain import compile_layers, loss_summary, pretrain
 
@@ -26,10 +27,6 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
-
-
-def _get(cfg, key):
-    return cfg[key] if isinstance(cfg, dict) else getattr(cfg, key)
 
 
 def render(messages: list[dict], add_generation_prompt: bool = False) -> str:
@@ -58,21 +55,21 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     return fast
 
 
-def qwen3_config(arch, tokenizer, dtype: str = "float32"):
+def qwen3_config(arch: ArchSection, tokenizer, dtype: str = "float32"):
     from transformers import Qwen3Config
-    vocab = int(_get(arch, "vocab_size"))
+    vocab = arch.vocab_size
     if vocab < len(tokenizer):
         raise ValueError(f"target.arch.vocab_size {vocab} is smaller than the tokenizer ({len(tokenizer)})")
     return Qwen3Config(
         vocab_size=vocab,
-        hidden_size=int(_get(arch, "hidden_size")),
-        intermediate_size=int(_get(arch, "intermediate_size")),
-        num_hidden_layers=int(_get(arch, "num_hidden_layers")),
-        num_attention_heads=int(_get(arch, "num_attention_heads")),
-        num_key_value_heads=int(_get(arch, "num_key_value_heads")),
-        head_dim=int(_get(arch, "head_dim")),
-        max_position_embeddings=int(_get(arch, "max_position_embeddings")),
-        rope_theta=float(_get(arch, "rope_theta")),
+        hidden_size=arch.hidden_size,
+        intermediate_size=arch.intermediate_size,
+        num_hidden_layers=arch.num_hidden_layers,
+        num_attention_heads=arch.num_attention_heads,
+        num_key_value_heads=arch.num_key_value_heads,
+        head_dim=arch.head_dim,
+        max_position_embeddings=arch.max_position_embeddings,
+        rope_theta=float(arch.rope_theta),
         tie_word_embeddings=False,
         bos_token_id=tokenizer.convert_tokens_to_ids(EOS),
         eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
@@ -88,7 +85,7 @@ def generation_config(tokenizer):
                             bos_token_id=tokenizer.convert_tokens_to_ids(EOS), do_sample=False)
 
 
-def build_target(target_cfg, out_dir, seed: int = 0, corpus_size: int = 1500, progress: bool = True,
+def build_target(target_cfg: TargetSection, out_dir, seed: int = 0, corpus_size: int = 1500, progress: bool = True,
                  threads: int | None = None) -> dict:
     """Write the target folder into `out_dir` (tiny: trained; random: config + tokenizer). Returns build info.
 
@@ -111,18 +108,18 @@ def cpu_threads(n: int | None):
         torch.set_num_threads(old)
 
 
-def _build_target(target_cfg, out_dir, seed, corpus_size, progress) -> dict:
+def _build_target(target_cfg: TargetSection, out_dir, seed, corpus_size, progress) -> dict:
     import torch
 
     t0 = time.time()
     out_dir = Path(out_dir)
-    build = _get(target_cfg, "build")
-    arch = _get(target_cfg, "arch")
+    build = target_cfg.build
+    arch = target_cfg.arch
     convs = corpus_mod.conversations(corpus_size, seed=0)
     texts = [render(c["messages"]) for c in convs]
-    tokenizer = train_tokenizer(texts, int(_get(arch, "vocab_size")))
+    tokenizer = train_tokenizer(texts, arch.vocab_size)
     t_tok = time.time() - t0
-    dtype_name = _get(target_cfg, "dtype")
+    dtype_name = target_cfg.dtype
     info = {"build": build, "corpus": {"conversations": len(convs), "hash": corpus_mod.corpus_hash(convs)},
             "tokenizer": {"size": len(tokenizer), "seconds": round(t_tok, 3)}, "seed": seed}
     if build == "random":
@@ -144,13 +141,13 @@ def _build_target(target_cfg, out_dir, seed, corpus_size, progress) -> dict:
     for text in texts:
         stream.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
         stream.append(tokenizer.convert_tokens_to_ids(EOS))
-    pre = _get(target_cfg, "pretrain")
-    steps = int(_get(pre, "steps"))
+    pre = target_cfg.pretrain
+    steps = pre.steps
     t1 = time.time()
-    if _get(pre, "compile"):
+    if pre.compile:
         compile_layers(model)
-    done = pretrain(model, stream, steps, int(_get(pre, "batch_size")), int(_get(pre, "seq_len")),
-                    float(_get(pre, "lr")), seed=seed, progress=progress, max_seconds=_get(pre, "max_seconds"),
+    done = pretrain(model, stream, steps, pre.batch_size, pre.seq_len,
+                    float(pre.lr), seed=seed, progress=progress, max_seconds=pre.max_seconds,
                     label="tiny target") if steps else {"losses": [], "steps": 0}
     t_train = time.time() - t1
     model.generation_config = generation_config(tokenizer)
@@ -160,7 +157,7 @@ def _build_target(target_cfg, out_dir, seed, corpus_size, progress) -> dict:
         "params": sum(p.numel() for p in model.parameters()),
         "corpus_tokens": len(stream),
         "pretrain": {"steps": done["steps"], "seconds": round(t_train, 3),
-                     "tokens_per_s": round(done["steps"] * int(_get(pre, "batch_size")) * int(_get(pre, "seq_len"))
+                     "tokens_per_s": round(done["steps"] * pre.batch_size * pre.seq_len
                                            / max(t_train, 1e-9), 1),
                      **loss_summary(done["losses"])},
         "seconds": round(time.time() - t0, 3),
