@@ -2,21 +2,24 @@
 
 While one thread holds an FX trace open, another thread entering a compiled function raises
 "Detected that you are using FX to symbolically trace a dynamo-optimized function" (torch <= 2.13: the tracing flag
-is a process-wide global). Calls made through compile_guard.guarded() wait for the trace instead.
+is a process-wide global). Calls made through compile_threads.compiled() wait for the trace instead, once the threads
+runtime enabled its defences.
 """
 import threading
 
 import pytest
 import torch
 
+from dflash import compile_threads
 from dflash.train import compile_guard
 
 
-def _compiled():
-    def f(x):
-        return torch.sin(x) * 2 + 1
+def _sin(x):
+    return torch.sin(x) * 2 + 1
 
-    return torch.compile(f, backend="eager", dynamic=False)
+
+def _compiled():
+    return torch.compile(_sin, backend="eager", dynamic=False)
 
 
 class _WaitsWhileTraced(torch.nn.Module):
@@ -46,12 +49,14 @@ def _run_threads(fn, n, x):
 
 
 def test_fx_trace_hazard_reproduced_and_guarded():
-    compile_guard.install_fx_guard()
+    compile_threads.enable()
     f = _compiled()
+    safe = compile_threads.compiled(_sin, backend="eager", dynamic=False)
     x = torch.randn(8)
     expected = torch.sin(x) * 2 + 1
-    with compile_guard.FX_GUARD.exclusive():  # the single-threaded warm-up
+    with compile_threads.exclusive():  # the single-threaded warm-up
         torch.testing.assert_close(f(x), expected)
+        torch.testing.assert_close(safe(x), expected)
 
     tracing, release = threading.Event(), threading.Event()
     tracer = threading.Thread(target=lambda: torch.fx.symbolic_trace(_WaitsWhileTraced(tracing, release)))
@@ -65,8 +70,7 @@ def test_fx_trace_hazard_reproduced_and_guarded():
         t.join(10)
     assert all(isinstance(e, RuntimeError) and "Detected that you are using FX" in str(e) for e in errors), errors
 
-    # the project's way: the same calls through the guard wait for the trace, then succeed
-    safe = compile_guard.guarded(f)
+    # the project's way: the same calls through the one wrapper wait for the trace, then succeed
     threads, results, errors = _run_threads(safe, 3, x)
     for t in threads:
         t.join(0.3)
@@ -81,18 +85,14 @@ def test_fx_trace_hazard_reproduced_and_guarded():
 
 
 def test_compile_inside_guarded_call_is_refused_not_deadlocked():
-    compile_guard.install_fx_guard()
-
-    def traced_inside(x):
-        torch.fx.symbolic_trace(torch.nn.Identity())
-        return x
-
+    compile_threads.enable()
     with pytest.raises(RuntimeError, match="inside a guarded compiled call"):
-        compile_guard.guarded(traced_inside)(torch.ones(1))
+        with compile_threads.FX_GUARD.shared():   # what every compiled call holds
+            torch.fx.symbolic_trace(torch.nn.Identity())
 
 
 def test_shared_calls_run_together_exclusive_waits():
-    lock = compile_guard.SharedExclusiveLock()
+    lock = compile_threads.SharedExclusiveLock()
     inside = threading.Barrier(3, timeout=5)
 
     def reader():
@@ -172,7 +172,7 @@ def _replicas_in_lockstep(forwards, rounds: int) -> list:
 def test_threads_calling_one_compiled_code_object_recompile_spuriously_unless_serialized():
     """The CI failure of a threads run (1 in 4 on 2 cores): two replicas' compiled layers share one code object;
     plain torch.compile lets one thread make the other miss a warmed entry, so a warmed shape 'recompiles'.
-    compile_guard.compiled serializes the calls: no error in many more rounds. The race is a race: where plain
+    compile_threads.compiled serializes the calls: no error in many more rounds. The race is a race: where plain
     torch.compile does not show it within 20 s (a loaded machine, a torch that fixed it), the serialized run proves
     nothing and the test says so (skip) instead of failing."""
     import time
@@ -183,9 +183,10 @@ def test_threads_calling_one_compiled_code_object_recompile_spuriously_unless_se
     assert not errors or "Detected recompile" in str(errors[0]), errors
 
     torch._dynamo.reset()
+    compile_threads.enable()
     with pytest.raises(TypeError, match="LayerNorm.forward"):   # a module's entries may sit on a shared wrapper's code
-        compile_guard.compiled(torch.nn.LayerNorm(8))
-    safe = [compile_guard.compiled(_TwoShapes().forward, backend="eager", fullgraph=True, dynamic=False)
+        compile_threads.compiled(torch.nn.LayerNorm(8))
+    safe = [compile_threads.compiled(_TwoShapes().forward, backend="eager", fullgraph=True, dynamic=False)
             for _ in range(2)]
     assert _replicas_in_lockstep(safe, 4000) == []
     if not errors:
@@ -223,14 +224,14 @@ def test_backward_compiled_in_forward_never_waits_on_the_warm_ups_guard(tmp_path
     another thread, over an empty Inductor cache (a cache hit would skip the compile): compiled with its forward, the
     backward never traces there."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))   # read per compile; Inductor's config is per thread
-    compile_guard.install_fx_guard()
+    compile_threads.enable()
 
     def f(a, b, w):   # w used twice: its gradient a.T @ g + b.T @ g is rewritten by an FX trace
         return torch.tanh(a @ w) + torch.tanh(b @ w)
 
     a, b, w = (torch.randn(8, 8, requires_grad=True) for _ in range(3))
     done = threading.Event()
-    with compile_guard.FX_GUARD.exclusive(), compile_guard.backward_compiled_in_forward():
+    with compile_threads.exclusive(), compile_guard.backward_compiled_in_forward():
         out = torch.compile(f, fullgraph=True, dynamic=False)(a, b, w)
         t = threading.Thread(target=lambda: (out.sum().backward(), done.set()), daemon=True)
         t.start()
