@@ -13,9 +13,10 @@ Two hazards of torch <= 2.13, both of threads sharing compiled code, and the one
      Defence: calls into one code object are serialized, on the host only (what they launch on a GPU still runs
      concurrently).
 
-`compiled(fn)` is torch.compile(fn) with both defences; they act once `enable()` was called (the threads runtime does,
-before it builds anything). A process with one training thread (the distributed runtime, the warm-up stage) never
-enables them: its compiled calls go straight to torch. Pure torch: the model and the trainer both use it.
+`compiled(fn)` is torch.compile(fn) with both defences; they act inside `threaded()`, which the threads transport holds
+while its worker threads run (every compile happened before, in the single-threaded warm-up). A process with one
+training thread (the distributed runtime, the warm-up stage) never turns them on: its compiled calls go straight to
+torch. Pure torch: the model and the trainer both use it.
 """
 from __future__ import annotations
 
@@ -81,34 +82,43 @@ class SharedExclusiveLock:
 
 FX_GUARD = SharedExclusiveLock()
 _CODE_LOCKS: dict = {}
-_STATE = {"enabled": False}
+_STATE = {"depth": 0, "trace": None}
 _GUARD = threading.Lock()
 
 
-def enable() -> None:
-    """Turn both defences on for this process (idempotent): wrap torch.fx.Tracer.trace so every FX trace holds
-    FX_GUARD exclusively; from now on every `compiled` call holds it shared and its code object's lock."""
+@contextlib.contextmanager
+def threaded():
+    """Both defences on while the body runs (the threads transport's workers; re-entrant): torch.fx.Tracer.trace
+    wrapped so every FX trace holds FX_GUARD exclusively, every `compiled` call holding it shared and its code
+    object's lock. Off again afterwards: a compile outside the workers (a warm-up, a later run in this process) then
+    runs as plain torch.compile."""
     with _GUARD:
-        if _STATE["enabled"]:
-            return
-        original = torch.fx.Tracer.trace
+        if not _STATE["depth"]:
+            original = _STATE["trace"] = torch.fx.Tracer.trace
 
-        @functools.wraps(original)
-        def trace(self, *args, **kwargs):
-            with FX_GUARD.exclusive():
-                return original(self, *args, **kwargs)
+            @functools.wraps(original)
+            def trace(self, *args, **kwargs):
+                with FX_GUARD.exclusive():
+                    return original(self, *args, **kwargs)
 
-        torch.fx.Tracer.trace = trace
-        _STATE["enabled"] = True
+            torch.fx.Tracer.trace = trace
+        _STATE["depth"] += 1
+    try:
+        yield
+    finally:
+        with _GUARD:
+            _STATE["depth"] -= 1
+            if not _STATE["depth"]:
+                torch.fx.Tracer.trace = _STATE["trace"]
 
 
 def enabled() -> bool:
-    return _STATE["enabled"]
+    return _STATE["depth"] > 0
 
 
 def exclusive():
     """Held by a single-threaded warm-up (every compile): compiled calls and traces of other threads wait for it."""
-    return FX_GUARD.exclusive() if _STATE["enabled"] else contextlib.nullcontext()
+    return FX_GUARD.exclusive() if enabled() else contextlib.nullcontext()
 
 
 def _code_of(fn):
@@ -121,8 +131,8 @@ def _code_of(fn):
 
 
 def compiled(fn, **compile_kwargs):
-    """torch.compile(fn, **compile_kwargs); once `enable()` was called, each call holds FX_GUARD shared and the lock
-    of fn's code object (shared by every function compiled from the same code)."""
+    """torch.compile(fn, **compile_kwargs); inside `threaded()`, each call holds FX_GUARD shared and the lock of fn's
+    code object (shared by every function compiled from the same code)."""
     code = _code_of(fn)
     with _GUARD:
         lock = _CODE_LOCKS.setdefault(code, threading.RLock())
@@ -130,7 +140,7 @@ def compiled(fn, **compile_kwargs):
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        if not _STATE["enabled"]:
+        if not _STATE["depth"]:
             return inner(*args, **kwargs)
         with FX_GUARD.shared(), lock:
             return inner(*args, **kwargs)

@@ -14,6 +14,13 @@ from dflash import compile_threads
 from dflash.train import compile_guard
 
 
+@pytest.fixture
+def threaded():
+    """The threads transport's defences on for the test (as while its workers run), off after it."""
+    with compile_threads.threaded():
+        yield
+
+
 def _sin(x):
     return torch.sin(x) * 2 + 1
 
@@ -48,8 +55,7 @@ def _run_threads(fn, n, x):
     return threads, results, errors
 
 
-def test_fx_trace_hazard_reproduced_and_guarded():
-    compile_threads.enable()
+def test_fx_trace_hazard_reproduced_and_guarded(threaded):
     f = _compiled()
     safe = compile_threads.compiled(_sin, backend="eager", dynamic=False)
     x = torch.randn(8)
@@ -84,11 +90,35 @@ def test_fx_trace_hazard_reproduced_and_guarded():
         torch.testing.assert_close(r, expected)
 
 
-def test_compile_inside_guarded_call_is_refused_not_deadlocked():
-    compile_threads.enable()
+def test_compile_inside_guarded_call_is_refused_not_deadlocked(threaded):
     with pytest.raises(RuntimeError, match="inside a guarded compiled call"):
         with compile_threads.FX_GUARD.shared():   # what every compiled call holds
             torch.fx.symbolic_trace(torch.nn.Identity())
+
+
+def test_the_defences_are_on_only_inside_threaded():
+    """What the distributed runtime and the warm-up stage run: plain torch.compile, no trace wrapper, no locks; the
+    threads transport's workers run inside threaded(), and afterwards it is all undone."""
+    plain_trace = torch.fx.Tracer.trace
+    f = compile_threads.compiled(_sin, backend="eager", dynamic=False)
+    x = torch.randn(4)
+    with compile_threads.FX_GUARD.exclusive():   # held by another thread, say: an unguarded call does not wait
+        assert not compile_threads.enabled()
+        done = []
+        t = threading.Thread(target=lambda: done.append(f(x)))
+        t.start()
+        t.join(10)
+        assert done
+    with compile_threads.threaded():
+        assert compile_threads.enabled() and torch.fx.Tracer.trace is not plain_trace
+        with compile_threads.FX_GUARD.exclusive():   # inside: the same call waits for the holder
+            t = threading.Thread(target=lambda: done.append(f(x)))
+            t.start()
+            t.join(0.3)
+            assert t.is_alive()
+        t.join(10)
+        assert len(done) == 2
+    assert not compile_threads.enabled() and torch.fx.Tracer.trace is plain_trace
 
 
 def test_shared_calls_run_together_exclusive_waits():
@@ -169,7 +199,7 @@ def _replicas_in_lockstep(forwards, rounds: int) -> list:
     return errors
 
 
-def test_threads_calling_one_compiled_code_object_recompile_spuriously_unless_serialized():
+def test_threads_calling_one_compiled_code_object_recompile_spuriously_unless_serialized(threaded):
     """The CI failure of a threads run (1 in 4 on 2 cores): two replicas' compiled layers share one code object;
     plain torch.compile lets one thread make the other miss a warmed entry, so a warmed shape 'recompiles'.
     compile_threads.compiled serializes the calls: no error in many more rounds. The race is a race: where plain
@@ -183,7 +213,6 @@ def test_threads_calling_one_compiled_code_object_recompile_spuriously_unless_se
     assert not errors or "Detected recompile" in str(errors[0]), errors
 
     torch._dynamo.reset()
-    compile_threads.enable()
     with pytest.raises(TypeError, match="LayerNorm.forward"):   # a module's entries may sit on a shared wrapper's code
         compile_threads.compiled(torch.nn.LayerNorm(8))
     safe = [compile_threads.compiled(_TwoShapes().forward, backend="eager", fullgraph=True, dynamic=False)
@@ -217,14 +246,13 @@ def test_recompile_limit_covers_every_device_and_shape():
     assert seen == {"limit": limit, "accumulated": max(256, limit), "fail": True} and limit >= 256
 
 
-def test_backward_compiled_in_forward_never_waits_on_the_warm_ups_guard(tmp_path, monkeypatch):
+def test_backward_compiled_in_forward_never_waits_on_the_warm_ups_guard(tmp_path, monkeypatch, threaded):
     """On a GPU a backward runs on the autograd engine's device thread. AOT autograd compiles a static-shape backward
     lazily, at that call, and Inductor's pattern rewrites FX-trace there (w's gradient, mm + mm -> addmm): that thread
     waits on the FX guard the warm-up holds while the warm-up waits on it. Simulated on CPU with the backward on
     another thread, over an empty Inductor cache (a cache hit would skip the compile): compiled with its forward, the
     backward never traces there."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))   # read per compile; Inductor's config is per thread
-    compile_threads.enable()
 
     def f(a, b, w):   # w used twice: its gradient a.T @ g + b.T @ g is rewritten by an FX trace
         return torch.tanh(a @ w) + torch.tanh(b @ w)

@@ -5,8 +5,8 @@ the lifecycle over it).
 
 Micro-batch i of the stream goes to replica i % D; optimizer step s consumes micro-batches [s*M, (s+1)*M) with
 M = D * grad_accum, so the data order is a function of the step alone (exact resume). Compiled calls are safe from
-several threads (dflash.compile_threads, enabled here), and every compile happens in the lifecycle's warm-up, before
-any worker thread starts. The supervisor (main thread) starts workers, waits for them to be ready, and stops
+several threads (dflash.compile_threads, on while the workers run), and every compile happens in the lifecycle's
+warm-up, before any worker thread starts. The supervisor (main thread) starts workers, waits for them to be ready, and stops
 everything within seconds when any worker fails, naming it; SIGINT, SIGTERM and SIGUSR1 make every replica stop
 after its current step and write a checkpoint.
 
@@ -261,7 +261,6 @@ class Threads:
         self.shared, self.workers, self.gradsync = Shared(), [], None
 
     def open(self, ctx) -> Local:
-        compile_threads.enable()   # before anything compiles: several threads call the compiled code
         pl = ctx.placement
         return Local([(f"target-{i}", d) for i, d in enumerate(pl.targets)], list(enumerate(pl.drafters)), True,
                      device_name, len(pl.drafters))
@@ -292,16 +291,17 @@ class Threads:
         drafters = [DrafterWorker(rep, inboxes[rep.rank], shared) for rep in p.replicas]
         self.workers = [feeder, *targets, *drafters]
         previous = {s: signal.signal(s, lambda signum, frame: _on_signal(shared, signum)) for s in STOP_SIGNALS}
-        try:
-            for w in self.workers:
-                w.start()
-            status, failure = _supervise(self.workers, drafters, shared, self.gradsync, cfg.train, p.metrics)
-        finally:
-            for s, h in previous.items():
-                signal.signal(s, h)
-        deadline = time.perf_counter() + 10
-        for w in self.workers:  # every worker polls the stop flag: they end within a poll interval
-            w.join(max(0.0, deadline - time.perf_counter()))
+        with compile_threads.threaded():   # several threads call the compiled code (compiled in the warm-up)
+            try:
+                for w in self.workers:
+                    w.start()
+                status, failure = _supervise(self.workers, drafters, shared, self.gradsync, cfg.train, p.metrics)
+            finally:
+                for s, h in previous.items():
+                    signal.signal(s, h)
+            deadline = time.perf_counter() + 10
+            for w in self.workers:  # every worker polls the stop flag: they end within a poll interval
+                w.join(max(0.0, deadline - time.perf_counter()))
         p.extra_rows.append(feeder.row())
         p.ready.update({w.name: w.ready_s for w in [*targets, *drafters]})
         return status, failure
