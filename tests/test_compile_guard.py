@@ -2,21 +2,31 @@
 
 While one thread holds an FX trace open, another thread entering a compiled function raises
 "Detected that you are using FX to symbolically trace a dynamo-optimized function" (torch <= 2.13: the tracing flag
-is a process-wide global). Calls made through compile_guard.guarded() wait for the trace instead.
+is a process-wide global). Calls made through compile_threads.compiled() wait for the trace instead, once the threads
+runtime enabled its defences.
 """
 import threading
 
 import pytest
 import torch
 
+from dflash import compile_threads
 from dflash.train import compile_guard
 
 
-def _compiled():
-    def f(x):
-        return torch.sin(x) * 2 + 1
+@pytest.fixture
+def threaded():
+    """The threads transport's defences on for the test (as while its workers run), off after it."""
+    with compile_threads.threaded():
+        yield
 
-    return torch.compile(f, backend="eager", dynamic=False)
+
+def _sin(x):
+    return torch.sin(x) * 2 + 1
+
+
+def _compiled():
+    return torch.compile(_sin, backend="eager", dynamic=False)
 
 
 class _WaitsWhileTraced(torch.nn.Module):
@@ -45,13 +55,14 @@ def _run_threads(fn, n, x):
     return threads, results, errors
 
 
-def test_fx_trace_hazard_reproduced_and_guarded():
-    compile_guard.install_fx_guard()
+def test_fx_trace_hazard_reproduced_and_guarded(threaded):
     f = _compiled()
+    safe = compile_threads.compiled(_sin, backend="eager", dynamic=False)
     x = torch.randn(8)
     expected = torch.sin(x) * 2 + 1
-    with compile_guard.FX_GUARD.exclusive():  # the single-threaded warm-up
+    with compile_threads.exclusive():  # the single-threaded warm-up
         torch.testing.assert_close(f(x), expected)
+        torch.testing.assert_close(safe(x), expected)
 
     tracing, release = threading.Event(), threading.Event()
     tracer = threading.Thread(target=lambda: torch.fx.symbolic_trace(_WaitsWhileTraced(tracing, release)))
@@ -65,8 +76,7 @@ def test_fx_trace_hazard_reproduced_and_guarded():
         t.join(10)
     assert all(isinstance(e, RuntimeError) and "Detected that you are using FX" in str(e) for e in errors), errors
 
-    # the project's way: the same calls through the guard wait for the trace, then succeed
-    safe = compile_guard.guarded(f)
+    # the project's way: the same calls through the one wrapper wait for the trace, then succeed
     threads, results, errors = _run_threads(safe, 3, x)
     for t in threads:
         t.join(0.3)
@@ -80,19 +90,39 @@ def test_fx_trace_hazard_reproduced_and_guarded():
         torch.testing.assert_close(r, expected)
 
 
-def test_compile_inside_guarded_call_is_refused_not_deadlocked():
-    compile_guard.install_fx_guard()
-
-    def traced_inside(x):
-        torch.fx.symbolic_trace(torch.nn.Identity())
-        return x
-
+def test_compile_inside_guarded_call_is_refused_not_deadlocked(threaded):
     with pytest.raises(RuntimeError, match="inside a guarded compiled call"):
-        compile_guard.guarded(traced_inside)(torch.ones(1))
+        with compile_threads.FX_GUARD.shared():   # what every compiled call holds
+            torch.fx.symbolic_trace(torch.nn.Identity())
+
+
+def test_the_defences_are_on_only_inside_threaded():
+    """What the distributed runtime and the warm-up stage run: plain torch.compile, no trace wrapper, no locks; the
+    threads transport's workers run inside threaded(), and afterwards it is all undone."""
+    plain_trace = torch.fx.Tracer.trace
+    f = compile_threads.compiled(_sin, backend="eager", dynamic=False)
+    x = torch.randn(4)
+    with compile_threads.FX_GUARD.exclusive():   # held by another thread, say: an unguarded call does not wait
+        assert not compile_threads.enabled()
+        done = []
+        t = threading.Thread(target=lambda: done.append(f(x)))
+        t.start()
+        t.join(10)
+        assert done
+    with compile_threads.threaded():
+        assert compile_threads.enabled() and torch.fx.Tracer.trace is not plain_trace
+        with compile_threads.FX_GUARD.exclusive():   # inside: the same call waits for the holder
+            t = threading.Thread(target=lambda: done.append(f(x)))
+            t.start()
+            t.join(0.3)
+            assert t.is_alive()
+        t.join(10)
+        assert len(done) == 2
+    assert not compile_threads.enabled() and torch.fx.Tracer.trace is plain_trace
 
 
 def test_shared_calls_run_together_exclusive_waits():
-    lock = compile_guard.SharedExclusiveLock()
+    lock = compile_threads.SharedExclusiveLock()
     inside = threading.Barrier(3, timeout=5)
 
     def reader():
@@ -169,10 +199,10 @@ def _replicas_in_lockstep(forwards, rounds: int) -> list:
     return errors
 
 
-def test_threads_calling_one_compiled_code_object_recompile_spuriously_unless_serialized():
+def test_threads_calling_one_compiled_code_object_recompile_spuriously_unless_serialized(threaded):
     """The CI failure of a threads run (1 in 4 on 2 cores): two replicas' compiled layers share one code object;
     plain torch.compile lets one thread make the other miss a warmed entry, so a warmed shape 'recompiles'.
-    compile_guard.compiled serializes the calls: no error in many more rounds. The race is a race: where plain
+    compile_threads.compiled serializes the calls: no error in many more rounds. The race is a race: where plain
     torch.compile does not show it within 20 s (a loaded machine, a torch that fixed it), the serialized run proves
     nothing and the test says so (skip) instead of failing."""
     import time
@@ -184,8 +214,8 @@ def test_threads_calling_one_compiled_code_object_recompile_spuriously_unless_se
 
     torch._dynamo.reset()
     with pytest.raises(TypeError, match="LayerNorm.forward"):   # a module's entries may sit on a shared wrapper's code
-        compile_guard.compiled(torch.nn.LayerNorm(8))
-    safe = [compile_guard.compiled(_TwoShapes().forward, backend="eager", fullgraph=True, dynamic=False)
+        compile_threads.compiled(torch.nn.LayerNorm(8))
+    safe = [compile_threads.compiled(_TwoShapes().forward, backend="eager", fullgraph=True, dynamic=False)
             for _ in range(2)]
     assert _replicas_in_lockstep(safe, 4000) == []
     if not errors:
@@ -216,21 +246,20 @@ def test_recompile_limit_covers_every_device_and_shape():
     assert seen == {"limit": limit, "accumulated": max(256, limit), "fail": True} and limit >= 256
 
 
-def test_backward_compiled_in_forward_never_waits_on_the_warm_ups_guard(tmp_path, monkeypatch):
+def test_backward_compiled_in_forward_never_waits_on_the_warm_ups_guard(tmp_path, monkeypatch, threaded):
     """On a GPU a backward runs on the autograd engine's device thread. AOT autograd compiles a static-shape backward
     lazily, at that call, and Inductor's pattern rewrites FX-trace there (w's gradient, mm + mm -> addmm): that thread
     waits on the FX guard the warm-up holds while the warm-up waits on it. Simulated on CPU with the backward on
     another thread, over an empty Inductor cache (a cache hit would skip the compile): compiled with its forward, the
     backward never traces there."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))   # read per compile; Inductor's config is per thread
-    compile_guard.install_fx_guard()
 
     def f(a, b, w):   # w used twice: its gradient a.T @ g + b.T @ g is rewritten by an FX trace
         return torch.tanh(a @ w) + torch.tanh(b @ w)
 
     a, b, w = (torch.randn(8, 8, requires_grad=True) for _ in range(3))
     done = threading.Event()
-    with compile_guard.FX_GUARD.exclusive(), compile_guard.backward_compiled_in_forward():
+    with compile_threads.exclusive(), compile_guard.backward_compiled_in_forward():
         out = torch.compile(f, fullgraph=True, dynamic=False)(a, b, w)
         t = threading.Thread(target=lambda: (out.sum().backward(), done.set()), daemon=True)
         t.start()

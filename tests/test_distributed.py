@@ -50,6 +50,12 @@ def test_gloo_matches_threads_and_replicas_stay_identical(tmp_path):
     assert len(a) == len(b) == 4
     for x, y in zip(a, b):
         assert abs(x - y) <= 1e-4 * abs(y), (a, b)
+    # one lifecycle writes both summaries: the same keys, at the top and in every section
+    t = json.loads((run_dir(thr_cfg) / "summary.json").read_text())
+    assert t["runtime"] == "threads" and set(s) == set(t), set(s) ^ set(t)
+    for k in ("throughput", "time_split_s", "compile", "checkpoint", "data"):
+        assert set(s[k]) == set(t[k]), (k, set(s[k]) ^ set(t[k]))
+    assert s["steps"] == t["steps"] and s["measured_steps"] == t["measured_steps"] and s["finished"] == t["finished"]
 
 
 def test_loss_recipes_match_across_runtimes_and_resume(tmp_path):
@@ -100,6 +106,12 @@ def test_colocated_ranks_each_run_a_target_and_a_replica(tmp_path):
     assert len(a) == len(b) == 4
     for x, y in zip(a, b):
         assert abs(x - y) <= 1e-4 * abs(y), (a, b)
+    # one lifecycle writes both summaries: the same keys, at the top and in every section
+    t = json.loads((run_dir(thr_cfg) / "summary.json").read_text())
+    assert t["runtime"] == "threads" and set(s) == set(t), set(s) ^ set(t)
+    for k in ("throughput", "time_split_s", "compile", "checkpoint", "data"):
+        assert set(s[k]) == set(t[k]), (k, set(s[k]) ^ set(t[k]))
+    assert s["steps"] == t["steps"] and s["measured_steps"] == t["measured_steps"] and s["finished"] == t["finished"]
     assert resolve(C.load(dist_cfg, {"train.runtime": "distributed"}).cfg.train).role(1) == "drafter-1 + target (cpu)"
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dflash.train.metrics import check_pending, interval_loss
-from dflash.train.trainer import NonFinite
+from dflash.train.failures import NonFinite
 
 
 def stats(loss_sum, weight_sum, k=2):   # loss_stats' layout: [loss*w, w, tokens, positions, blocks, accepted, ce*w,

@@ -176,19 +176,23 @@ def test_kill9_then_resume_trains_exactly_the_same(tmp_path):
 
 @pytest.mark.parametrize("step", [0, 3])
 def test_failing_replica_stops_the_run_fast_and_is_named(tmp_path, step, monkeypatch):
-    from dflash.train.runtime import threads
+    from dflash.train import failures
     cfg = prepared(tmp_path, fail_at_step={"worker": "drafter-1", "step": step}, steps=40)
     failed_at = {}
-    original = threads.Worker.maybe_fail
+    original = failures.injector
 
-    def spy(self, k):
-        try:
-            original(self, k)
-        except threads.InjectedFailure:
-            failed_at["t"] = time.perf_counter()
-            raise
+    def spy(train_cfg, name):
+        fail = original(train_cfg, name)
 
-    monkeypatch.setattr(threads.Worker, "maybe_fail", spy)
+        def timed(k):
+            try:
+                fail(k)
+            except failures.InjectedFailure:
+                failed_at["t"] = time.perf_counter()
+                raise
+        return timed
+
+    monkeypatch.setattr(failures, "injector", spy)
     code = main(["train", "--config", str(cfg), "--no-progress"])
     assert code == 1 and "t" in failed_at
     assert time.perf_counter() - failed_at["t"] < 10

@@ -219,4 +219,8 @@ def test_anchors_scale_with_length(caplog):
     assert [ctx.anchors_for(s) for s in (64, 128, 512, 4)] == [8, 16, 40, 1]
     with caplog.at_level(logging.WARNING, logger="dflash.train"):
         set_shapes(ctx, [(2, 64), (2, 512)])
-    assert "exceeds" not in caplog.text   # scaled counts are not capped by the bucket
+    assert "asks for more anchors" not in caplog.text   # scaled counts are not capped by the bucket
+    ctx = context(num_anchors=200, anchors_per_token=1.0)   # 64 anchors wanted of a 64-token bucket: capped to 63
+    with caplog.at_level(logging.WARNING, logger="dflash.train"):
+        set_shapes(ctx, [(2, 64)])
+    assert "train.anchors_per_token=1.0 asks for more anchors than the positions of bucket(s) [64]" in caplog.text

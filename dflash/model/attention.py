@@ -15,6 +15,8 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from dflash.compile_threads import compiled
+
 from .anchors import Anchors
 from .masks import block_mask, dense_mask
 
@@ -61,27 +63,18 @@ def make_mask(anchors: Anchors, S: int, backend: str, windows=(None,)) -> dict:
 
 _FLEX = None
 _FLEX_LOCK = threading.Lock()
-_FLEX_CALL = threading.RLock()
 
 
 def compiled_flex(**compile_kwargs):
     """The process-wide compiled flex_attention, created on first call (the caller decides when compilation
     happens: it runs on the first call of the returned function for each new shape). Later calls return the
-    same object; compile_kwargs only count on the first call (default: fullgraph, dynamic=False).
-
-    Calls are serialized (host side): threads entering one compiled code object at once can make dynamo skip a
-    matching compiled entry and recompile (see dflash.train.compile_guard.compiled)."""
+    same object; compile_kwargs only count on the first call (default: fullgraph, dynamic=False). Compiled through
+    dflash.compile_threads.compiled, so the threads runtime's replicas may call it at once."""
     global _FLEX
     with _FLEX_LOCK:
         if _FLEX is None:
             from torch.nn.attention.flex_attention import flex_attention
-            kw = {"fullgraph": True, "dynamic": False}
-            kw.update(compile_kwargs)
-            inner = torch.compile(flex_attention, **kw)
-
-            def _FLEX(*args, **kwargs):
-                with _FLEX_CALL:
-                    return inner(*args, **kwargs)
+            _FLEX = compiled(flex_attention, **{"fullgraph": True, "dynamic": False, **compile_kwargs})
         return _FLEX
 
 

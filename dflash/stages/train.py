@@ -23,15 +23,15 @@ def run(loaded: Loaded, args) -> int:
     import yaml
 
     from dflash.atomic import atomic_write_text
-    from dflash.fingerprint import compile_cache_dir
-    from dflash.train import checkpoint, compile_guard
-    from dflash.train.context import prepare, set_shapes
-    from dflash.train.metrics import RunMetrics
+    from dflash.train import checkpoint
+    from dflash.train.context import prepare
+    from dflash.train.run import train
     from dflash.train.runtime import distributed, threads
-    from dflash.train.telemetry import GpuSampler
 
     ctx = prepare(loaded, run_dir=args.run_dir, data_dir=args.data)
-    done = None if args.retrain or distributed.is_rank() else checkpoint.restore(ctx)   # the launcher decides
+    if distributed.is_rank():   # one rank of a distributed run: the lifecycle over the ranks' transport
+        return train(ctx, distributed.Ranks(), progress=False)
+    done = None if args.retrain else checkpoint.restore(ctx)
     if done is not None:
         log.info("run %s finished at step %d (%s) with this config's result keys and this data: summary.json and "
                  "metrics.jsonl restored, nothing trained (--retrain, or snakemake -R train, trains it anew)",
@@ -39,17 +39,8 @@ def run(loaded: Loaded, args) -> int:
         return 0
     if ctx.placement.runtime == "distributed":
         return distributed.launch(ctx, args)
-    compile_guard.use_compile_cache(compile_cache_dir(cfg.results_dir, ctx.env["hash"]))
     ctx.run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(ctx.run_dir / "config.yaml", yaml.safe_dump(loaded.raw, sort_keys=False))
-    reader = ctx.open_reader()
-    set_shapes(ctx, reader.shapes())
-    log.info("run %s: %s runtime, targets %s, drafters %s, attention %s, buckets %s", cfg.run_name,
-             ctx.placement.runtime, [str(d) for d in ctx.placement.targets],
-             [str(d) for d in ctx.placement.drafters], ctx.backend, reader.edges)
-    metrics = RunMetrics(ctx, progress=not args.no_progress)
-    metrics.sampler = GpuSampler(ctx.placement.devices)
-    try:
-        return threads.run(ctx, reader, metrics)
-    finally:
-        metrics.sampler.stop()
+    log.info("run %s: %s runtime, targets %s, drafters %s, attention %s", cfg.run_name, ctx.placement.runtime,
+             [str(d) for d in ctx.placement.targets], [str(d) for d in ctx.placement.drafters], ctx.backend)
+    return train(ctx, threads.Threads(), progress=not args.no_progress)

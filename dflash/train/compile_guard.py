@@ -1,146 +1,14 @@
-"""Race-free compilation for the threads runtime.
-
-The hazard (torch <= 2.13): any FX trace — torch.fx.symbolic_trace, make_fx inside a torch.compile, uncompiled
-create_block_mask — sets the process-wide `torch.fx._symbolic_trace._is_fx_tracing_flag`; a compiled function
-entered by *another* thread meanwhile raises "Detected that you are using FX to symbolically trace a
-dynamo-optimized function". Three defences, used together:
-  1. every compile happens in a single-threaded warm-up before the workers start, for every shape bucket;
-  2. afterwards the compile stance forbids recompiles: a new shape fails fast, naming the shape, never falls back;
-  3. `FX_GUARD`: an FX trace holds an exclusive lock (Tracer.trace is wrapped once, process-wide) and compiled
-     calls made through `guarded()` hold it shared, so no compiled call ever starts while a trace is open.
-A second, independent hazard (spurious recompiles when threads call one compiled code object) is what
-`compiled()` prevents.
+"""Compile state of a training process: the persistent compile cache, the recompile limit (per thread), the
+compile stance (after the warm-up any compile is an error, naming the shape, never an eager fallback), dynamo's
+counters. Both runtimes use it; the thread-safety of compiled calls is dflash.compile_threads' (threads runtime only).
 """
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
-import threading
 from pathlib import Path
 
 import torch
-
-
-class SharedExclusiveLock:
-    """Many shared holders or one exclusive holder (re-entrant for that thread); writers are preferred."""
-
-    def __init__(self):
-        self._cond = threading.Condition()
-        self._shared: dict[int, int] = {}
-        self._owner: int | None = None
-        self._depth = 0
-        self._waiting_writers = 0
-
-    @contextlib.contextmanager
-    def shared(self):
-        me = threading.get_ident()
-        with self._cond:
-            if self._owner != me:
-                while self._owner is not None or (self._waiting_writers and me not in self._shared):
-                    self._cond.wait()
-            self._shared[me] = self._shared.get(me, 0) + 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._shared[me] -= 1
-                if not self._shared[me]:
-                    del self._shared[me]
-                self._cond.notify_all()
-
-    @contextlib.contextmanager
-    def exclusive(self, timeout: float = 600.0):
-        me = threading.get_ident()
-        with self._cond:
-            if self._owner != me:
-                if me in self._shared:
-                    raise RuntimeError("an FX trace or compile started inside a guarded compiled call "
-                                       "(a shape the warm-up did not compile?)")
-                self._waiting_writers += 1
-                try:
-                    if not self._cond.wait_for(lambda: self._owner is None and not self._shared, timeout):
-                        raise TimeoutError("FX guard: waited too long for compiled calls to finish")
-                finally:
-                    self._waiting_writers -= 1
-                self._owner = me
-            self._depth += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._depth -= 1
-                if not self._depth:
-                    self._owner = None
-                self._cond.notify_all()
-
-
-FX_GUARD = SharedExclusiveLock()
-_installed = False
-
-
-def install_fx_guard() -> None:
-    """Wrap torch.fx.Tracer.trace so every FX trace in this process holds FX_GUARD exclusively."""
-    global _installed
-    if _installed:
-        return
-    original = torch.fx.Tracer.trace
-
-    @functools.wraps(original)
-    def trace(self, *args, **kwargs):
-        with FX_GUARD.exclusive():
-            return original(self, *args, **kwargs)
-
-    torch.fx.Tracer.trace = trace
-    _installed = True
-
-
-def guarded(fn):
-    """A compiled callable made safe to call from many threads while other code may FX-trace."""
-    install_fx_guard()
-
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        with FX_GUARD.shared():
-            return fn(*args, **kwargs)
-
-    return call
-
-
-# ---- compiled callables safe to call from several threads --------------------------------------------------
-_CODE_LOCKS: dict = {}
-_CODE_LOCKS_GUARD = threading.Lock()
-
-
-def _code_of(fn):
-    """The code object dynamo keeps the compiled entries on: a function's or a bound method's. Not a module's: for
-    torch.compile(module) of a torch.nn class dynamo runs a wrapper (external_utils.wrap_inline) whose code every such
-    module shares, so a lock on type(module).forward would not cover it; compile `module.forward` instead."""
-    if isinstance(fn, torch.nn.Module):
-        raise TypeError(f"compile_guard.compiled: pass {type(fn).__name__}.forward (a bound method), not the module")
-    return getattr(fn, "__func__", fn).__code__
-
-
-def compiled(fn, **compile_kwargs):
-    """torch.compile(fn), callable from several threads at once (the replicas of the threads runtime).
-
-    The second hazard (torch <= 2.13): dynamo keeps the compiled entries of one code object (every replica's
-    Layer.forward shares it) in one list, and moves the entry that matched to the front. A thread walking that
-    list can be switched out while a guard runs Python (one always does); another thread's move then makes it skip
-    the matching entry, so a warmed shape "recompiles" and fails after warm-up (dynamo: "runtime guards failed
-    even though they passed during recompilation-reason analysis"). Calls into one code object are therefore
-    serialized, on the host only: what they launch on a GPU still runs concurrently."""
-    code = _code_of(fn)
-    with _CODE_LOCKS_GUARD:
-        lock = _CODE_LOCKS.setdefault(code, threading.RLock())
-    inner = torch.compile(fn, **compile_kwargs)
-
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        with lock:
-            return inner(*args, **kwargs)
-
-    return call
 
 
 # ---- compile state ---------------------------------------------------------------------------------------
@@ -199,7 +67,8 @@ def allow_compiles() -> None:
 
 @contextlib.contextmanager
 def backward_compiled_in_forward():
-    """Compile each graph's backward with its forward, on this thread (the warm-up's, holding FX_GUARD exclusively).
+    """Compile each graph's backward with its forward, on this thread (the warm-up's, which holds
+    compile_threads.FX_GUARD exclusively in the threads runtime).
 
     AOT autograd compiles a static-shape backward lazily, at its first backward call; on a GPU that call runs on the
     autograd engine's device thread, and Inductor's post-grad pattern rewrites FX-trace there (replace_by_example ->

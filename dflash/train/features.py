@@ -8,8 +8,8 @@ forward right before the first layer not needed (a pre-hook on it), so neither l
 `train.compile_target`: `LayerCapture.compile()` compiles, in place, every module the capture runs through (decoder
 layers 0..last, the final norm when captured), one by one: regional compilation, so identical layers share one graph
 per input shape. The hooks stay outside the graphs (only `forward` is compiled), and the stop hook sits on a layer
-that is never compiled. `warm_up` compiles every shape bucket single-threaded; after it, `guarded` calls
-hold the FX guard shared and fail on any new graph (see compile_guard).
+that is never compiled. `warm_up` compiles every shape bucket single-threaded; after it, `guarded` calls fail on any
+new graph (compile_guard); the compiled forwards are safe to call from several threads (dflash.compile_threads).
 
 What a training run captures (`run_capture`, `feature_width`): the drafter's context layers (target_layer_ids, k*H
 columns, the fc reads them) and, with train.objective kl or ce+kl, one more H columns: layer L-1, i.e.
@@ -23,6 +23,7 @@ import time
 import torch
 from torch import nn
 
+from dflash import compile_threads
 from dflash.train import compile_guard
 
 
@@ -117,7 +118,7 @@ class LayerCapture:
         around the graph in any torch version, while dynamo's handling of hooks inside a compiled call varies
         (it does not guard on them by default, so a graph traced with one layer's hook could serve another layer)."""
         for m in self.modules:
-            m.forward = compile_guard.compiled(m.forward, fullgraph=True, dynamic=False)
+            m.forward = compile_threads.compiled(m.forward, fullgraph=True, dynamic=False)
         self.compiled = True
 
     def warm_up(self, device: torch.device, shapes, vocab_size: int, workers: int = 1) -> dict:
@@ -125,7 +126,7 @@ class LayerCapture:
         guard exclusively; `workers`: the compiled workers of this process (RunContext.compiled_workers). The record
         has the drafter warm-up's keys (summary.json's compile section sums both)."""
         before, t0, per_shape = compile_guard.counters(), time.perf_counter(), []
-        with compile_guard.FX_GUARD.exclusive():
+        with compile_threads.exclusive():
             compile_guard.allow_compiles()
             compile_guard.configure_thread(len(shapes), workers)
             for b, s in shapes:
@@ -143,9 +144,8 @@ class LayerCapture:
                 "seconds": round(time.perf_counter() - t0, 3)}
 
     def guarded(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The capture after warm-up: a compiled one holds the FX guard shared and fails on any new graph."""
+        """The capture after warm-up: a compiled one fails on any new graph."""
         if not self.compiled:
             return self(input_ids)
-        with compile_guard.FX_GUARD.shared(), \
-                compile_guard.no_new_graphs(f"target batch {tuple(input_ids.shape)} on {input_ids.device}"):
+        with compile_guard.no_new_graphs(f"target batch {tuple(input_ids.shape)} on {input_ids.device}"):
             return self(input_ids)

@@ -16,6 +16,7 @@ import torch
 
 from dflash.atomic import atomic_write_text
 from dflash.train import compile_guard
+from dflash.train.failures import check_finite
 
 log = logging.getLogger("dflash.train")
 SPLIT = ("queue_wait", "target", "drafter", "optimizer")
@@ -86,7 +87,6 @@ def interval_loss(total: list[float]) -> tuple[dict, float | None]:
 def check_pending(pending: list[tuple[int, torch.Tensor, object]]) -> None:
     """The finiteness check of a logging interval's (step, stats, gnorm) rows in one host sync, as flush makes it
     (on ranks that write no metrics): NonFinite when the loss or the gradient norm is not finite."""
-    from dflash.train.trainer import check_finite
     _, loss = interval_loss(torch.stack([p[1] for p in pending]).sum(0).tolist())
     check_finite(pending[-1][0], loss, float(pending[-1][2]))
 
@@ -176,7 +176,6 @@ class RunMetrics:
 
     def flush(self):
         """Write the pending steps as one row (one host sync). A non-finite loss or gradient norm stops the run."""
-        from dflash.train.trainer import check_finite
         pending, self.pending = self.pending, []
         if not pending:
             return

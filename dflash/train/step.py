@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from dflash import compile_threads
 from dflash.train import compile_guard, placement as P
 
 
@@ -39,9 +40,9 @@ def build_drafter(ctx, embed, head, device: torch.device):
             if isinstance(m, Linear):
                 m.recompute_cast = bool(ctx.cfg.train.recompute_weight_casts)
         for layer in drafter.layers:  # each forward compiled in place (state_dict names unchanged); traced in warm-up
-            layer.forward = compile_guard.compiled(layer.forward, fullgraph=True, dynamic=False)
+            layer.forward = compile_threads.compiled(layer.forward, fullgraph=True, dynamic=False)
         for name in ("context", "final_norm"):   # the work around the layers (fc + norms), compiled the same way
-            setattr(drafter, name, compile_guard.compiled(getattr(drafter, name), fullgraph=True, dynamic=False))
+            setattr(drafter, name, compile_threads.compiled(getattr(drafter, name), fullgraph=True, dynamic=False))
     return drafter.to(device).train()
 
 
@@ -55,7 +56,7 @@ def loss_kernel(compiled: bool, objective: str = "ce"):
 
     from dflash.model.fused_ce import loss_chunk
     if compiled and "k" not in _LOSS_KERNEL:
-        _LOSS_KERNEL["k"] = compile_guard.compiled(loss_chunk, fullgraph=True, dynamic=False)
+        _LOSS_KERNEL["k"] = compile_threads.compiled(loss_chunk, fullgraph=True, dynamic=False)
     return functools.partial(_LOSS_KERNEL["k"] if compiled else loss_chunk, objective=objective)
 
 
@@ -96,13 +97,13 @@ def dummy_batch(ctx, batch: int, length: int, device, dtype):
 
 def warm_up(drafter, ctx, device, shapes) -> dict:
     """Compile (or just run) the drafter's forward and backward for every shape, single-threaded, holding the
-    FX guard exclusively (each backward compiled with its forward, on this thread: never lazily on the CUDA autograd
-    thread, which would wait on that guard). Leaves no gradients behind."""
+    FX guard exclusively in the threads runtime (each backward compiled with its forward, on this thread: never lazily
+    on the CUDA autograd thread, which would wait on that guard). Leaves no gradients behind."""
     dtype = P.autocast_dtype(ctx.cfg.train, device)
     before = compile_guard.counters()
     t0 = time.perf_counter()
     per_shape = []
-    with compile_guard.FX_GUARD.exclusive(), compile_guard.backward_compiled_in_forward():
+    with compile_threads.exclusive(), compile_guard.backward_compiled_in_forward():
         compile_guard.allow_compiles()
         compile_guard.configure_thread(len(shapes), ctx.compiled_workers)
         for b, s in shapes:

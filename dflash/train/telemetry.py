@@ -6,7 +6,6 @@ import time
 
 import torch
 
-from dflash.device_names import device_name
 
 
 class GpuSampler:
@@ -73,14 +72,13 @@ def nvml_handle(index: int):
     return pynvml.nvmlDeviceGetHandleByUUID(entry)
 
 
-def device_report(placement, sampler: GpuSampler | None, window=(None, None)) -> list[dict]:
-    """Per device: roles, peak memory, mean utilisation over `window` (the measured steps, see RunMetrics). One
-    process on one node (the threads runtime): the distributed runtime makes a row per rank, named by
-    Placement.device_name."""
+def device_rows(roles: dict, name_of, sampler: GpuSampler | None, window=(None, None)) -> list[dict]:
+    """summary.json's device rows of one process: per device (`roles`: {device: ["target", "drafter"]}), its name
+    (`name_of(device)`: cuda:0, node1/cuda:0), its roles, peak memory and mean utilisation over `window` (the measured
+    steps, see RunMetrics)."""
     out = []
-    for d in placement.devices:
-        roles = [r for r, devs in (("target", placement.targets), ("drafter", placement.drafters)) if d in devs]
-        row = {"device": device_name(d), "roles": roles, "peak_memory_gb": None, "util_mean": None}
+    for d, r in roles.items():
+        row = {"device": name_of(d), "roles": list(r), "peak_memory_gb": None, "util_mean": None}
         if d.type == "cuda":
             row["peak_memory_gb"] = round(torch.cuda.max_memory_allocated(d) / 2**30, 3)
             row["util_mean"] = sampler.mean(d, *window) if sampler else None

@@ -26,6 +26,7 @@ from typing import Callable, Protocol
 import torch
 
 from dflash.train import checkpoint, compile_guard, optim
+from dflash.train.failures import Diverged, StopRun
 from dflash.train import placement as P
 from dflash.train.metrics import DeviceTimer, check_pending, log_due, loss_stats
 from dflash.train.step import micro_step, warm_up
@@ -43,22 +44,6 @@ class Micro:
     loss_mask: torch.Tensor    # [b, S]
     ready: object = None       # CUDA event the features are complete at (threads runtime), or None
     target_time: object = 0.0  # seconds or CUDA event pairs (resolved at logging time)
-
-
-class StopRun(Exception):
-    """All replicas agreed to stop after this step (a signal); the checkpoint is written."""
-
-
-class Diverged(RuntimeError):
-    """Replicas' weights differ: their gradients or updates were not identical. `info`: {step, replicas}."""
-
-    def __init__(self, message: str, step: int, groups: list[list[int]]):
-        super().__init__(message)
-        self.info = {"step": step, "replicas": groups}
-
-
-class NonFinite(RuntimeError):
-    """The step's loss or gradient norm is NaN or infinite."""
 
 
 class Sync(Protocol):
@@ -156,7 +141,7 @@ class Replica:
         for i, m in enumerate(micros):
             last = i == len(micros) - 1
             no_sync = getattr(self.model, "no_sync", None)
-            with (no_sync() if no_sync and not last else contextlib.nullcontext()), compile_guard.FX_GUARD.shared(), \
+            with (no_sync() if no_sync and not last else contextlib.nullcontext()), \
                     compile_guard.no_new_graphs(f"batch {tuple(m.input_ids.shape)} on {self.device}"):
                 out = micro_step(self.model, m.feats, m.input_ids, m.loss_mask, m.index, self.ctx, dtype)
                 (out.loss * out.weight_sum.detach()).backward()     # the weighted sum: normalised globally below
@@ -173,10 +158,10 @@ class Replica:
             (stats,), stop = self.sync.reduce(self.rank, [stats], want_stop)
             self.grad_scale = self.n / stats[1].clamp(min=1e-12)
         else:
-            flat = torch._utils._flatten_dense_tensors(grads)
+            flat = torch.cat([g.reshape(-1) for g in grads])     # one contiguous copy, reduced in place
             (flat, stats), stop = self.sync.reduce(self.rank, [flat, stats], want_stop)
             self.grad_scale = 1 / stats[1].clamp(min=1e-12)
-            grads = torch._utils._unflatten_dense_tensors(flat, grads)
+            grads = [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in grads]), grads)]
         for p, g in zip(self.params, grads):
             p.grad = g
         if self.n > 1:   # (the reduce synchronised already: reading the sum costs no stall)
@@ -200,13 +185,14 @@ class Replica:
 
     # -- the loop ---------------------------------------------------------------------------------------------
     def run(self, take: Callable[[int], Micro], want_stop: Callable[[], bool], queue_depth: Callable[[], int]):
+        """Train from self.start_step to train.steps (or the time budget): per step, its micro-batches (`take`,
+        by stream index), forward+backward and the reduction, the optimizer step, then `after_step`. Raises StopRun
+        when the replicas agreed to stop (`want_stop`: a signal), the failures of failures.py on a failed check."""
         cfg = self.ctx.cfg
-        accum, every = cfg.train.grad_accum, cfg.train.checkpoint_every
-        check = cfg.train.check_every
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         t_fwd, t_opt = DeviceTimer(self.device), DeviceTimer(self.device)
         prof = StepProfiler(cfg.train.profile, self.ctx.run_dir, self.rank) if cfg.train.profile else None
-        unchecked: list = []
+        self.unchecked: list = []
         self.t0 = self.clock()   # training time counts from here (after the warm-up)
         try:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
@@ -214,53 +200,65 @@ class Replica:
                     if prof:
                         prof.at(step)
                     self.fail(step + 1)
-                    wait, target_t, micros = 0.0, [], []
-                    for a in range(accum):
-                        t = time.perf_counter()
-                        with torch.profiler.record_function("queue_wait"):
-                            m = take(self.index(step, a))
-                        wait += time.perf_counter() - t
-                        target_t.append(m.target_time)
-                        if m.ready is not None:   # features made on another stream: wait for them, keep them alive
-                            stream.wait_event(m.ready)
-                            for x in (m.feats, m.input_ids, m.loss_mask):
-                                x.record_stream(stream)
-                        micros.append(m)
+                    micros, wait, target_t = self.take_step(step, take, stream)
                     with t_fwd, torch.profiler.record_function("drafter_fwd_bwd"):
                         stats, stop = self.accumulate(micros, want_stop())
                     del micros
                     with t_opt, torch.profiler.record_function("optimizer"):
                         gnorm = self.optimizer_step()
                     self.steps = step + 1
-                    self._inject_divergence(step + 1)
-                    spent = self.schedule.spent(self.elapsed)   # the agreed time: every replica ends here
-                    final = step + 1 == cfg.train.steps or spent
-                    if final:
-                        self.finished_by = "time_budget" if spent else "steps"
-                    if check and ((step + 1) % check == 0 or final or stop):
-                        self.check_replicas(step + 1)
-                    if self.rank == 0:
-                        self.metrics.step_done(step + 1, stats, gnorm, self.optimizer.lr,
-                                               {"queue_wait": wait, "target": target_t, "drafter": t_fwd.pop(),
-                                                "optimizer": t_opt.pop()}, queue_depth())
-                        self.metrics.set_training(self.elapsed, self.finished_by)
-                        if stop or final or (every and (step + 1) % every == 0):
-                            self.save(step + 1)
-                    elif self.sync.reduces_in_backward:
-                        # distributed: the other ranks make replica 0's finiteness check at the same steps (the
-                        # reduced stats and the norm are the same on every rank), so all stop together, none
-                        # waits in the next step's all-reduce for a rank that stopped
-                        unchecked.append((step + 1, stats, gnorm))
-                        if log_due(cfg.train, step + 1, self.start_step) or final:
-                            check_pending(unchecked)
-                            unchecked.clear()
-                    if stop:
-                        raise StopRun
-                    if final:
+                    times = {"queue_wait": wait, "target": target_t, "drafter": t_fwd.pop(), "optimizer": t_opt.pop()}
+                    if self.after_step(step + 1, stats, gnorm, times, queue_depth(), stop):
                         break
         finally:   # the trace is written however the loop ends (StopRun, a failure)
             if prof:
                 prof.close()
+
+    def take_step(self, step: int, take: Callable[[int], Micro], stream) -> tuple[list[Micro], float, list]:
+        """The step's micro-batches of this replica, each ready on `stream` (features made on another stream are
+        waited for and kept alive there); the seconds spent waiting for them and their target times."""
+        wait, target_t, micros = 0.0, [], []
+        for a in range(self.ctx.cfg.train.grad_accum):
+            t = time.perf_counter()
+            with torch.profiler.record_function("queue_wait"):
+                m = take(self.index(step, a))
+            wait += time.perf_counter() - t
+            target_t.append(m.target_time)
+            if m.ready is not None:
+                stream.wait_event(m.ready)
+                for x in (m.feats, m.input_ids, m.loss_mask):
+                    x.record_stream(stream)
+            micros.append(m)
+        return micros, wait, target_t
+
+    def after_step(self, step: int, stats, gnorm, times: dict, queue_depth: int, stop: bool) -> bool:
+        """Everything after optimizer step `step` (1-based), the same in both runtimes and on every replica: the end
+        test (train.steps or the agreed time budget), the divergence guard, metrics and checkpoints (replica 0), the
+        finiteness check (the other distributed ranks). Returns True when this was the last step; StopRun on `stop`."""
+        t = self.ctx.cfg.train
+        self._inject_divergence(step)
+        spent = self.schedule.spent(self.elapsed)   # the agreed time: every replica ends here
+        final = step == t.steps or spent
+        if final:
+            self.finished_by = "time_budget" if spent else "steps"
+        if t.check_every and (step % t.check_every == 0 or final or stop):
+            self.check_replicas(step)
+        if self.rank == 0:
+            self.metrics.step_done(step, stats, gnorm, self.optimizer.lr, times, queue_depth)
+            self.metrics.set_training(self.elapsed, self.finished_by)
+            if stop or final or (t.checkpoint_every and step % t.checkpoint_every == 0):
+                self.save(step)
+        elif self.sync.reduces_in_backward:
+            # distributed: the other ranks make replica 0's finiteness check at the same steps (the reduced stats
+            # and the norm are the same on every rank), so all stop together, none waits in the next step's
+            # all-reduce for a rank that stopped
+            self.unchecked.append((step, stats, gnorm))
+            if log_due(t, step, self.start_step) or final:
+                check_pending(self.unchecked)
+                self.unchecked.clear()
+        if stop:
+            raise StopRun
+        return final
 
     @functools.cached_property
     def identity(self) -> dict:
@@ -295,11 +293,3 @@ class Replica:
             with torch.no_grad():
                 self.params[0].add_(1e-3)
             log.warning("drafter-%d: weights perturbed at step %d (train.diverge_at_step test hook)", self.rank, step)
-
-
-def check_finite(step: int, loss: float | None, gnorm: float) -> None:
-    """NonFinite when the loss (None: nothing scored, no loss) or the gradient norm is not finite."""
-    import math
-    if not ((loss is None or math.isfinite(loss)) and math.isfinite(gnorm)):
-        raise NonFinite(f"step {step}: loss {loss}, gradient norm {gnorm} is not finite; stopping (lower train.lr, "
-                        "check the data, or resume from an earlier checkpoint)")

@@ -1,12 +1,14 @@
-"""The `threads` runtime: one process, one thread per worker, race-free by construction.
+"""The `threads` transport: one process, one thread per worker, race-free by construction (dflash/train/run.py runs
+the lifecycle over it).
 
     feeder -> work queue -> TargetWorker x T -> inbox per replica (bounded) -> DrafterWorker x D (trainer.Replica)
 
 Micro-batch i of the stream goes to replica i % D; optimizer step s consumes micro-batches [s*M, (s+1)*M) with
-M = D * grad_accum, so the data order is a function of the step alone (exact resume). Compiles happen before any
-worker thread starts (the warm-up). The supervisor (main thread) starts workers, waits for them to be ready, and
-stops everything within seconds when any worker fails, naming it; SIGINT, SIGTERM and SIGUSR1 make every replica
-stop after its current step and write a checkpoint.
+M = D * grad_accum, so the data order is a function of the step alone (exact resume). Compiled calls are safe from
+several threads (dflash.compile_threads, on while the workers run), and every compile happens in the lifecycle's
+warm-up, before any worker thread starts. The supervisor (main thread) starts workers, waits for them to be ready, and stops
+everything within seconds when any worker fails, naming it; SIGINT, SIGTERM and SIGUSR1 make every replica stop
+after its current step and write a checkpoint.
 
 GPU streams: a tensor crosses from one worker to another only after its producer's kernels are complete (the
 features: a CUDA event the reader's stream waits on, then record_stream; gradients: GradSync below).
@@ -25,13 +27,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dflash.train import checkpoint, compile_guard
-from dflash.train.features import run_capture
+from dflash import compile_threads
+from dflash.device_names import device_name
+from dflash.train import compile_guard, failures
 from dflash.train.metrics import DeviceTimer
-from dflash.train.step import build_drafter, frozen_head
-from dflash.train.telemetry import device_report
-from dflash.train.trainer import Diverged, Micro, NonFinite, Replica, StopRun, weight_checksum
-from dflash.train import summary
+from dflash.train.run import Local
+from dflash.train.step import frozen_head
+from dflash.train.trainer import Micro
 
 log = logging.getLogger("dflash.train")
 POLL = 0.1  # seconds between checks of the stop flag in every blocking wait
@@ -40,10 +42,6 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 class Stopped(Exception):
     """Raised inside a worker when the run is being stopped (not an error of that worker)."""
-
-
-class InjectedFailure(RuntimeError):
-    """The `train.fail_at_step` test hook."""
 
 
 @dataclass
@@ -71,16 +69,11 @@ class Shared:
 
 
 class Worker(threading.Thread):
-    def __init__(self, name: str, role: str, device: torch.device, shared: Shared, fail_at=None):
+    def __init__(self, name: str, device: torch.device, shared: Shared):
         super().__init__(name=name, daemon=True)
-        self.role, self.device, self.shared = role, device, shared
+        self.device, self.shared = device, shared
         self.ready = threading.Event()
         self.steps, self.ready_s, self.t0 = 0, None, time.perf_counter()
-        self.fail_at = fail_at.get("step") if fail_at and fail_at.get("worker") == name else None
-
-    def maybe_fail(self, step: int):
-        if self.fail_at == step:
-            raise InjectedFailure(f"{self.name}: injected failure at {'init' if step == 0 else f'step {step}'}")
 
     def mark_ready(self):
         self.ready_s = round(time.perf_counter() - self.t0, 3)
@@ -91,22 +84,18 @@ class Worker(threading.Thread):
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
             self.body()
-        except (Stopped, StopRun):
+        except (Stopped, failures.StopRun):
             pass
         except BaseException as e:
             self.shared.errors.put((self.name, e, traceback.format_exc()))
             self.shared.stop.set()
-
-    def describe(self) -> dict:
-        return {"name": self.name, "role": self.role, "device": str(self.device), "steps": self.steps,
-                "ready_s": self.ready_s}
 
 
 class Feeder(Worker):
     """Reads batches in stream order from `start` and hands them to the target workers."""
 
     def __init__(self, reader, start: int, end: int, work: queue.Queue, shared: Shared, pin: bool):
-        super().__init__("reader", "reader", torch.device("cpu"), shared)
+        super().__init__("reader", torch.device("cpu"), shared)
         self.reader, self.start_index, self.end, self.work, self.pin = reader, start, end, work, pin
 
     def body(self):
@@ -116,31 +105,21 @@ class Feeder(Worker):
             self.shared.wait_put(self.work, b.pin() if self.pin else b)
             self.steps += 1
 
+    def row(self) -> dict:
+        return {"name": self.name, "role": "reader", "device": "cpu", "steps": self.steps, "ready_s": self.ready_s}
+
 
 class TargetWorker(Worker):
-    def __init__(self, name, device, ctx, work, inboxes, replica_devices, shared):
-        super().__init__(name, "target", device, shared, ctx.cfg.train.fail_at_step)
-        self.ctx, self.work, self.inboxes, self.replica_devices = ctx, work, inboxes, replica_devices
-        self.model = None
+    """Features of the batches it takes from the work queue, for the replica of each (a run.Target's capture)."""
 
-    def load(self):
-        from dflash.target import load_target
-        self.model = load_target(self.ctx.cfg.target, device=self.device, seed=self.ctx.cfg.seed)
-        self.capture = run_capture(self.model, self.ctx)
-        if self.ctx.cfg.train.compile_target:
-            self.capture.compile()
-
-    def warm_up(self) -> dict:
-        """train.compile_target: compile the capture for every bucket shape (on the main thread, before any worker
-        starts, like the drafter replicas' warm-up)."""
-        return self.capture.warm_up(self.device, self.ctx.shapes, self.ctx.drafter_config.vocab_size,
-                                    self.ctx.compiled_workers)
+    def __init__(self, target, ctx, work, inboxes, replica_devices, shared):
+        super().__init__(target.name, target.device, shared)
+        self.target, self.work, self.inboxes, self.replica_devices = target, work, inboxes, replica_devices
+        self.ctx, self.fail = ctx, failures.injector(ctx.cfg.train, target.name)
 
     def body(self):
-        self.maybe_fail(0)
-        if self.model is None:
-            self.load()
-        if self.capture.compiled:
+        self.fail(0)
+        if self.target.capture.compiled:
             compile_guard.configure_thread(len(self.ctx.shapes), self.ctx.compiled_workers)
         cuda = self.device.type == "cuda"
         # high priority: the drafters wait on the features, so the target's kernels go first on a shared GPU
@@ -150,14 +129,14 @@ class TargetWorker(Worker):
         with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
             while True:
                 batch = self.shared.wait_get(self.work)
-                self.maybe_fail(self.steps + 1)
+                self.fail(self.steps + 1)
                 r = batch.index % len(self.inboxes)
                 dst = self.replica_devices[r]
                 with timer:
                     # every copy below runs on this stream (a cross-device copy runs on the source's current
                     # stream), so the event recorded after them covers the features on `dst` too
                     ids = batch.input_ids.to(self.device, non_blocking=True)
-                    feats = self.capture.guarded(ids)  # an inference tensor: autograd may not save it, so copy it out
+                    feats = self.target.features(ids)   # an inference tensor: autograd may not save it, so copy it
                     feats = feats.to(dst, non_blocking=True) if dst != self.device else feats.clone()
                     ids_dst = ids.to(dst, non_blocking=True)
                     mask = batch.loss_mask.to(dst, non_blocking=True)
@@ -168,6 +147,7 @@ class TargetWorker(Worker):
                 self.shared.wait_put(self.inboxes[r], Micro(batch.index, batch.tokens, feats, ids_dst, mask, ready,
                                                             timer.pop()))
                 self.steps += 1
+                self.target.steps = self.steps
 
 
 class GradSync:
@@ -253,11 +233,9 @@ class GradSync:
 
 
 class DrafterWorker(Worker):
-    def __init__(self, replica: Replica, inbox, shared):
-        super().__init__(f"drafter-{replica.rank}", "drafter", replica.device, shared,
-                         replica.ctx.cfg.train.fail_at_step)
+    def __init__(self, replica, inbox, shared):
+        super().__init__(f"drafter-{replica.rank}", replica.device, shared)
         self.replica, self.inbox = replica, inbox
-        replica.fail = self.maybe_fail
         self.pending: dict[int, Micro] = {}
 
     def take(self, index: int) -> Micro:
@@ -268,118 +246,78 @@ class DrafterWorker(Worker):
         return self.pending.pop(index)
 
     def body(self):
-        self.maybe_fail(0)
+        self.replica.fail(0)
         compile_guard.configure_thread(len(self.replica.ctx.shapes), self.replica.ctx.compiled_workers)
-        self.steps = self.replica.steps
         self.mark_ready()
-        try:
-            self.replica.run(self.take, self.shared.interrupt.is_set, self.inbox.qsize)
-        finally:
-            self.steps = self.replica.steps
+        self.replica.run(self.take, self.shared.interrupt.is_set, self.inbox.qsize)
 
 
-def run(ctx, reader, metrics) -> int:
-    """Build, warm up, start and supervise the workers; write the summary. Returns the process exit code."""
-    cfg, pl = ctx.cfg, ctx.placement
-    compile_guard.install_fx_guard()
-    shared = Shared()
-    D = len(pl.drafters)
+class Threads:
+    """The transport of one process holding every worker (run.Transport)."""
 
-    # 1. targets first (the drafters borrow their embedding and LM head), on the main thread
-    work: queue.Queue = queue.Queue(maxsize=max(2, len(pl.targets)) * 2)
-    inboxes = [queue.Queue(maxsize=cfg.train.queue_size) for _ in range(D)]
-    targets = [TargetWorker(f"target-{i}", d, ctx, work, inboxes, pl.drafters, shared)
-               for i, d in enumerate(pl.targets)]
-    t0 = time.perf_counter()
-    for tw in targets:
-        if tw.fail_at != 0:
-            tw.load()
-    heads = {}
-    for d in pl.drafters:
-        if d not in heads:
-            owner = next((tw.model for tw in targets if tw.device == d and tw.model is not None), None)
-            heads[d] = frozen_head(owner or next(tw.model for tw in targets if tw.model is not None), d)
+    reduce = "flat"
 
-    # 2. will it fit? one line naming the keys to change, before anything big is allocated
-    check_memory(ctx, targets)
+    def __init__(self):
+        self.shared, self.workers, self.gradsync = Shared(), [], None
 
-    # 3. replicas: identical weights; optimizer state restored from the newest good checkpoint if resuming
-    sync = GradSync(D)
-    replicas = []
-    for r, d in enumerate(pl.drafters):
-        dr = build_drafter(ctx, *heads[d], d)
-        if replicas:
-            dr.load_state_dict(replicas[0].drafter.state_dict())
-        replicas.append(Replica(ctx, r, D, d, dr, sync, metrics))
-    latest = checkpoint.resumable(ctx)
-    if latest is not None:
-        for rep in replicas:
-            rep.resume(latest)
-        log.info("resuming from %s: step %d, data index %d", latest, replicas[0].start_step, replicas[0].data_index)
-    start_step, data_index = replicas[0].start_step, replicas[0].data_index
-    if start_step >= cfg.train.steps:
-        log.info("run already complete at step %d (checkpoint %s); nothing to train", start_step, latest)
-        return 0
+    def open(self, ctx) -> Local:
+        pl = ctx.placement
+        return Local([(f"target-{i}", d) for i, d in enumerate(pl.targets)], list(enumerate(pl.drafters)), True,
+                     device_name, len(pl.drafters))
 
-    # 4. warm-up: every compile, single-threaded, before any worker thread starts; every replica (a compiled
-    #    graph may belong to one module), then every target when train.compile_target is on
-    warm = []
-    for rep in replicas:
-        warm.append(rep.warm_up())
-        log.info("warm-up of drafter-%d on %s: %d graph(s), %d cache hit(s), %.1f s", rep.rank, rep.device,
-                 warm[-1]["graphs"], warm[-1]["cache_hits"], warm[-1]["seconds"])
-    if cfg.train.compile_target:
-        for tw in targets:
-            if tw.model is not None:
-                warm.append(tw.warm_up())
-                log.info("warm-up of %s on %s (compiled target): %d graph(s), %d cache hit(s), %.1f s", tw.name,
-                         tw.device, warm[-1]["graphs"], warm[-1]["cache_hits"], warm[-1]["seconds"])
-    if ctx.compile or cfg.train.compile_target:
-        compile_guard.forbid_recompiles()
-    metrics.set_warmup(warm, time.perf_counter() - t0)
+    def heads(self, ctx, targets, devices) -> dict:
+        """Each drafter device's embedding and LM head: a target's own tensors on its device, a copy elsewhere."""
+        return {d: frozen_head(next((t.model for t in targets if t.device == d), targets[0].model), d)
+                for d in dict.fromkeys(devices)}
 
-    # 5. workers
-    end_index = data_index + (cfg.train.steps - start_step) * ctx.batches_per_step
-    feeder = Feeder(reader, data_index, end_index, work, shared, pin=any(d.type == "cuda" for d in pl.targets))
-    drafters = [DrafterWorker(rep, inboxes[rep.rank], shared) for rep in replicas]
-    workers = [feeder, *targets, *drafters]
-    metrics.start(start_step, getattr(replicas[0], "resumed", {}).get("metrics"))
-    previous = {s: signal.signal(s, lambda signum, frame: _on_signal(shared, signum)) for s in STOP_SIGNALS}
-    try:
-        for w in workers:
-            w.start()
-        status, failure = _supervise(workers, drafters, shared, sync, cfg.train, metrics)
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-    deadline = time.perf_counter() + 10
-    for w in workers:  # every worker polls the stop flag: they end within a poll interval
-        w.join(max(0.0, deadline - time.perf_counter()))
-    compile_guard.allow_compiles()
-    summary.write(ctx, metrics, [w.describe() for w in workers], status, device_report(pl, metrics.sampler, metrics.measured_window()),
-                  checksums=[weight_checksum(rep.drafter).tolist() for rep in replicas], failure=failure)
-    code = 0 if status == "completed" else 128 + (shared.signum or signal.SIGINT) if status == "interrupted" else 1
-    stuck = [w.name for w in workers if w.is_alive()]
-    if stuck:  # a thread inside a long native call: do not let interpreter shutdown abort or hang on it
-        log.error("worker(s) still running after the stop: %s; exiting", ", ".join(stuck))
-        logging.shutdown()
-        os._exit(code)
-    return code
+    def sync(self, ctx) -> "GradSync":
+        self.gradsync = GradSync(len(ctx.placement.drafters))
+        return self.gradsync
 
+    def share(self, point):
+        return point    # one process: the writer's point is everyone's
 
-def check_memory(ctx, targets):
-    """The memory estimate of every drafter device (its replicas plus the targets' weights already there)."""
-    from dflash.train import memory
-    longest = max(s for _, s in ctx.shapes)
-    for dev in dict.fromkeys(ctx.placement.drafters):
-        resident = 0
-        if dev.type == "cuda":
-            resident = sum(p.numel() * p.element_size() for tw in targets if tw.device == dev and tw.model
-                           for p in tw.model.parameters())
-        memory.check(ctx.drafter_config, ctx.cfg.train, longest, dev, ctx.backend,
-                     replicas=ctx.placement.drafters.count(dev), resident=resident,
-                     num_anchors=ctx.anchors_for(longest), compiled=ctx.compile,
-                     reduce="flat" if len(ctx.placement.drafters) > 1 else "none")
+    def wrap(self, replicas):
+        pass
+
+    def serve(self, process) -> tuple[str, dict | None]:
+        """Start the workers and supervise them, the stop signals handled, until the replicas end or one fails."""
+        p, cfg, shared = process, process.ctx.cfg, self.shared
+        work: queue.Queue = queue.Queue(maxsize=max(2, len(p.targets)) * 2)
+        inboxes = [queue.Queue(maxsize=cfg.train.queue_size) for _ in p.replicas]
+        feeder = Feeder(p.reader, p.data_index, p.end_index, work, shared,
+                        pin=any(t.device.type == "cuda" for t in p.targets))
+        targets = [TargetWorker(t, p.ctx, work, inboxes, [r.device for r in p.replicas], shared) for t in p.targets]
+        drafters = [DrafterWorker(rep, inboxes[rep.rank], shared) for rep in p.replicas]
+        self.workers = [feeder, *targets, *drafters]
+        previous = {s: signal.signal(s, lambda signum, frame: _on_signal(shared, signum)) for s in STOP_SIGNALS}
+        with compile_threads.threaded():   # several threads call the compiled code (compiled in the warm-up)
+            try:
+                for w in self.workers:
+                    w.start()
+                status, failure = _supervise(self.workers, drafters, shared, self.gradsync, cfg.train, p.metrics)
+            finally:
+                for s, h in previous.items():
+                    signal.signal(s, h)
+            deadline = time.perf_counter() + 10
+            for w in self.workers:  # every worker polls the stop flag: they end within a poll interval
+                w.join(max(0.0, deadline - time.perf_counter()))
+        p.extra_rows.append(feeder.row())
+        p.ready.update({w.name: w.ready_s for w in [*targets, *drafters]})
+        return status, failure
+
+    def gather(self, rows: dict) -> list[dict]:
+        return [rows]
+
+    def close(self, status: str) -> int:
+        code = 0 if status == "completed" else 128 + (self.shared.signum or signal.SIGINT) \
+            if status == "interrupted" else 1
+        stuck = [w.name for w in self.workers if w.is_alive()]
+        if stuck:  # a thread inside a long native call: do not let interpreter shutdown abort or hang on it
+            log.error("worker(s) still running after the stop: %s; exiting", ", ".join(stuck))
+            logging.shutdown()
+            os._exit(code)
+        return code
 
 
 def _on_signal(shared: Shared, signum: int):
@@ -390,7 +328,7 @@ def _on_signal(shared: Shared, signum: int):
     shared.interrupt.set()
 
 
-def _supervise(workers, replicas, shared: Shared, sync: GradSync, tcfg, metrics) -> tuple[str, dict | None]:
+def _supervise(workers, replicas, shared: Shared, sync: "GradSync", tcfg, metrics) -> tuple[str, dict | None]:
     """Wait for readiness, then for the end; any error or stall stops the run within seconds, named."""
     deadline = time.perf_counter() + tcfg.ready_timeout_s
     while not all(w.ready.is_set() for w in workers):
@@ -413,7 +351,7 @@ def _supervise(workers, replicas, shared: Shared, sync: GradSync, tcfg, metrics)
                           tcfg.stop_timeout_s)
                 _stop(shared, sync)
                 return "interrupted", None
-        steps = replicas[0].steps
+        steps = replicas[0].replica.steps
         if steps != last_steps:
             last_steps, last_progress = steps, time.perf_counter()
         elif time.perf_counter() - last_progress > tcfg.stall_timeout_s:
@@ -428,23 +366,21 @@ def _supervise(workers, replicas, shared: Shared, sync: GradSync, tcfg, metrics)
     return ("interrupted" if shared.interrupt.is_set() else "completed"), None
 
 
-def _failed(shared: Shared, sync: GradSync) -> dict | None:
+def _failed(shared: Shared, sync: "GradSync") -> dict | None:
     if shared.errors.empty():
         return None
     _stop(shared, sync)
-    first = None
+    records = []
     while not shared.errors.empty():
         name, exc, tb = shared.errors.get()
-        kind = "diverged" if isinstance(exc, Diverged) else "non_finite" if isinstance(exc, NonFinite) else "worker"
-        if kind == "worker":
+        records.append(failures.record(name, exc))
+        if records[-1]["kind"] == "worker":
             log.error("worker %s failed:\n%s", name, tb.rstrip())
         else:
             log.error("%s: %s", name, exc)
-        if first is None or (first["kind"] == "worker" and kind != "worker"):
-            first = {"kind": kind, "worker": name, "message": str(exc), **getattr(exc, "info", {})}
-    return first
+    return failures.first(records)
 
 
-def _stop(shared: Shared, sync: GradSync):
+def _stop(shared: Shared, sync: "GradSync"):
     shared.stop.set()
     sync.barrier.abort()
