@@ -59,7 +59,7 @@ class Shared:
                 pass
         raise Stopped
 
-    def wait_get(self, q: queue.Queue):
+    def wait_take(self, q: queue.Queue):
         while not self.stop.is_set():
             try:
                 return q.get(timeout=POLL)
@@ -128,7 +128,7 @@ class TargetWorker(Worker):
         timer = DeviceTimer(self.device)
         with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
             while True:
-                batch = self.shared.wait_get(self.work)
+                batch = self.shared.wait_take(self.work)
                 self.fail(self.steps + 1)
                 r = batch.index % len(self.inboxes)
                 dst = self.replica_devices[r]
@@ -241,7 +241,7 @@ class DrafterWorker(Worker):
     def take(self, index: int) -> Micro:
         """The micro-batch with this stream index (target workers may finish out of order)."""
         while index not in self.pending:
-            item = self.shared.wait_get(self.inbox)
+            item = self.shared.wait_take(self.inbox)
             self.pending[item.index] = item
         return self.pending.pop(index)
 
