@@ -19,6 +19,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import datetime
 import logging
 import os
 import signal
@@ -184,11 +185,29 @@ class DistSync:
         dist.all_gather(out, value, group=self.group)
         return out
 
+    def hold(self, rank: int, work, timeout_s: float):
+        """Replica 0 runs `work()` while the others wait for a key in the rendezvous store (host side: no collective
+        pending, so no NCCL timeout; at most timeout_s) -> work's result on replica 0, None on the others."""
+        store = dist.distributed_c10d._get_default_store()
+        self.holds = getattr(self, "holds", 0) + 1
+        key = f"dflash/hold/{self.holds}"
+        if rank == 0:
+            out = work()
+            store.set(key, "done")
+            return out
+        try:
+            store.wait([key], datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as e:   # torch's DistStoreError is a RuntimeError
+            raise RuntimeError(f"drafter-{rank}: drafter-0's in-training evaluation (train.eval_every) took over "
+                               f"{timeout_s:.0f} s (train.stall_timeout_s): {e}") from None
+        return None
+
 
 def worker_main(ctx, args) -> int:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from dflash.atomic import atomic_write_json
+    from dflash.evaluate import live
     from dflash.fingerprint import compile_cache_dir
     from dflash.train import checkpoint, compile_guard, summary
     from dflash.train.context import set_shapes
@@ -272,6 +291,7 @@ def worker_main(ctx, args) -> int:
         metrics = RunMetrics(ctx, progress=False) if r == 0 else None
         sync = DistSync(drafter_group, D)
         rep = Replica(ctx, r, D, device, build_drafter(ctx, e, h, device), sync, metrics, fail=maybe_fail)
+        live.attach(ctx, [rep], model if coloc else None)
 
     # resume point: drafter rank 0 picks the verified checkpoint and resumes from it; one broadcast gives every rank
     # its path (the other replicas load the same one) and the step and data index (the targets start there)

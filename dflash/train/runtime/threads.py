@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dflash.evaluate import live
 from dflash.train import checkpoint, compile_guard
 from dflash.train.features import run_capture
 from dflash.train.metrics import DeviceTimer
@@ -230,6 +231,13 @@ class GradSync:
         self.slots[rank] = None
         return out
 
+    def hold(self, rank: int, work, timeout_s: float):
+        """Replica 0 runs `work()` while the others wait at the barrier (the supervisor's stall timeout bounds it; a
+        failed run aborts the barrier) -> work's result on replica 0, None on the others."""
+        out = work() if rank == 0 else None
+        self._wait()
+        return out
+
     def _publish(self, rank, tensors, dev):
         if dev.type == "cuda":
             torch.cuda.current_stream(dev).synchronize()
@@ -311,6 +319,8 @@ def run(ctx, reader, metrics) -> int:
         if replicas:
             dr.load_state_dict(replicas[0].drafter.state_dict())
         replicas.append(Replica(ctx, r, D, d, dr, sync, metrics))
+    live.attach(ctx, replicas, next((tw.model for tw in targets if tw.device == pl.drafters[0] and tw.model),
+                                    next((tw.model for tw in targets if tw.model is not None), None)))
     latest = checkpoint.resumable(ctx)
     if latest is not None:
         for rep in replicas:
