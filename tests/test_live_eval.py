@@ -122,3 +122,47 @@ def test_distributed_colocated_ranks_pause_for_rank_0s_eval_and_split_layout_is_
     r = subprocess.run([sys.executable, "-m", "dflash", "train", "--config", str(split), "--no-progress", "--set",
                         "train.runtime=distributed"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "train.eval_every: drafter replica 0 has no target in its process" in r.stderr
+
+
+def test_decoding_with_a_compiled_target_after_warm_up_compiles_nothing(tmp_path):
+    """train.compile_target: the target's layers are compiled for the bucket shapes and recompiles forbidden; the
+    evaluation's decode shapes differ, so it runs them eagerly (the force_eager stance): no new graph, no error, the
+    compiled capture still serves its warmed shape. Without the stance the same decode fails as a recompile. (Dynamo
+    with the eager backend: the guards and the stance are dynamo's, the backend only makes the test fast.)"""
+    from types import SimpleNamespace
+
+    from conftest_data import target_section
+    from dflash.evaluate.live import LiveEval
+    from dflash.evaluate.specdec import DFlashDraft, speculative_generate
+    from dflash.model import DFlashDrafter, DrafterConfig
+    from dflash.target import load_target
+    from dflash.train import compile_guard
+    from dflash.train.features import LayerCapture
+
+    loaded = C.from_dict({"target": target_section(build_tiny_target()), "train": {"eval_every": 1},
+                          "drafter": {"num_layers": 1, "block_size": 4, "num_target_layers": 2,
+                                      "target_layer_ids": [0, 1]}, "evaluate": EVAL})
+    (tmp_path / "holdout.jsonl").write_text("".join(json.dumps({"id": str(i), "prompt_ids": [5 + i, 9, 11, 13]}) + "\n"
+                                                    for i in range(3)))
+    model = load_target(loaded.cfg.target)
+    cap = LayerCapture(model, [0, 1])
+    for m in cap.modules:
+        m.forward = compile_guard.compiled(m.forward, fullgraph=True, dynamic=False, backend="eager")
+    cap.compiled = True
+    ids = torch.randint(0, 300, (1, 16))
+    warm = cap.warm_up(torch.device("cpu"), [(1, 16)], 300)
+    assert warm["graphs"] >= 1
+    torch.manual_seed(0)
+    dcfg = DrafterConfig.from_target(model.config, loaded.cfg.drafter, 3)
+    drafter = DFlashDrafter(dcfg, model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+    compile_guard.forbid_recompiles()
+    try:
+        before = compile_guard.counters()["graphs"]
+        record = LiveEval(SimpleNamespace(cfg=loaded.cfg, data_dir=tmp_path), model).evaluate(drafter, 1)
+        assert record["prompts"] == 3 and record["tau"] >= 1.0 and 0 < record["tokens"] <= 3 * 12
+        assert cap.guarded(ids).shape == (1, 16, 2 * 32)          # the warmed shape: still served compiled
+        assert compile_guard.counters()["graphs"] == before       # nothing compiled after the warm-up
+        with pytest.raises(Exception, match="(?i)recompil"):     # the control: the same decode without the stance
+            speculative_generate(model, DFlashDraft(drafter), [5, 9, 11, 13], 12, [], 0.0, 3)
+    finally:
+        compile_guard.allow_compiles()
