@@ -28,7 +28,8 @@ UNHASHED = ("run_name", "results_dir", "report", "evaluate", "strict_env")
 # a new one too: keep this list short and explicit.
 OPERATIONAL = ("log_every", "checkpoint_every", "resume", "warmup_steps_excluded", "matmul_tflops",
                "ready_timeout_s", "stall_timeout_s", "stop_timeout_s", "check_every", "queue_size",
-               "expandable_segments", "rendezvous", "profile", "fail_at_step", "diverge_at_step")
+               "expandable_segments", "rendezvous", "profile", "fail_at_step", "diverge_at_step",
+               "eval_every", "eval_prompts", "eval_max_new_tokens")
 
 
 class ConfigError(ValueError):

@@ -338,6 +338,20 @@ class TrainSection(Section):
     diverge_at_step: HookSpec | None = Field(None, description=(
         "Test hook: {replica: r, step: k} perturbs replica r's weights after step k (the divergence guard "
         "must stop the run)."))
+    eval_every: int = Field(0, ge=0, description=(
+        "Acceptance measured while training: every this many steps (and at the last) drafter replica 0 decodes the "
+        "first train.eval_prompts held-out prompts (the data stage's holdout.jsonl) by real greedy speculative "
+        "decoding with the target (the evaluate stage's decoding code, an eager copy of the replica's current weights "
+        "in the target's dtype, on the target's device) and logs tau to metrics.jsonl, the progress line and the "
+        "report's training plot; the other replicas wait (training time, the time budget and Ktok/s exclude it: "
+        "summary.json `eval`). Needs a target in the process of replica 0 (threads runtime, or co-located "
+        "distributed ranks). 0 is off."))
+    eval_prompts: int | None = Field(None, ge=1, description=(
+        "Held-out prompts decoded by each in-training evaluation (train.eval_every); null is evaluate.num_prompts."))
+    eval_max_new_tokens: int | None = Field(None, ge=1, description=(
+        "Tokens generated per prompt by each in-training evaluation (train.eval_every); null is "
+        "evaluate.max_new_tokens. With both null the last evaluation's tau equals the evaluate stage's "
+        "(temperature 0) on the final checkpoint."))
     check_every: int = Field(20, ge=0, description=(
         "Divergence guard: every this many steps (and at the last) the replicas compare exact weight "
         "checksums; a mismatch stops the run naming the step and replicas. 0 turns it off."))

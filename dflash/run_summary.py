@@ -74,6 +74,24 @@ class Compile(BaseModel):
         "`graphs`, `cache_hits`, `cache_misses`, `seconds`, `compiled`), as results/compile/<device>.json's."))
 
 
+class LiveEval(BaseModel):
+    model_config = WRITTEN
+
+    every: int = Field(description="train.eval_every.")
+    prompts: int | None = Field(description="Held-out prompts decoded per evaluation.")
+    max_new_tokens: int | None = Field(description="Tokens generated per prompt.")
+    evals: int = Field(description="Evaluations made by this process (a resumed run counts only its own).")
+    steps: list[int] = Field(description="The steps they were made at.")
+    seconds: float = Field(description="Their seconds in all (left out of the training time and of Ktok/s).")
+    seconds_per_eval: float | None = Field(description="Seconds per evaluation.")
+    step_s: float | None = Field(description="Mean seconds of a training step without them.")
+    eval_over_step: float | None = Field(description="seconds_per_eval / step_s: an evaluation's cost in steps.")
+    share: float | None = Field(description="Their share of the training loop's wall time.")
+    tau: float | None = Field(description="tau of the last evaluation.")
+    step: int | None = Field(description="Its step.")
+    tau_history: list[float] = Field(description="tau of every evaluation, in order.")
+
+
 class CheckpointRef(BaseModel):
     model_config = WRITTEN
 
@@ -113,6 +131,8 @@ class RunSummary(SummaryCore):
                              "is kl or ce+kl.")
     acc_per_position: list[float] | None = Field(description="Top-1 accuracy per block position k = 1..B-1.")
     acceptance_estimate: float | None = Field(description="Expected accepted prefix estimated from the accuracies.")
+    eval: LiveEval | None = Field(description=(
+        "tau measured while training (train.eval_every) and its cost (`LiveEval`); null when off."))
     workers: list[dict] = Field(description="One row per worker: name, role, device, steps, ready_s, ...")
     devices: list[dict] = Field(description="One row per device: device, roles, peak_memory_gb, util_mean, ...")
     compile: Compile = Field(description="Compile counters (`Compile`).")
@@ -130,6 +150,6 @@ def key_table() -> str:
     """The docs' table of summary.json's keys (docs/architecture.md holds it between its `summary-keys` markers)."""
     rows = ["| key | meaning |", "| --- | --- |"]
     for prefix, model in (("", RunSummary), ("git.", Git), ("throughput.", Throughput), ("compile.", Compile),
-                          ("checkpoint.", CheckpointRef)):
+                          ("eval.", LiveEval), ("checkpoint.", CheckpointRef)):
         rows += [f"| `{prefix}{key}` | {field.description} |" for key, field in model.model_fields.items()]
     return "\n".join(rows) + "\n"

@@ -207,7 +207,7 @@ def training_latest(run: Run | None, path: Path) -> Path:
             and r["acc_per_position"]]
     if not steps and not accs:
         return _placeholder(path, "Training curves of the latest run", f"{metrics}: no loss or accuracy rows")
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.5), layout="constrained")
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(15, 3.5), layout="constrained")
     a1.plot(steps, losses, color="tab:blue")
     a1.set_xlabel("optimizer step")
     a1.set_ylabel("loss (weighted CE, nats)")
@@ -225,8 +225,32 @@ def training_latest(run: Run | None, path: Path) -> Path:
     a2.set_ylabel("accuracy (%)")
     a2.set_title("Per-position accuracy")
     a2.grid(alpha=0.3)
+    _acceptance(a3, rows)
     fig.suptitle(f"run {run.run_id}", fontsize=9)
     return _save(fig, path)
+
+
+def _acceptance(ax, rows: list[dict]) -> None:
+    """tau by speculative decoding of held-out prompts while training (train.eval_every; metrics.jsonl `tau`) next to
+    the estimate from training accuracy (1 + `acceptance_estimate`, the expected accepted prefix plus the bonus
+    token: the same unit, tokens per verification step)."""
+    est = [(r["step"], 1.0 + float(r["acceptance_estimate"])) for r in rows
+           if to_float(r.get("acceptance_estimate")) is not None]
+    tau = [(r.get("tau_step") or r["step"], float(r["tau"])) for r in rows if to_float(r.get("tau")) is not None]
+    if est:
+        ax.plot(*zip(*est), color="tab:gray", label="estimate from training accuracy")
+    if tau:
+        ax.plot(*zip(*tau), marker="o", color="tab:red", label="tau, decoded (held-out prompts)")
+    else:
+        ax.text(0.5, 0.5, "no tau measured while training\n(train.eval_every: 0)", ha="center", va="center",
+                transform=ax.transAxes, fontsize=8)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("tokens per verification step")
+    ax.set_ylim(bottom=1.0)
+    ax.set_title("Acceptance length")
+    ax.grid(alpha=0.3)
+    if est or tau:
+        ax.legend(fontsize=7)
 
 
 def make_all(runs: list[Run], records: list[dict], settings: ReportSection, out: Path) -> dict[str, Path]:

@@ -18,6 +18,7 @@ softmax(lm_head(it))). The target then runs every layer. These travel as one ten
 """
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -64,7 +65,9 @@ class LayerCapture:
         self.last = max(self.layer_ids)
         self.compiled = False
         self._out: dict[int, torch.Tensor] = {}
-        self._active = False     # hooks act only during this capture's own call (several captures may share a model)
+        # hooks act only during this capture's own call, on its own thread (several captures may share a model, and
+        # another thread may run the model meanwhile: the in-training evaluation, dflash/evaluate/live.py)
+        self._active = None
         self._handles = []
         L = len(layers)
         self.modules = list(layers[:self.last + 1])     # what the capture runs through (what compile() compiles)
@@ -88,25 +91,25 @@ class LayerCapture:
 
     def _hook(self, i):
         def hook(module, args, output):
-            if self._active:
+            if self._active == threading.get_ident():
                 self._out[i] = output[0] if isinstance(output, tuple) else output
         return hook
 
     def _stop(self, module, args):
-        if self._active:
+        if self._active == threading.get_ident():
             raise _Done
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
         # Right-padded rows need no attention mask: causal attention keeps real tokens from seeing the padding,
         # and the drafter never reads a padded position. This keeps sdpa on its fast causal path.
-        self._out, self._active = {}, True
+        self._out, self._active = {}, threading.get_ident()
         try:
             self.decoder(input_ids=input_ids, use_cache=False)
         except _Done:
             pass
         finally:
-            self._active = False
+            self._active = None
         out = torch.cat([self._out[i] for i in self.layer_ids], dim=-1)
         self._out = {}
         return out

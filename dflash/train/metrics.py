@@ -131,6 +131,9 @@ class RunMetrics:
         self.graphs_after_warmup = None
         self.first_step_s = None
         self.train_s, self.finished_by = 0.0, None
+        self.evals: list[dict] = []          # in-training evaluations (train.eval_every), as LiveEval records them
+        self.pending_evals: list[dict] = []  # those not yet in a metrics.jsonl row
+        self.eval_measured_s = 0.0           # their seconds inside the measured window (taken out of Ktok/s)
         self.started_at = datetime.now(timezone.utc)
         from dflash.model import uses_target
         self.distills = uses_target(self.cfg.train.objective)
@@ -164,6 +167,13 @@ class RunMetrics:
             self.bar = tqdm(total=self.cfg.train.steps, initial=start_step, desc=f"train {self.cfg.run_name}",
                             unit="step", dynamic_ncols=True, mininterval=0.5)
 
+    def eval_done(self, record: dict):
+        """An in-training evaluation of replica 0 ({step, tau, seconds, ...}: dflash/evaluate/live.py), made after
+        its step and before that step's step_done: it joins the row of its logging interval."""
+        with self.lock:
+            self.evals.append(record)
+            self.pending_evals.append(record)
+
     def step_done(self, step: int, stats: torch.Tensor, gnorm, lr: float, times: dict, qdepth: int):
         """Called by replica 0 after every optimizer step."""
         self.pending.append((step, stats, gnorm, lr, times, qdepth))
@@ -179,6 +189,9 @@ class RunMetrics:
         pending, self.pending = self.pending, []
         if not pending:
             return
+        with self.lock:
+            evals, self.pending_evals = self.pending_evals, []
+        eval_s = sum(e["seconds"] for e in evals)   # decoding time in this interval: not training time
         step = pending[-1][0]
         dev = pending[-1][1].device
         if dev.type == "cuda":
@@ -189,17 +202,18 @@ class RunMetrics:
         split = {k: sum(seconds(p[4][k]) for p in pending) / len(pending) for k in SPLIT}
         measured = self.t_measure is not None and pending[0][0] > self.exclude_until
         if measured:
+            self.eval_measured_s += eval_s
             self.totals["tokens"] += st["tokens"]
             self.totals["positions"] += st["positions"]
             self.totals["samples"] += len(pending) * n_micro * self.cfg.train.batch_size
             self.totals["steps"] += len(pending)
-            self.totals["seconds"] = now - self.t_measure
+            self.totals["seconds"] = now - self.t_measure - self.eval_measured_s
             for k in split:
                 self.split_total[k] += split[k] * len(pending)
             self.split_steps += len(pending)
         if step == self.exclude_until and self.t_measure is None:
             self.t_measure = now
-        window = now - getattr(self, "_t_last", self.t_start)
+        window = now - getattr(self, "_t_last", self.t_start) - eval_s
         self._t_last = now
         gnorm = float(pending[-1][2])
         row = {
@@ -213,12 +227,16 @@ class RunMetrics:
             "acceptance_estimate": st["accepted"] / st["blocks"] if st["blocks"] else None,
             "time_split_s": {k: round(v, 5) for k, v in split.items()},
             "queue_depth": pending[-1][5], "measured": measured,
+            # tau by speculative decoding of held-out prompts (train.eval_every), its step and seconds; null between
+            "tau": evals[-1]["tau"] if evals else None, "tau_step": evals[-1]["step"] if evals else None,
+            "eval_s": round(eval_s, 4) if evals else None,
         }
         if self.bar is None:
             acc1 = (row["acc_per_position"] or [None])[0]
-            log.info("step %d/%d loss %s  %.3f Ktok/s  acc1 %s  accept %.2f", step, self.cfg.train.steps,
+            log.info("step %d/%d loss %s  %.3f Ktok/s  acc1 %s  accept %.2f%s", step, self.cfg.train.steps,
                      f"{loss:.4f}" if loss is not None else "n/a", row["ktok_per_s"] or 0.0,
-                     f"{acc1:.3f}" if acc1 is not None else "n/a", row["acceptance_estimate"] or 0.0)
+                     f"{acc1:.3f}" if acc1 is not None else "n/a", row["acceptance_estimate"] or 0.0,
+                     f"  tau {row['tau']:.3f}" if row["tau"] is not None else "")
         with self.lock:
             self.rows.append(row)
             self.last = row
@@ -241,10 +259,12 @@ class RunMetrics:
             return
         with self.lock:
             last = dict(self.last)
+            tau = self.evals[-1]["tau"] if self.evals else None
         self.bar.n = self.step
         if last:
             self.bar.set_postfix(loss=f"{last['loss'] or 0:.3f}", ktok_s=f"{last['ktok_per_s'] or 0:.2f}",
-                                 acc1=f"{(last['acc_per_position'] or [0])[0] or 0:.2f}", refresh=False)
+                                 acc1=f"{(last['acc_per_position'] or [0])[0] or 0:.2f}",
+                                 **({"tau": f"{tau:.2f}"} if tau is not None else {}), refresh=False)
         self.bar.refresh()
 
     def close(self):
@@ -280,6 +300,27 @@ class RunMetrics:
             (3 + self.distills) * 2 * d.hidden_size * d.vocab_size * self.totals["positions"]
         peak = ceiling * 1e12 * gpus * s
         return {**out, "mfu": (f_t + f_d) / peak, "mfu_target": f_t / peak, "mfu_drafter": f_d / peak}
+
+    def eval_summary(self) -> dict | None:
+        """summary.json `eval`: the in-training evaluations of this process (train.eval_every; None when off): their
+        count, seconds (total, per evaluation), the training step's mean seconds without them and the ratio, their
+        share of the loop's wall time (Ktok/s and the training time exclude them), the last tau and its step."""
+        if not self.cfg.train.eval_every:
+            return None
+        total = sum(e["seconds"] for e in self.evals)
+        t_start = getattr(self, "t_start", None)   # None: the run failed before its first step
+        loop_s = getattr(self, "_t_last", t_start) - t_start if t_start is not None else 0.0
+        steps = self.step - self.start_step
+        step_s = (loop_s - total) / steps if steps and loop_s > total else None
+        per_eval = total / len(self.evals) if self.evals else None
+        last = self.evals[-1] if self.evals else {}
+        return {"every": self.cfg.train.eval_every, "prompts": last.get("prompts"),
+                "max_new_tokens": last.get("max_new_tokens"),
+                "evals": len(self.evals), "steps": [e["step"] for e in self.evals],
+                "seconds": round(total, 3), "seconds_per_eval": per_eval, "step_s": step_s,
+                "eval_over_step": per_eval / step_s if per_eval and step_s else None,
+                "share": total / loop_s if loop_s > 0 else None,
+                "tau": last.get("tau"), "step": last.get("step"), "tau_history": [e["tau"] for e in self.evals]}
 
     def set_split(self, key: str, seconds_per_step: float):
         """A part of the time split measured outside this process (the distributed runtime's target ranks): its

@@ -28,6 +28,7 @@ from typing import Callable, Protocol
 
 import torch
 
+from dflash.evaluate import live
 from dflash.fingerprint import compile_cache_dir
 from dflash.train import checkpoint, compile_guard, memory, summary
 from dflash.train import failures
@@ -162,6 +163,7 @@ def train(ctx, transport: Transport, progress: bool = True) -> int:
     refuse_what_cannot_fit(ctx, local, targets, transport.reduce)
     metrics = RunMetrics(ctx, progress=progress) if local.writer else None
     replicas = build_replicas(ctx, local, heads, transport.sync(ctx), metrics)
+    live.attach(ctx, replicas, eval_target(targets, replicas))
     start_step, data_index = resume(ctx, local, replicas, transport)
     if start_step >= cfg.train.steps:
         log.info("run already complete at step %d; nothing to train", start_step)
@@ -211,6 +213,13 @@ def build_replicas(ctx, local: Local, heads: dict, sync: Sync, metrics) -> list[
         out.append(Replica(ctx, r, local.replica_count, d, dr, sync, metrics if r == 0 else None,
                            fail=failures.injector(ctx.cfg.train, f"drafter-{r}")))
     return out
+
+
+def eval_target(targets: list[Target], replicas: list[Replica]):
+    """The target model replica 0 decodes with while training (train.eval_every): the one on its device, else any of
+    this process's; None where this process has no target (the split distributed layout: live.attach refuses it)."""
+    on = [t for t in targets if replicas and t.device == replicas[0].device] + targets
+    return on[0].model if on else None
 
 
 def resume(ctx, local: Local, replicas: list[Replica], transport: Transport) -> tuple[int, int]:

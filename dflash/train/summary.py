@@ -47,6 +47,7 @@ def write(ctx, metrics, workers: list[dict], status: str, devices: list[dict], c
         "loss": last.get("loss"), "ce": last.get("ce"), "kl": last.get("kl"),
         "acc_per_position": last.get("acc_per_position"),
         "acceptance_estimate": last.get("acceptance_estimate"),
+        "eval": metrics.eval_summary(),   # tau measured while training (train.eval_every), its cost; None when off
         "workers": workers,
         "devices": devices,
         "compile": {"graphs": sum(w["graphs"] for w in metrics.warmup), "warmup_s": round(metrics.warmup_s, 3),

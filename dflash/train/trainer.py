@@ -56,6 +56,9 @@ class Sync(Protocol):
     def gather(self, rank: int, value: torch.Tensor) -> list[torch.Tensor]:
         """Every replica's `value` (a small tensor), in rank order."""
 
+    def hold(self, rank: int, work: Callable[[], object], timeout_s: float):
+        """Replica 0 runs `work()` while the others wait (at most timeout_s) -> its result on replica 0, else None."""
+
 
 def weight_checksum(module) -> torch.Tensor:
     """An exact fingerprint of the trainable weights' bits: int64 sums of their bit patterns, one per parameter.
@@ -112,6 +115,7 @@ class Replica:
         self.t0 = self.clock()
         self.base_s = self.elapsed = 0.0   # training seconds before this process (resume); at the last step, agreed
         self.finished_by = None         # "steps" | "time_budget" once the run reached its end
+        self.live = None                # dflash.evaluate.live.LiveEval: tau measured every train.eval_every steps
 
     # the clock of the training time (time.perf_counter); a class attribute so that tests can run on a fake one
     clock = staticmethod(time.perf_counter)
@@ -243,6 +247,8 @@ class Replica:
             self.finished_by = "time_budget" if spent else "steps"
         if t.check_every and (step % t.check_every == 0 or final or stop):
             self.check_replicas(step)
+        if self.live is not None:   # tau by decoding (train.eval_every); the other replicas wait
+            self.live.after_step(self, step, final)
         if self.rank == 0:
             self.metrics.step_done(step, stats, gnorm, self.optimizer.lr, times, queue_depth)
             self.metrics.set_training(self.elapsed, self.finished_by)

@@ -170,8 +170,8 @@ class DistSync:
 
     reduces_in_backward = True
 
-    def __init__(self, group, n: int):
-        self.group, self.n = group, n
+    def __init__(self, group, n: int, store):
+        self.group, self.n, self.store, self.holds = group, n, store, 0
 
     def reduce(self, rank: int, tensors, want_stop: bool = False):
         flag = torch.tensor([1.0 if want_stop else 0.0], dtype=tensors[0].dtype, device=tensors[0].device)
@@ -187,6 +187,22 @@ class DistSync:
         out = [torch.empty_like(value) for _ in range(self.n)]
         dist.all_gather(out, value, group=self.group)
         return out
+
+    def hold(self, rank: int, work, timeout_s: float):
+        """Replica 0 runs `work()` while the others wait for a key in the launch's store (host side: no collective
+        pending, so no NCCL timeout; at most timeout_s) -> work's result on replica 0, None on the others."""
+        self.holds += 1
+        key = f"dflash/hold/{self.holds}"
+        if rank == 0:
+            out = work()
+            self.store.set(key, "done")
+            return out
+        try:
+            self.store.wait([key], datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as e:   # torch's DistStoreError is a RuntimeError
+            raise RuntimeError(f"drafter-{rank}: drafter-0's in-training evaluation (train.eval_every) took over "
+                               f"{timeout_s:.0f} s (train.stall_timeout_s): {e}") from None
+        return None
 
 
 # ---- a rank's transport -----------------------------------------------------------------------------------------
@@ -250,7 +266,7 @@ class Ranks:
         return {self.device: (e, h)}
 
     def sync(self, ctx) -> "DistSync":
-        return DistSync(self.group, self.D)
+        return DistSync(self.group, self.D, self.store)
 
     def share(self, point):
         """The writer's resume point, broadcast to every rank."""

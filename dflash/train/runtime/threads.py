@@ -225,6 +225,13 @@ class GradSync:
             torch.cuda.current_stream(dev).synchronize()
         self._wait()
 
+    def hold(self, rank: int, work, timeout_s: float):
+        """Replica 0 runs `work()` while the others wait at the barrier (the supervisor's stall timeout bounds it; a
+        failed run aborts the barrier) -> work's result on replica 0, None on the others."""
+        out = work() if rank == 0 else None
+        self._wait()
+        return out
+
     def _wait(self):
         try:
             self.barrier.wait()

@@ -1,0 +1,119 @@
+"""Acceptance measured while training (train.eval_every): tau by real speculative decoding, every N steps.
+
+At step s with s % eval_every == 0, and at the run's last step, drafter replica 0 decodes the first
+`train.eval_prompts` held-out prompts (holdout.jsonl of the run's dataset) greedily with the target and a copy of its
+current weights, through the evaluate stage's own code (`specdec.speculative_generate`, `acceptance.summarize`),
+and hands {step, tau, seconds, ...} to the run's metrics (metrics.jsonl, the progress line, summary.json `eval`).
+
+Exactly what the evaluate stage computes on a checkpoint of that step: the copy is the drafter the stage loads
+(built from the replica's state_dict, cast to the target's dtype, on the target's device, with the target's
+embedding and LM head, eager, in eval mode), the prompts and stop tokens are the stage's, temperature 0. With
+train.eval_prompts / eval_max_new_tokens left null (evaluate.num_prompts / max_new_tokens), the last evaluation's
+tau is the evaluate stage's tau on the final checkpoint (tests/test_live_eval.py holds them equal on the CPU).
+
+Side-effect free for training: nothing of the replica is touched (its weights are read, its train mode and compiled
+forwards are not used), the global RNG is forked, and the decode runs under the `force_eager` compile stance, so
+the target's compiled layers (train.compile_target), whose decode shapes the warm-up never saw, run eagerly instead
+of recompiling (training's recompile count stays 0). The other replicas wait at `sync.hold` (a barrier in the
+threads runtime; a key in the rendezvous store in the distributed one, so no collective is pending while they wait)
+and every replica takes the pause off its training clock: the time budget, the LR schedule and Ktok/s exclude it.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from dflash.errors import UserError
+
+log = logging.getLogger("dflash.train")
+
+
+def settings(cfg) -> tuple[int, int]:
+    """(prompts, max new tokens) of an in-training evaluation: train.eval_prompts / eval_max_new_tokens, null
+    meaning the evaluate stage's num_prompts / max_new_tokens."""
+    t, ev = cfg.train, cfg.evaluate
+    return (t.eval_prompts if t.eval_prompts is not None else ev.num_prompts,
+            t.eval_max_new_tokens if t.eval_max_new_tokens is not None else ev.max_new_tokens)
+
+
+def due(every: int, step: int, final: bool) -> bool:
+    """Whether step (1-based, just done) is evaluated: every `every` steps and the last one; never with 0."""
+    return bool(every) and (step % every == 0 or final)
+
+
+class LiveEval:
+    """One replica's part: replica 0 (`target` given) evaluates, every replica pauses while it does."""
+
+    def __init__(self, ctx, target=None):
+        self.every = ctx.cfg.train.eval_every
+        self.timeout_s = ctx.cfg.train.stall_timeout_s
+        self.target = target
+        if target is None:
+            return
+        from dflash.data.shards import HOLDOUT
+        from dflash.evaluate.loading import read_holdout
+        from dflash.target import load_tokenizer, stop_token_ids
+        self.num_prompts, self.max_new_tokens = settings(ctx.cfg)
+        self.prompts = [r["prompt_ids"] for r in read_holdout(ctx.data_dir / HOLDOUT, self.num_prompts)]
+        self.stops = stop_token_ids(load_tokenizer(ctx.cfg.target), target)
+        self.seed = ctx.cfg.seed
+        log.info("tau measured every %d steps and at the last: %d held-out prompt(s) x %d tokens, greedy",
+                 self.every, len(self.prompts), self.max_new_tokens)
+
+    def after_step(self, replica, step: int, final: bool) -> None:
+        """The hook of the step loop (every replica, after the step's checks): evaluate if due."""
+        if not due(self.every, step, final):
+            return
+        t0 = time.perf_counter()
+        record = replica.sync.hold(replica.rank, lambda: self.evaluate(replica.drafter, step), self.timeout_s)
+        replica.t0 += time.perf_counter() - t0     # the training clock (time budget, LR schedule) excludes it
+        if record is not None:
+            replica.metrics.eval_done(record)
+
+    def evaluate(self, drafter, step: int) -> dict:
+        """tau of `drafter`'s current weights on the held-out prompts (see the module's docstring)."""
+        from dflash.evaluate.acceptance import summarize
+        from dflash.evaluate.specdec import DFlashDraft, speculative_generate
+        device = next(self.target.parameters()).device
+        t0 = time.perf_counter()
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+                torch.compiler.set_stance("force_eager"):
+            torch.manual_seed(self.seed)                  # as the evaluate stage, before it decodes
+            draft = DFlashDraft(eager_copy(drafter, self.target))
+            gens = [speculative_generate(self.target, draft, p, self.max_new_tokens, self.stops, 0.0,
+                                         draft.mask_token_id) for p in self.prompts]
+        s = summarize(gens, [], draft.block_size)
+        seconds = time.perf_counter() - t0
+        log.info("step %d: tau %.3f on %d held-out prompt(s) (%d verification steps, %.2f s)", step, s["tau"] or 0,
+                 s["prompts"], s["verify_steps"], seconds)
+        return {"step": step, "tau": s["tau"], "seconds": round(seconds, 4), "prompts": s["prompts"],
+                "max_new_tokens": self.max_new_tokens, "tokens": s["tokens"], "verify_steps": s["verify_steps"]}
+
+
+def eager_copy(drafter, target):
+    """The drafter the evaluate stage would load from a checkpoint of these weights: uncompiled, in eval mode, in
+    the target's dtype on the target's device, with the target's embedding and LM head."""
+    from dflash.model import DFlashDrafter
+    p = next(target.parameters())
+    embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    with torch.device("meta"):
+        copy = DFlashDrafter(drafter.cfg, embed, head)   # shapes only: no init, no RNG
+    state = {k: v.detach().to(device=p.device, dtype=p.dtype, copy=True) for k, v in drafter.state_dict().items()}
+    copy.load_state_dict(state, strict=True, assign=True)
+    return copy.eval()
+
+
+def attach(ctx, replicas, target) -> None:
+    """Give each replica of this process its part (train.eval_every > 0): replica 0 the evaluation with `target`
+    (a target model of this process, None where it has none), the others the pause."""
+    if not ctx.cfg.train.eval_every:
+        return
+    for rep in replicas:
+        if rep.rank == 0 and target is None:
+            raise UserError("train.eval_every: drafter replica 0 has no target in its process to decode with "
+                            "(the split layout of the distributed runtime); co-locate the target (the same devices "
+                            "in train.targets and train.drafters), use train.runtime: threads, or set "
+                            "train.eval_every: 0 (the evaluate stage still measures tau after training)")
+        rep.live = LiveEval(ctx, target if rep.rank == 0 else None)
