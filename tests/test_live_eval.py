@@ -136,6 +136,7 @@ def test_decoding_with_a_compiled_target_after_warm_up_compiles_nothing(tmp_path
     from dflash.evaluate.specdec import DFlashDraft, speculative_generate
     from dflash.model import DFlashDrafter, DrafterConfig
     from dflash.target import load_target
+    from dflash import compile_threads
     from dflash.train import compile_guard
     from dflash.train.features import LayerCapture
 
@@ -147,7 +148,7 @@ def test_decoding_with_a_compiled_target_after_warm_up_compiles_nothing(tmp_path
     model = load_target(loaded.cfg.target)
     cap = LayerCapture(model, [0, 1])
     for m in cap.modules:
-        m.forward = compile_guard.compiled(m.forward, fullgraph=True, dynamic=False, backend="eager")
+        m.forward = compile_threads.compiled(m.forward, fullgraph=True, dynamic=False, backend="eager")
     cap.compiled = True
     ids = torch.randint(0, 300, (1, 16))
     warm = cap.warm_up(torch.device("cpu"), [(1, 16)], 300)
