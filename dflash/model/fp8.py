@@ -10,8 +10,8 @@
   [H, V] rowwise over H (a scale may not run along the contracted dimension). h and the logits' gradient g are
   quantized per chunk, rowwise e4m3 (on the CPU both measured 2.7% relative error against 3.7% / 11% worst row for
   tensorwise g: rowwise keeps confident rows, whose g is tiny, apart from the rest).
-- `quantize_frozen(module)`: every Linear inside `module` gets its weight quantized once (torchao `quantize_`,
-  dynamic rowwise e4m3 activations, rowwise e4m3 weights): the target's decoder layers, run under inference_mode.
+- `quantize_frozen(module)`: every Linear inside `module` gets its weight quantized once, as FrozenHead's (rowwise
+  e4m3 weights, activations rowwise per call): the target's decoder layers, run under inference_mode.
 
 Everything here is pure torch/torchao and runs on the CPU too (torch's CPU `_scaled_mm`), slowly: the train stage
 refuses FP8 off an FP8-capable GPU (dflash.train.precision), the tests run it small on the CPU.
@@ -65,17 +65,13 @@ class FrozenHead:
 
 
 def quantize_frozen(module: nn.Module) -> int:
-    """Quantize, once and in place, the weight of every nn.Linear inside `module` (frozen: inference only) to FP8
-    rowwise, its inputs quantized rowwise per call; returns how many (a weight already FP8 is left as it is).
-    Inductor's global settings are left alone."""
-    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
-
-    def todo(m, fqn=""):
-        return isinstance(m, nn.Linear) and not is_fp8(m.weight)
-    n = sum(todo(m) for m in module.modules())
-    quantize_(module, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False),
-              filter_fn=todo)
-    return n
+    """Replace, once and in place, the weight of every nn.Linear inside `module` (frozen: inference only) by its
+    rowwise FP8 copy (`_rowwise`: what torchao's quantize_ with Float8DynamicActivationFloat8WeightConfig(PerRow)
+    makes, without that config's refusal to run on the CPU); returns how many (a weight already FP8 is left)."""
+    todo = [m for m in module.modules() if isinstance(m, nn.Linear) and not is_fp8(m.weight)]
+    for m in todo:
+        m.weight = nn.Parameter(_rowwise(m.weight), requires_grad=False)
+    return len(todo)
 
 
 def is_fp8(weight) -> bool:
