@@ -8,7 +8,7 @@
 - `FrozenHead(weight)`: the target's frozen LM head W [V, H], quantized ONCE (its values never change) in the two
   layouts the fused loss reads: `logits(h) = h @ W.T` reads W rowwise over V, `input_grad(g) = g @ W` reads W.T
   [H, V] rowwise over H (a scale may not run along the contracted dimension). h and the logits' gradient g are
-  quantized per chunk, rowwise e4m3 (on the CPU both measured 2.7% relative error against 3.7% / 11% worst row for
+  quantized per chunk, rowwise e4m3, by `quantize_rows` (compiled on the compile path: one pass over g) (on the CPU both measured 2.7% relative error against 3.7% / 11% worst row for
   tensorwise g: rowwise keeps confident rows, whose g is tiny, apart from the rest).
 - `quantize_frozen(module)`: every Linear inside `module` gets its weight quantized once, as FrozenHead's (rowwise
   e4m3 weights, activations rowwise per call): the target's decoder layers, run under inference_mode.
@@ -34,34 +34,53 @@ def convert_layers(drafter: nn.Module, recipe: str) -> int:
     return n
 
 
-def _rowwise(weight: torch.Tensor):
-    """weight [N, K] -> a torchao Float8Tensor (e4m3, one scale per row) that F.linear(x, it) multiplies with x [.., K]
-    quantized rowwise on the fly (fast accumulation)."""
+def _rowwise(weight: torch.Tensor, quantize_inputs: bool = True):
+    """weight [N, K] -> a torchao Float8Tensor (e4m3, one scale per row) for F.linear(x, it) (fast accumulation);
+    x [.., K] quantized rowwise inside that call (quantize_inputs), or passed in already quantized (as_input)."""
     from torchao.float8.inference import Float8MMConfig
     from torchao.quantization import Float8Tensor, PerRow
     from torchao.quantization.quantize_.workflows.float8.float8_tensor import QuantizeTensorToFloat8Kwargs
     return Float8Tensor.from_hp(weight.detach().contiguous(), granularity=PerRow(),
                                 mm_config=Float8MMConfig(use_fast_accum=True),
-                                act_quant_kwargs=QuantizeTensorToFloat8Kwargs(granularity=PerRow()))
+                                act_quant_kwargs=QuantizeTensorToFloat8Kwargs(granularity=PerRow())
+                                if quantize_inputs else None)
+
+
+def quantize_rows(x: torch.Tensor):
+    """x [n, K] -> (e4m3 data [n, K], float32 scales [n, 1]): torchao's rowwise quantization, as plain tensors so that
+    a compiled caller (train/precision.py) fuses it into one pass over x (eager, torchao makes float32 copies of x)."""
+    from torchao.quantization import Float8Tensor, PerRow
+    q = Float8Tensor.from_hp(x, granularity=PerRow())
+    return q.qdata, q.scale
+
+
+def as_input(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, like):
+    """quantize_rows' output for x as the input of F.linear(it, like) (like: a weight from _rowwise)."""
+    from torchao.quantization import Float8Tensor
+    return Float8Tensor(data, scale, block_size=[1, x.shape[-1]], mm_config=like.mm_config, dtype=x.dtype)
 
 
 class FrozenHead:
-    """The frozen LM head's FP8 copies, made once: w [V, H] for the logits, wt [H, V] for the input gradient.
-    Stands where the fused loss takes the head's weight (fused_ce): `dtype`, `shape`, `requires_grad` as the
-    weight's."""
+    """The frozen LM head's FP8 copies, made once: w [V, H] for the logits, wt [H, V] for the input gradient; the
+    inputs quantized per call by `quantize` (quantize_rows, or a compiled quantize_rows). Stands where the fused loss
+    takes the head's weight (fused_ce): `dtype`, `shape`, `requires_grad` as the weight's."""
 
     requires_grad = False
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, quantize=quantize_rows):
         self.dtype, self.shape, self.device = weight.dtype, weight.shape, weight.device
-        self.w = _rowwise(weight)                    # [V, H]
-        self.wt = _rowwise(weight.t())               # [H, V]
+        self.quantize = quantize
+        self.w = _rowwise(weight, quantize_inputs=False)          # [V, H]
+        self.wt = _rowwise(weight.t(), quantize_inputs=False)     # [H, V]
+
+    def _mm(self, x, w):   # x [n, K] @ w.T, w [N, K] FP8
+        return torch.nn.functional.linear(as_input(x, *self.quantize(x), like=w), w)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:      # h [n, H] -> [n, V] in h's dtype
-        return torch.nn.functional.linear(h, self.w)
+        return self._mm(h, self.w)
 
     def input_grad(self, g: torch.Tensor) -> torch.Tensor:  # g [n, V] (d loss / d logits) -> [n, H] = g @ W
-        return torch.nn.functional.linear(g, self.wt)
+        return self._mm(g, self.wt)
 
 
 def quantize_frozen(module: nn.Module) -> int:

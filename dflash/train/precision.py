@@ -54,14 +54,27 @@ def check(train_cfg, placement) -> None:
                         "or turn the FP8 switches off") from None
 
 
-def apply_drafter(drafter, train_cfg) -> None:
+def apply_drafter(drafter, train_cfg, compiled: bool) -> None:
     """train.precision fp8: the layers' Linears to float8 training (train.fp8_recipe); train.fp8_lm_head: the frozen
-    head's FP8 copies, made here once. Call before the layers are compiled."""
+    head's FP8 copies, made here once, its inputs quantized by quantize_rows (`compiled`: compiled once per process,
+    its graphs traced in the warm-up, like the loss kernel). Call before the layers are compiled."""
     from dflash.model import fp8
     if train_cfg.precision == "fp8":
         fp8.convert_layers(drafter, train_cfg.fp8_recipe)
     if train_cfg.fp8_lm_head:
-        setattr(drafter, _HEAD, fp8.FrozenHead(drafter.lm_head_weight))
+        setattr(drafter, _HEAD, fp8.FrozenHead(drafter.lm_head_weight, quantizer(compiled)))
+
+
+_QUANTIZE: dict = {}
+
+
+def quantizer(compiled: bool):
+    """fp8.quantize_rows, compiled (once per process) on the compile path."""
+    from dflash.model import fp8
+    if compiled and "q" not in _QUANTIZE:
+        from dflash.train import compile_guard
+        _QUANTIZE["q"] = compile_guard.compiled(fp8.quantize_rows, fullgraph=True, dynamic=False)
+    return _QUANTIZE["q"] if compiled else fp8.quantize_rows
 
 
 def loss_head(drafter):

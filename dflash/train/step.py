@@ -33,7 +33,7 @@ def build_drafter(ctx, embed, head, device: torch.device):
         torch.manual_seed(ctx.cfg.seed)
         with torch.device(device):
             drafter = DFlashDrafter(ctx.drafter_config, embed, head)
-    precision.apply_drafter(drafter, ctx.cfg.train)   # train.precision / fp8_lm_head: before anything is compiled
+    precision.apply_drafter(drafter, ctx.cfg.train, ctx.compile)   # train.precision / fp8_lm_head: before compiling
     if ctx.compile:
         from dflash.model.drafter import Linear
         for m in drafter.modules():   # train.recompute_weight_casts: bf16 weight copies recast in the backward
