@@ -654,18 +654,27 @@ def fp8():
       (compiled kernel) forward + backward with each head: ms, the loss's and the gradient's relative difference.
     - target: the Qwen3-8B-shaped target's captured forward (layers 0..33, config/h200.yaml's capture) at 3072
       tokens with bf16 weights and with FP8 copies (train.fp8_target), eager and compiled (BENCH_FP8_TARGET_COMPILE=0:
-      eager only): ms and the features' relative error (norm of the difference / norm) against bf16."""
+      eager only): ms and the features' relative error (norm of the difference / norm) against bf16.
+    BENCH_FP8_PARTS: comma list of head, target (default both)."""
+    parts = os.environ.get("BENCH_FP8_PARTS", "head,target").split(",")
+    out = {"head": {}, "target": {}}
+    if "head" in parts:
+        _fp8_head(out["head"])
+    if "target" in parts:
+        _fp8_target(out["target"])
+    return out
+
+
+def _fp8_head(hd: dict):
     from dflash.model import dflash_loss, fp8 as F8
     from dflash.train import precision
     from dflash.train.step import loss_kernel
-    out = {"head": {}, "target": {}}
     hidden, head, labels, weights = loss_problem()
     F8.FrozenHead(head[:64])    # torchao's first call (imports, kernels) not counted below
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     fhead = F8.FrozenHead(head, precision.quantizer(True))    # as train.compile makes it
     torch.cuda.synchronize()
-    hd = out["head"]
     hd["make_copies_ms"] = round((time.perf_counter() - t0) * 1e3, 1)
     n = 4096
     h = hidden[0, :n].contiguous()
@@ -697,8 +706,11 @@ def fp8():
     res = hidden = head = fhead = None
     torch.cuda.empty_cache()
 
+
+def _fp8_target(tg: dict):
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from dflash.model import fp8 as F8
     from dflash.train.features import LayerCapture
     conf = AutoConfig.for_model("qwen3", hidden_size=H, num_hidden_layers=36, num_attention_heads=32,
                                 num_key_value_heads=8, head_dim=128, intermediate_size=12288, vocab_size=V,
@@ -707,7 +719,6 @@ def fp8():
     with torch.device(DEV):
         model = AutoModelForCausalLM.from_config(conf, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
     ids = torch.randint(0, V, (1, S), device=DEV)
-    tg = out["target"]
     compiled = os.environ.get("BENCH_FP8_TARGET_COMPILE", "1") == "1"
     feats = {}
     for name in ("bf16", "fp8"):
@@ -734,7 +745,6 @@ def fp8():
             tg[f"{k}_rel_err"] = round(float((v - ref).norm() / ref.norm()), 5)
     model = feats = ref = None
     torch.cuda.empty_cache()
-    return out
 
 
 def dflash_stage(*args, timeout=900):
