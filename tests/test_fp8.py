@@ -120,6 +120,23 @@ def test_fp8_head_matmuls_match_the_weight():
         assert 1e-3 < rel < 6e-2, float(rel)                  # FP8, not bf16, and close
 
 
+def test_head_input_quantizer_asks_no_package_probe(monkeypatch):
+    """quantize_rows runs inside torch.compile (train.compile): torchao's automatic kernel choice calls
+    importlib.util.find_spec, which dynamo refused to trace on the H200 (torch 2.11), so it names torch's kernels.
+    Its data and scales are torchao's rowwise e4m3 quantization of x."""
+    from torchao.quantization.quantize_.workflows.float8 import float8_tensor
+
+    def probe():
+        raise AssertionError("package probe called")
+    monkeypatch.setattr(float8_tensor, "_is_mslk_available", probe)
+    x = torch.randn(8, H, generator=torch.Generator().manual_seed(0)).bfloat16()
+    data, scale = fp8.quantize_rows(x)
+    assert data.dtype == torch.float8_e4m3fn and data.shape == x.shape and scale.shape == (8, 1)
+    torch.testing.assert_close(scale, x.float().abs().amax(1, keepdim=True) / 448, rtol=1e-2, atol=0)
+    rel = (data.float() * scale - x.float()).norm() / x.float().norm()
+    assert 1e-3 < rel < 5e-2, float(rel)
+
+
 def tiny_target(layers=4):
     from transformers import Qwen3Config, Qwen3ForCausalLM
     cfg = Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=layers,

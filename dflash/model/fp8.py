@@ -48,9 +48,12 @@ def _rowwise(weight: torch.Tensor, quantize_inputs: bool = True):
 
 def quantize_rows(x: torch.Tensor):
     """x [n, K] -> (e4m3 data [n, K], float32 scales [n, 1]): torchao's rowwise quantization, as plain tensors so that
-    a compiled caller (train/precision.py) fuses it into one pass over x (eager, torchao makes float32 copies of x)."""
+    a compiled caller (train/precision.py) fuses it into one pass over x (eager, torchao makes float32 copies of x).
+    Its torch kernels, named: the automatic choice asks importlib for optional packages, which dynamo cannot trace
+    (torch 2.11 on the H200: "find_spec ... should not be traced")."""
     from torchao.quantization import Float8Tensor, PerRow
-    q = Float8Tensor.from_hp(x, granularity=PerRow())
+    from torchao.quantization.quantize_.common import KernelPreference
+    q = Float8Tensor.from_hp(x, granularity=PerRow(), kernel_preference=KernelPreference.TORCH)
     return q.qdata, q.scale
 
 
