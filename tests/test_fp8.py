@@ -224,3 +224,11 @@ def test_fp8_on_a_gpu_without_fp8_is_refused_naming_the_key(monkeypatch, fake_gp
     with pytest.raises(UserError, match=r"train\.fp8_lm_head=true needs train\.loss_kernel: fused"):
         precision.check(context(fp8_lm_head=True, loss_kernel="checkpointed").cfg.train, fake_placement("cuda:0"))
     precision.check(context().cfg.train, fake_placement("cpu"))              # bf16: nothing to refuse
+
+
+def test_memory_estimate_counts_the_fp8_head_copies():
+    from dflash.train import memory
+    d = tiny_cfg(vocab_size=V, mask_token_id=V - 1)
+    base, head = (memory.estimate(d, context(**t).cfg.train, 24, "sdpa") for t in ({}, {"fp8_lm_head": True}))
+    assert base["fp8_head"] == 0 and head["fp8_head"] == 2 * V * H + 16 * V     # two copies + one 16-row chunk
+    assert head["total"] - base["total"] == head["fp8_head"]
