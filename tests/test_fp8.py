@@ -196,6 +196,10 @@ def test_fp8_drafter_saves_and_exports_as_the_bf16_one(tmp_path):
             torch.testing.assert_close(tensors[k], v.to(want), rtol=0, atol=0)
         plain = load_drafter(out, embed, head)
         assert not any("Float8" in type(m).__name__ for m in plain.modules())
+    resumed = build_drafter(context(precision="fp8", fp8_lm_head=True), embed, head, CPU)   # as a resume loads it
+    resumed.load_state_dict(load_file(str(tmp_path / "None" / "model.safetensors")), strict=True)
+    for k, v in d.state_dict().items():
+        torch.testing.assert_close(resumed.state_dict()[k], v, rtol=0, atol=0)
 
 
 def fake_placement(*devs, targets=None):
