@@ -37,13 +37,13 @@ def check(train_cfg, placement) -> None:
         for d in devs:
             if d.type != "cuda":
                 raise UserError(f"{key}: FP8 matmuls need a CUDA GPU of compute capability >= 8.9 (Ada, Hopper), "
-                                f"but this run places them on {d}; set {key.split('=')[0]} back to its default "
-                                f"(bf16 / false) or move the run to such a GPU")
+                                f"but this run places them on {d}; drop {key} from the config (FP8 is off by "
+                                f"default) or place the run on such a GPU")
             cap = torch.cuda.get_device_capability(d)
             if tuple(cap) < FP8_CAPABILITY:
                 raise UserError(f"{key}: {d} ({torch.cuda.get_device_name(d)}) has compute capability "
-                                f"{cap[0]}.{cap[1]}, and FP8 matmuls need >= 8.9 (Ada, Hopper); set "
-                                f"{key.split('=')[0]} back to its default (bf16 / false)")
+                                f"{cap[0]}.{cap[1]}, and FP8 matmuls need >= 8.9 (Ada, Hopper); drop {key} from "
+                                f"the config (FP8 is off by default)")
     if train_cfg.fp8_lm_head and train_cfg.loss_kernel != "fused":
         raise UserError("train.fp8_lm_head=true needs train.loss_kernel: fused (the FP8 head runs inside the fused "
                         f"loss), not {train_cfg.loss_kernel}")
