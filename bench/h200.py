@@ -1,14 +1,17 @@
 """H200 benchmark: ceilings, micro-benchmarks and the real `train` stage on config/h200.yaml.
 
     python bench/h200.py --out bench/out [--sections ceilings,mask,attention,flex_tune,loss,drafter_variants,specforge,
-                                                     target,profile,e2e] [--steps N]
+                                                     fp8,target,profile,e2e] [--steps N]
 
 flex_tune: the drafter's attention with each flex kernel option set (block sizes, warps, stages, flags), fwd and bwd ms.
-specforge: the drafter step at 3072/512, 8192/1024, 16384/2048 (context/anchors), this project's and SpecForge's
-(`OnlineDFlashModel`, flex; its wheel carried) in one process. loss: training's fused loss beside torch's and Liger's,
+specforge: the drafter step at 3072/512, 8192/1024, 16384/2048 (context/anchors), this project's (per precision
+variant: BENCH_SF_VARIANTS, e.g. bf16,fp8,fp8head,fp8-rowwise) and SpecForge's (`OnlineDFlashModel`, flex; its wheel
+carried) in one process. fp8: the LM head's two GEMMs and the fused loss with the FP8 head copies against bf16, and
+the target's captured forward with FP8 weights against bf16 (ms, relative error of the features). loss: training's fused loss beside torch's and Liger's,
 with agreement checks. profile: the train stage under torch.profiler (train.profile), reduced to where GPU time goes.
 e2e: train runs (BENCH_E2E_RUNS: 1t1d, restart, 1t3d, x2-*, long = config/h200-long.yaml, 1t1d-eager = 1t1d with
-     the target eager, train.compile_target false; long and 1t1d-eager run only when named).
+     the target eager, train.compile_target false; 1t1d-fp8 = FP8 drafter layers, 1t1d-fp8head = + the FP8 LM head,
+     1t1d-fp8all = + the FP8 target; long, 1t1d-eager and the fp8 runs only when named).
 
 Every section writes into one JSON (`<out>/bench.json`): the command, device, torch version and date are recorded
 with the numbers, so a result under bench/results/ can be rerun. Shapes are the issue's: 3072-token context,
@@ -415,11 +418,11 @@ def specforge_step(num_anchors, feats, ids, loss_mask, vocab=V, layers=5, heads=
     return step
 
 
-def our_step(num_anchors, feats, ids, loss_mask):
+def our_step(num_anchors, feats, ids, loss_mask, sets=None):
     """This project's drafter step as train runs it: build_drafter (compiled flex layers, warmed up for this shape)
     and the trainer's Replica: micro_step (fused loss), then optimizer_step (the global-weight-sum scale and the
     clip folded into the fused AdamW's grad_scale) with its schedule; config/h200.yaml with train.num_anchors =
-    num_anchors."""
+    num_anchors and the config keys `sets` (e.g. FP8_VARIANTS[name])."""
     from types import SimpleNamespace
 
     from dflash import config as C
@@ -428,7 +431,7 @@ def our_step(num_anchors, feats, ids, loss_mask):
     from dflash.train.runtime.threads import GradSync
     from dflash.train.step import build_drafter, random_head
     from dflash.train.trainer import Micro, Replica
-    loaded = C.load(REPO / "config" / "h200.yaml", {"train.num_anchors": num_anchors})
+    loaded = C.load(REPO / "config" / "h200.yaml", {"train.num_anchors": num_anchors, **(sets or {})})
     tconf = SimpleNamespace(hidden_size=H, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                             intermediate_size=12288, num_hidden_layers=36, vocab_size=V, rms_norm_eps=1e-6,
                             rope_theta=1e6, max_position_embeddings=40960)
@@ -479,13 +482,29 @@ def measure_step(make, reps):
     return out
 
 
+# the drafter step's precision variants (BENCH_SF_VARIANTS): config keys over config/h200.yaml
+FP8_VARIANTS = {"bf16": {},
+                "fp8": {"train.precision": "fp8"},                                    # layers, tensorwise
+                "fp8-rowwise": {"train.precision": "fp8", "train.fp8_recipe": "rowwise"},
+                "fp8-gw-hp": {"train.precision": "fp8", "train.fp8_recipe": "rowwise_with_gw_hp"},
+                "head": {"train.fp8_lm_head": True},                                  # the LM head alone
+                "fp8head": {"train.precision": "fp8", "train.fp8_lm_head": True}}     # layers + head
+
+
 def specforge():
-    """The drafter step (forward + backward + optimizer step) at the issue's three shapes, this project's and
-    SpecForge's OnlineDFlashModel (flex attention) one after the other in this process: median ms and peak GB."""
+    """The drafter step (forward + backward + optimizer step) at the issue's three shapes, this project's (per
+    BENCH_SF_VARIANTS, default bf16: names of FP8_VARIANTS, keyed `ours` for bf16 and `ours-<name>` for the others,
+    with `vs_bf16`: bf16 ms / its ms and `loss_vs_bf16`: its first loss / bf16's, same weights, batch and anchors)
+    and SpecForge's OnlineDFlashModel (flex attention; BENCH_SF_SKIP=1 leaves it out) one after the other in this
+    process: median ms and peak GB."""
     from dflash.fingerprint import collect, compile_cache_dir
     from dflash.train import compile_guard
     compile_guard.use_compile_cache(compile_cache_dir(REPO / "results", collect()["hash"]))
-    compile_guard.configure_thread(8)   # recompile limit for the shapes of both implementations
+    variants = os.environ.get("BENCH_SF_VARIANTS", "bf16").split(",")
+    unknown = [v for v in variants if v not in FP8_VARIANTS]
+    if unknown:
+        return {"error": f"unknown BENCH_SF_VARIANTS {unknown}; known: {', '.join(FP8_VARIANTS)}"}
+    compile_guard.configure_thread(8, len(variants) + 1)   # recompile limit for every variant's and SpecForge's shapes
     out = {}
     try:
         out["specforge_version"] = load_specforge()[3]
@@ -499,12 +518,22 @@ def specforge():
         feats = torch.randn(1, s, 5 * H, generator=g).to(DEV, torch.bfloat16)
         ids = torch.randint(0, V, (1, s), generator=g).to(DEV)
         mask = torch.ones(1, s, dtype=torch.bool, device=DEV)
-        row = {"ours": measure_step(lambda: our_step(a, feats, ids, mask), reps),
-               "specforge": measure_step(lambda: specforge_step(a, feats, ids, mask), reps)}
-        o, f = row["ours"], row["specforge"]
+        row = {}
+        for v in variants:
+            row["ours" if v == "bf16" else f"ours-{v}"] = measure_step(
+                lambda: our_step(a, feats, ids, mask, FP8_VARIANTS[v]), reps)
+            print("specforge", s, a, v, json.dumps(row["ours" if v == "bf16" else f"ours-{v}"])[:400], flush=True)
+        if not os.environ.get("BENCH_SF_SKIP"):
+            row["specforge"] = measure_step(lambda: specforge_step(a, feats, ids, mask), reps)
+        o, f = row.get("ours", {}), row.get("specforge", {})
         if "step_ms" in o and "step_ms" in f:
             row["speedup"] = round(f["step_ms"] / o["step_ms"], 3)
             row["memory_ratio"] = round(o["peak_gb"] / f["peak_gb"], 3)
+        for v in variants:
+            r = row.get(f"ours-{v}", {})
+            if "step_ms" in o and "step_ms" in r:
+                row.setdefault("vs_bf16", {})[v] = round(o["step_ms"] / r["step_ms"], 3)
+                row.setdefault("loss_vs_bf16", {})[v] = round(r["first_loss"] / o["first_loss"], 5)
         out[f"{s}/{a}"] = row
         feats = ids = mask = None
         print("specforge", s, a, json.dumps(row)[:600], flush=True)
@@ -617,6 +646,107 @@ def target():
             "compiled_vs_eager_max_abs_diff": diff, "compile_warmup_s": warm["seconds"], "compile_graphs": warm["graphs"]}
 
 
+def fp8():
+    """The FP8 parts besides the drafter's layers (those: the specforge section's variants), each against bf16:
+    - head: the frozen LM head [V, H] at the step's 7680 rows (512 anchors x 15): making its FP8 copies (once per
+      run), the logits (h @ W.T) and the input gradient (g @ W) of one 4096-row chunk (inputs quantized by the
+      compiled quantize_rows, as train.compile runs it), and training's fused loss
+      (compiled kernel) forward + backward with each head: ms, the loss's and the gradient's relative difference.
+    - target: the Qwen3-8B-shaped target's captured forward (layers 0..33, config/h200.yaml's capture) at 3072
+      tokens with bf16 weights and with FP8 copies (train.fp8_target), eager and compiled (BENCH_FP8_TARGET_COMPILE=0:
+      eager only): ms and the features' relative error (norm of the difference / norm) against bf16.
+    BENCH_FP8_PARTS: comma list of head, target (default both)."""
+    parts = os.environ.get("BENCH_FP8_PARTS", "head,target").split(",")
+    out = {"head": {}, "target": {}}
+    if "head" in parts:
+        _fp8_head(out["head"])
+    if "target" in parts:
+        _fp8_target(out["target"])
+    return out
+
+
+def _fp8_head(hd: dict):
+    from dflash.model import dflash_loss, fp8 as F8
+    from dflash.train import precision
+    from dflash.train.step import loss_kernel
+    hidden, head, labels, weights = loss_problem()
+    F8.FrozenHead(head[:64])    # torchao's first call (imports, kernels) not counted below
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fhead = F8.FrozenHead(head, precision.quantizer(True))    # as train.compile makes it
+    torch.cuda.synchronize()
+    hd["make_copies_ms"] = round((time.perf_counter() - t0) * 1e3, 1)
+    n = 4096
+    h = hidden[0, :n].contiguous()
+    g = torch.softmax((h @ head.t()).float(), -1).to(torch.bfloat16)
+    hd["logits_bf16_ms"] = round(bench(lambda: h @ head.t()), 3)
+    hd["logits_fp8_ms"] = round(bench(lambda: fhead.logits(h)), 3)
+    hd["input_grad_bf16_ms"] = round(bench(lambda: g @ head), 3)
+    hd["input_grad_fp8_ms"] = round(bench(lambda: fhead.input_grad(g)), 3)
+    ref_l, ref_g = (h @ head.t()).float(), (g @ head).float()
+    hd["logits_rel_err"] = round(float((fhead.logits(h).float() - ref_l).norm() / ref_l.norm()), 5)
+    hd["input_grad_rel_err"] = round(float((fhead.input_grad(g).float() - ref_g).norm() / ref_g.norm()), 5)
+    g = ref_l = ref_g = None
+    kernel = loss_kernel(True)
+    res = {}
+    for name, w in (("bf16", head), ("fp8", fhead)):
+        x = hidden.detach().clone().requires_grad_(True)
+
+        def fwd_bwd():
+            x.grad = None
+            loss = dflash_loss(x, w, labels, weights, BK, 4096, fused=True, kernel=kernel).loss
+            loss.backward()
+            return loss
+        loss = fwd_bwd()
+        res[name] = (float(loss.detach()), x.grad.float().clone())
+        hd[f"fused_loss_{name}_ms"] = round(bench(fwd_bwd, warmup=2, reps=10), 2)
+    (a, ga), (b, gb) = res["bf16"], res["fp8"]
+    hd["fused_loss_rel_diff"] = round(abs(a - b) / a, 6)
+    hd["fused_grad_rel_err"] = round(float((gb - ga).norm() / ga.norm()), 5)
+    res = hidden = head = fhead = None
+    torch.cuda.empty_cache()
+
+
+def _fp8_target(tg: dict):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dflash.model import fp8 as F8
+    from dflash.train.features import LayerCapture
+    conf = AutoConfig.for_model("qwen3", hidden_size=H, num_hidden_layers=36, num_attention_heads=32,
+                                num_key_value_heads=8, head_dim=128, intermediate_size=12288, vocab_size=V,
+                                max_position_embeddings=40960)
+    torch.manual_seed(0)
+    with torch.device(DEV):
+        model = AutoModelForCausalLM.from_config(conf, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    ids = torch.randint(0, V, (1, S), device=DEV)
+    compiled = os.environ.get("BENCH_FP8_TARGET_COMPILE", "1") == "1"
+    feats = {}
+    for name in ("bf16", "fp8"):
+        cap = LayerCapture(model, [1, 9, 17, 25, 33])
+        if name == "fp8":
+            t0 = time.perf_counter()
+            F8.quantize_frozen(torch.nn.ModuleList(cap.modules))
+            torch.cuda.synchronize()
+            tg["quantize_s"] = round(time.perf_counter() - t0, 2)
+        tg[f"capture_{name}_ms"] = round(bench(lambda: cap(ids), warmup=2, reps=5), 2)
+        feats[name] = cap(ids).float()
+        if compiled:
+            cap.compile()
+            warm = cap.warm_up(DEV, [(1, S)], V)
+            tg[f"capture_{name}_compiled_ms"] = round(bench(lambda: cap(ids), warmup=2, reps=10), 2)
+            tg[f"compile_{name}_s"] = warm["seconds"]
+            feats[name + "_compiled"] = cap(ids).float()
+            for m in cap.modules:       # back to eager for the next variant (the compiled forward is an attribute)
+                del m.forward
+        cap.remove()
+    ref = feats["bf16"]
+    for k, v in feats.items():
+        if k != "bf16":
+            tg[f"{k}_rel_err"] = round(float((v - ref).norm() / ref.norm()), 5)
+    model = feats = ref = None
+    torch.cuda.empty_cache()
+
+
 def dflash_stage(*args, timeout=900):
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", "dflash", *args], cwd=REPO, capture_output=True, text=True,
@@ -627,12 +757,13 @@ def dflash_stage(*args, timeout=900):
 H200, LONG = "config/h200.yaml", "config/h200-long.yaml"
 
 
-OPT_IN = ("long", "1t1d-eager")   # e2e runs only when BENCH_E2E_RUNS names them
+OPT_IN = ("long", "1t1d-eager", "1t1d-fp8", "1t1d-fp8head", "1t1d-fp8all")   # only when BENCH_E2E_RUNS names them
 
 
 def e2e_runs() -> dict:
     """name -> (config, --set arguments; None for the warm restart)."""
     one = ["--set", 'train.drafters=["cuda:0"]']
+    fp8 = ["--set", "train.precision=fp8"]
     return {"1t1d": (H200, one),
             "restart": (H200, None),
             "1t3d": (H200, ["--set", 'train.drafters=["cuda:0","cuda:0","cuda:0"]']),
@@ -644,7 +775,11 @@ def e2e_runs() -> dict:
             # long context: 4K/8K/16K buckets, 512/1024/2048 anchors (config/h200-long.yaml), 1 target + 1 drafter
             "long": (LONG, one),
             # 1t1d with the target eager (config/h200.yaml compiles it: train.compile_target)
-            "1t1d-eager": (H200, [*one, "--set", "train.compile_target=false"])}
+            "1t1d-eager": (H200, [*one, "--set", "train.compile_target=false"]),
+            # FP8 (issue 28): the drafter's layers; + the frozen LM head; + the target's forward
+            "1t1d-fp8": (H200, [*one, *fp8]),
+            "1t1d-fp8head": (H200, [*one, *fp8, "--set", "train.fp8_lm_head=true"]),
+            "1t1d-fp8all": (H200, [*one, *fp8, "--set", "train.fp8_lm_head=true", "--set", "train.fp8_target=true"])}
 
 
 def e2e(out_dir: Path, steps: int, extra=()):
@@ -834,8 +969,8 @@ def profile(out_dir: Path, config="config/h200.yaml", extra=()):
     return res
 
 
-SECTIONS = ("ceilings", "mask", "attention", "flex_tune", "loss", "drafter_variants", "specforge", "target", "profile",
-            "e2e")
+SECTIONS = ("ceilings", "mask", "attention", "flex_tune", "loss", "drafter_variants", "specforge", "fp8", "target",
+            "profile", "e2e")
 
 
 def parse_args(argv=None):

@@ -317,6 +317,25 @@ class TrainSection(Section):
         "target layer). ce+kl: their sum. Same position weights and normalisation for each."))
     dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description=(
         "Autocast dtype; auto is bf16 on GPU, float32 on CPU."))
+    precision: Literal["bf16", "fp8"] = Field("bf16", description=(
+        "Matmul precision of the drafter's decoder layers. bf16: their Linears in the autocast dtype (train.dtype). "
+        "fp8: torchao float8 training (dflash/model/fp8.py): each Linear's input, weight and output gradient cast to "
+        "FP8 with fresh scales at every matmul (train.fp8_recipe), the fp32 master weights kept as the parameters, so "
+        "checkpoints and the exported drafter are as with bf16. Needs a GPU of compute capability >= 8.9 (Ada, "
+        "Hopper); refused on the CPU."))
+    fp8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = Field("tensorwise", description=(
+        "torchao's float8 training recipe for train.precision fp8: one scale per tensor (cuBLAS), per row (e4m3 "
+        "gradients too), or per row with the weight gradient in high precision. tensorwise measured fastest for the "
+        "5-layer Qwen3-8B drafter on an H200 (issue 28: 120.0 ms against 136.6 rowwise and 142.0 bf16 at "
+        "3072/512)."))
+    fp8_lm_head: bool = Field(False, description=(
+        "The frozen LM head in FP8 inside the fused loss (train.loss_kernel fused): its weight quantized once to e4m3 "
+        "rowwise (two copies, one per matmul layout), the drafter's states and the logits' gradient quantized rowwise "
+        "per chunk, for the logits and the input gradient. Needs an FP8 GPU (compute capability >= 8.9)."))
+    fp8_target: bool = Field(False, description=(
+        "The target's forward with FP8 weights: the Linear weights of the decoder layers the capture runs quantized "
+        "once to e4m3 rowwise (torchao), activations quantized rowwise per call; the features then differ from "
+        "bf16's by FP8 rounding. Needs an FP8 GPU (compute capability >= 8.9) for every target."))
     recompute_weight_casts: bool = Field(False, description=(
         "Compiled layers under bf16 autocast recast each weight in the backward instead of keeping its bf16 "
         "copy from the forward: about 2 bytes per drafter parameter less at the peak (1.8 GB for the 5-layer "

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from dflash.config import REPO
 
-PACKAGES = ("torch", "triton", "transformers", "tokenizers", "datasets", "safetensors", "snakemake", "numpy", "pyarrow")
+PACKAGES = ("torch", "triton", "transformers", "tokenizers", "datasets", "safetensors", "snakemake", "numpy", "pyarrow",
+            "torchao")
 PINS = REPO / "envs" / "requirements.txt"
 # Keys that identify the environment; hostname-like details are recorded but not hashed.
 HASHED = ("python", "packages", "cuda", "cudnn", "gpu", "lock_hash")

@@ -125,3 +125,13 @@ def test_e2e_run_table_loads_every_config():
         if name == "1t1d-eager":   # 1t1d with the target eager: one GPU, one target and one drafter thread
             assert (path, tuple(cfg.train.targets), tuple(cfg.train.drafters), cfg.train.runtime) == \
                 (h200.H200, ("cuda:0",), ("cuda:0",), "threads")
+
+
+def test_fp8_variants_are_config_keys_of_the_h200_config():
+    """Each drafter-step precision variant of the specforge section loads over config/h200.yaml as our_step loads it."""
+    from dflash import config as C
+    assert h200.FP8_VARIANTS["bf16"] == {}
+    for name, sets in h200.FP8_VARIANTS.items():
+        t = C.load(REPO / h200.H200, {"train.num_anchors": 512, **sets}).cfg.train
+        assert (t.precision, t.fp8_lm_head) == (sets.get("train.precision", "bf16"),
+                                                 sets.get("train.fp8_lm_head", False)), name

@@ -205,10 +205,10 @@ def test_hashes_of_todays_configs_unchanged(repo):
     the schema-built config before the typed models (commit 311df5a): a run trained then resumes, restores and compares
     the same. A key added with a default changes every hash by design (the resolved config holds it): update the pins
     in the commit that adds it."""
-    pins = {"config.yaml": ("51443ffb5ed7f0d0", "d199b99dd199b8ea"),
-            "h200.yaml": ("a4fa072d1a7d6a8d", "16d519be263713c4"),
-            "8gpu.yaml": ("967f4eed975e578f", "96aeee310116481e"),
-            "quality.yaml": ("9575d474c81e5ab5", "ff292eb5b4a8a19c")}
+    pins = {"config.yaml": ("bfd6c352b7c74b25", "0fa96ee5e5e4645f"),
+            "h200.yaml": ("d4d2f3af100f7935", "1126aba617d6ccd1"),
+            "8gpu.yaml": ("ae4909ef7d0264fe", "5c04ae43a1ae0269"),
+            "quality.yaml": ("6e186779a171fa08", "7d45abbe92d65427")}
     for name, (h, rh) in pins.items():
         loaded = C.load(repo / "config" / name)
         assert (loaded.hash, loaded.result_hash) == (h, rh), name
@@ -216,7 +216,7 @@ def test_hashes_of_todays_configs_unchanged(repo):
                           "data": {"sources": [{"name": "x", "path": "a.jsonl", "weight": 2}],
                                    "regenerate": {"timeout_s": 30}},
                           "report": {"min_utilisation": 50}, "drafter": {"target_layer_ids": [0, 2]}})
-    assert (inline.hash, inline.result_hash) == ("6833a4d3891b2323", "121642802e518620")
+    assert (inline.hash, inline.result_hash) == ("78a05ff958f02cf6", "34f7313bf66c91f5")
     assert json.dumps(inline.raw["train"]["betas"]) == "[0.9, 1]" and inline.cfg.train.betas == (0.9, 1)
     assert type(inline.cfg.train.time_budget_s) is int and type(inline.cfg.train.stall_timeout_s) is int   # as written
     assert type(C.from_dict({"train": {"lr": 0.001}}).cfg.train.lr) is float

@@ -59,12 +59,22 @@ def loss_chunk(logits: torch.Tensor, labels: torch.Tensor, target_logits: torch.
     return c * ce + k * kl, ce, kl, hits
 
 
+def _head(weight, dtype):
+    """The frozen head's two matmuls, (x -> x @ W.T, g -> g @ W): `weight` a tensor [V, H] (cast to `dtype`), or
+    FP8 copies made once (model.fp8.FrozenHead: `logits`, `input_grad`)."""
+    if isinstance(weight, torch.Tensor):
+        w = weight.to(dtype)
+        return (lambda x: x @ w.t()), (lambda g: g @ w)
+    return weight.logits, weight.input_grad
+
+
 class _FusedLinearLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, labels, teacher, chunk, kernel):
-        # h [N, H], weight [V, H] (frozen), labels [N], teacher [N, H] (the target's final states) or None
+        # h [N, H], weight [V, H] (frozen; or its FP8 copies, fp8.FrozenHead), labels [N], teacher [N, H] or None
         dtype = weight.dtype if h.is_cuda else torch.promote_types(h.dtype, weight.dtype)
-        hc, w = h.to(dtype), weight.to(dtype)
+        hc = h.to(dtype)
+        logits_of, back = _head(weight, dtype)
         tc = teacher.to(dtype) if teacher is not None else None
         grad_h = torch.empty_like(hc) if ctx.needs_input_grad[0] else None
         N, acc = h.shape[0], torch.promote_types(dtype, torch.float32)
@@ -72,11 +82,11 @@ class _FusedLinearLoss(torch.autograd.Function):
         hits = torch.empty(N, dtype=torch.bool, device=h.device)
         for s in range(0, N, chunk):
             e = min(s + chunk, N)
-            g = hc[s:e] @ w.t()                                                      # [n, V] logits
-            t = tc[s:e] @ w.t() if tc is not None else None                          # [n, V] the target's logits
+            g = logits_of(hc[s:e])                                                   # [n, V] logits
+            t = logits_of(tc[s:e]) if tc is not None else None                       # [n, V] the target's logits
             loss[s:e], ce[s:e], kl[s:e], hits[s:e] = kernel(g, labels[s:e], t)       # g: now d(loss)/d(logits)
             if grad_h is not None:
-                grad_h[s:e] = g @ w                                                  # [n, H] d(loss row)/d(h row)
+                grad_h[s:e] = back(g)                                                # [n, H] d(loss row)/d(h row)
             del g, t   # before the next chunk's logits: one [n, V] buffer (two with the target's) at a time
         ctx.save_for_backward(grad_h)
         ctx.in_dtype = h.dtype

@@ -11,7 +11,7 @@ from dflash import fingerprint
 from dflash import paths
 from dflash.config import REPO
 from dflash.errors import UserError
-from dflash.train import placement as P
+from dflash.train import placement as P, precision
 
 log = logging.getLogger("dflash.train")
 
@@ -71,6 +71,7 @@ def prepare(loaded, need_data: bool = True, run_dir=None, data_dir=None) -> RunC
 
     cfg = loaded.cfg
     placement = P.resolve(cfg.train)
+    precision.check(cfg.train, placement)
     backend = P.attention_backend(cfg.train, placement.drafters)
     if backend == "flex" and any(d.type != "cuda" for d in placement.drafters):
         raise UserError("train.attention is flex but a drafter is on the CPU: flex_attention has no CPU backward; "

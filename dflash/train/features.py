@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from dflash import compile_threads
-from dflash.train import compile_guard
+from dflash.train import compile_guard, precision
 
 
 class _Done(Exception):
@@ -49,7 +49,9 @@ def run_capture(model: nn.Module, ctx) -> "LayerCapture":
     ids = list(ctx.drafter_config.target_layer_ids)
     if uses_target(ctx.cfg.train.objective):
         ids.append(len(decoder_layers(model)) - 1)
-    return LayerCapture(model, ids)
+    capture = LayerCapture(model, ids)
+    precision.apply_target(nn.ModuleList(capture.modules), ctx.cfg.train)   # train.fp8_target: before compile()
+    return capture
 
 
 class LayerCapture:

@@ -103,8 +103,10 @@ def estimate(d, train, max_len: int, backend: str, device_type: str = "cpu", num
         "activations": L * per_layer + once, "loss": loss, "backward": backward,
         # flat gradients, my shard of their sum and a peer's shard in flight (1/n each, n >= 2); DDP's buckets; none
         "grad_buffers": {"flat": 8 * P, "ddp": 4 * P, "none": 0}[reduce],
+        # train.fp8_lm_head: the head's two FP8 copies (model/fp8.py FrozenHead) and one chunk's quantized input
+        "fp8_head": 2 * V * H + C * V if getattr(train, "fp8_lm_head", False) else 0,
     }
-    parts["total"] = (sum(parts[x] for x in ("weights", "grads", "optimizer", "features"))
+    parts["total"] = (sum(parts[x] for x in ("weights", "grads", "optimizer", "features", "fp8_head"))
                       + max(parts["activations"] + parts["loss"] + parts["backward"] + parts["weight_casts"],
                             parts["grad_buffers"]))
     return parts

@@ -7,7 +7,7 @@ import time
 import torch
 
 from dflash import compile_threads
-from dflash.train import compile_guard, placement as P
+from dflash.train import compile_guard, placement as P, precision
 
 
 def frozen_head(target_model, device: torch.device):
@@ -34,6 +34,7 @@ def build_drafter(ctx, embed, head, device: torch.device):
         torch.manual_seed(ctx.cfg.seed)
         with torch.device(device):
             drafter = DFlashDrafter(ctx.drafter_config, embed, head)
+    precision.apply_drafter(drafter, ctx.cfg.train, ctx.compile)   # train.precision / fp8_lm_head: before compiling
     if ctx.compile:
         from dflash.model.drafter import Linear
         for m in drafter.modules():   # train.recompute_weight_casts: bf16 weight copies recast in the backward
@@ -78,7 +79,7 @@ def micro_step(drafter, feats, input_ids, loss_mask, index: int, ctx, autocast_d
     teacher = block_teacher(feats[..., kh:], anchors) if uses_target(t.objective) else None    # [b, Q, H]
     with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
         hidden = drafter(feats[..., :kh], input_ids, anchors, backend=ctx.backend)            # the fc reads k*H
-        return dflash_loss(hidden, core.lm_head_weight, labels, weights, bk, t.loss_chunk,
+        return dflash_loss(hidden, precision.loss_head(core), labels, weights, bk, t.loss_chunk,
                            fused=t.loss_kernel == "fused", kernel=loss_kernel(ctx.compile, t.objective),
                            objective=t.objective, teacher=teacher, weighting=t.loss_weighting,
                            dpace_alpha=t.dpace_alpha)
