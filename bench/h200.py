@@ -811,7 +811,7 @@ def e2e(out_dir: Path, steps: int, extra=()):
             sm = json.loads(summ.read_text())
             (out_dir / f"summary-{name}.json").write_text(json.dumps(sm, indent=1))
             res[name].update({k: sm.get(k) for k in ("steps", "measured_steps", "throughput", "time_split_s",
-                                                      "seconds_to_first_step", "loss",
+                                                      "seconds_to_first_step", "loss", "eval",
                                                       "devices", "compile", "replicas_identical", "replica_checksums",
                                                       "status", "failure")})
             (res[name]["compile"] or {}).pop("per_device", None)
