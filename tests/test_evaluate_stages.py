@@ -142,7 +142,8 @@ def test_evaluate_and_export_ignore_edited_drafter_keys(run, capsys):
     assert main(["export", "--config", str(cfg_file)]) == 0
     conf = json.loads((run_dir / "drafter" / "config.json").read_text())
     assert conf["num_hidden_layers"] == 1 and conf["block_size"] == 4
-    assert conf["dflash_config"] == {"mask_token_id": d.cfg.mask_token_id, "target_layer_ids": [0, 1], "block_size": 4}
+    assert conf["dflash_config"] == {"mask_token_id": d.cfg.mask_token_id, "target_layer_ids": [0, 1], "block_size": 4,
+                                     "mask_token": "<|mask|>"}
     assert main(["evaluate", "--config", str(cfg_file), "--no-progress"]) == 0
     acc = json.loads((run_dir / "acceptance.json").read_text())
     assert acc["block_size"] == 4 and acc["checkpoint_step"] == 10 and acc["lossless"] is True
