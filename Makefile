@@ -8,7 +8,7 @@ CONFIG ?= config/config.yaml
 INTEROP_VENV  := .venv-interop
 INTEROP_STAMP := $(INTEROP_VENV)/.installed
 
-.PHONY: demo test venv lint clean-results interop
+.PHONY: demo test venv lint clean-results interop serving-check
 
 venv: $(STAMP)
 
@@ -51,3 +51,21 @@ interop: $(STAMP) $(INTEROP_STAMP)
 	rm -rf $(INTEROP_OUT)
 	$(BIN)/python tests/interop/make_case.py $(INTEROP_OUT)
 	cd $(INTEROP_OUT) && env -u PYTHONPATH $(abspath $(INTEROP_VENV))/bin/python $(abspath tests/interop/check_reference.py) .
+
+# Serving check (not part of `make test`): vLLM's and SGLang's own DFlash classes, from their wheels in a side venv
+# (envs/serving.txt, no GPU), are built from our export of full, sliding and mixed drafters, load its weights (every
+# parameter compared with ours) and run their modules' forward against ours (docs/serving.md).
+SERVING_VENV  := .venv-serving
+SERVING_STAMP := $(SERVING_VENV)/.installed
+SERVING_OUT   ?= results/serving
+
+$(SERVING_STAMP): envs/serving.txt
+	test -x $(SERVING_VENV)/bin/python || $(PYTHON) -m venv $(SERVING_VENV)
+	$(SERVING_VENV)/bin/pip install --quiet --no-deps -r envs/serving.txt
+	touch $@
+
+serving-check: $(STAMP) $(SERVING_STAMP)
+	rm -rf $(SERVING_OUT)
+	$(BIN)/python tests/serving/make_case.py $(SERVING_OUT)
+	cd $(SERVING_OUT) && env -u PYTHONPATH VLLM_TARGET_DEVICE=cpu VLLM_USE_V2_MODEL_RUNNER=1 \
+		$(abspath $(SERVING_VENV))/bin/python $(abspath tests/serving/check_stacks.py) .

@@ -80,8 +80,8 @@ def test_evaluate_writes_acceptance(run, tmp_path):
     assert acc["speculative_tokens_per_s"] > 0 and acc["plain_tokens_per_s"] > 0
 
 
-def test_export_then_evaluate_the_exported_folder(run):
-    from dflash.model import load_drafter, reference_keys
+def test_export_then_evaluate_the_exported_folder(run, caplog):
+    from dflash.model import load_drafter, reference_keys, serving_problems
     from safetensors.torch import load_file
     cfg_file, run_dir, d = run
     assert main(["export", "--config", str(cfg_file)]) == 0
@@ -89,6 +89,12 @@ def test_export_then_evaluate_the_exported_folder(run):
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
     conf = json.loads((out / "config.json").read_text())
     assert conf["block_size"] == 4 and conf["dflash_config"]["mask_token_id"] == d.cfg.mask_token_id
+    # the serving contract (docs/serving.md): the mask token's text is written; target layer 1 of this 2-layer target
+    # is its last, which vLLM and SGLang read differently from the reference: export warns
+    assert conf["dflash_config"]["mask_token"] == "<|mask|>"
+    problems = serving_problems(out)
+    assert len(problems) == 1 and "target_layer_ids has id 1, but the target has 2 layers" in problems[0]
+    assert f"serving contract (docs/serving.md): {problems[0]}" in caplog.messages
     sd = load_file(str(out / "model.safetensors"))
     assert sorted(sd) == reference_keys(1)
     for k, v in d.state_dict().items():
@@ -136,7 +142,8 @@ def test_evaluate_and_export_ignore_edited_drafter_keys(run, capsys):
     assert main(["export", "--config", str(cfg_file)]) == 0
     conf = json.loads((run_dir / "drafter" / "config.json").read_text())
     assert conf["num_hidden_layers"] == 1 and conf["block_size"] == 4
-    assert conf["dflash_config"] == {"mask_token_id": d.cfg.mask_token_id, "target_layer_ids": [0, 1], "block_size": 4}
+    assert conf["dflash_config"] == {"mask_token_id": d.cfg.mask_token_id, "target_layer_ids": [0, 1], "block_size": 4,
+                                     "mask_token": "<|mask|>"}
     assert main(["evaluate", "--config", str(cfg_file), "--no-progress"]) == 0
     acc = json.loads((run_dir / "acceptance.json").read_text())
     assert acc["block_size"] == 4 and acc["checkpoint_step"] == 10 and acc["lossless"] is True

@@ -10,37 +10,35 @@ import torch
 from ..atomic import atomic_dir
 from .config import DrafterConfig
 from .drafter import DFlashDrafter
+from .serving import check, weight_names
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
-_LAYER_KEYS = (
-    "input_layernorm.weight",
-    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-    "self_attn.q_norm.weight", "self_attn.k_norm.weight",
-    "post_attention_layernorm.weight",
-    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-)
 
 
 def reference_keys(num_layers: int) -> list[str]:
     """The exact tensor names of a reference DFlash drafter with `num_layers` layers (sorted)."""
-    keys = ["fc.weight", "hidden_norm.weight", "norm.weight"]
-    keys += [f"layers.{i}.{k}" for i in range(num_layers) for k in _LAYER_KEYS]
-    return sorted(keys)
+    return weight_names(num_layers)
 
 
-def reference_config(cfg: DrafterConfig, extra: dict | None = None, dtype: torch.dtype | str | None = None) -> dict:
+def reference_config(cfg: DrafterConfig, extra: dict | None = None, dtype: torch.dtype | str | None = None,
+                     mask_token: str | None = None) -> dict:
     """The config.json dict of a drafter directory in the reference format (read by dflash 0.1.0, SGLang and
     vLLM): a Qwen3 config with the DFlash fields and the layer layout (`layer_types`, `sliding_window`,
-    `use_sliding_window`). `extra` adds keys; `dtype` is the weights' dtype as written (default bfloat16)."""
+    `use_sliding_window`). `extra` adds keys; `dtype` is the weights' dtype as written (default bfloat16);
+    `mask_token` (the text of `mask_token_id` in the target's tokenizer) goes to `dflash_config.mask_token`, which
+    SGLang checks against the tokenizer (docs/serving.md)."""
     config = cfg.to_hf_dict(extra)
     if dtype is not None:
         config["dtype"] = str(dtype).removeprefix("torch.")
+    if mask_token is not None:
+        config["dflash_config"] = {**config["dflash_config"], "mask_token": mask_token}
     return config
 
 
-def save_drafter(drafter: DFlashDrafter, out_dir, extra: dict | None = None, dtype: torch.dtype | None = None) -> Path:
+def save_drafter(drafter: DFlashDrafter, out_dir, extra: dict | None = None, dtype: torch.dtype | None = None,
+                 mask_token: str | None = None) -> Path:
     """Write `out_dir` (replaced in one rename). `extra` adds keys to config.json; `dtype` casts the weights
-    (default: as they are)."""
+    (default: as they are); `mask_token` as in `reference_config`."""
     from safetensors.torch import save_file
     sd = drafter.state_dict()
     expected = reference_keys(drafter.cfg.num_layers)
@@ -48,7 +46,7 @@ def save_drafter(drafter: DFlashDrafter, out_dir, extra: dict | None = None, dty
         raise RuntimeError(f"drafter state_dict keys differ from the reference: "
                            f"extra {sorted(set(sd) - set(expected))}, missing {sorted(set(expected) - set(sd))}")
     tensors = {k: (v.to(dtype) if dtype is not None else v).detach().cpu().contiguous() for k, v in sd.items()}
-    config = reference_config(drafter.cfg, extra, dtype or next(iter(tensors.values())).dtype)
+    config = reference_config(drafter.cfg, extra, dtype or next(iter(tensors.values())).dtype, mask_token)
     out_dir = Path(out_dir)
     with atomic_dir(out_dir) as tmp:
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
@@ -87,3 +85,13 @@ def load_drafter(path, embed_tokens, lm_head, device=None, dtype: torch.dtype | 
     if device is not None or dtype is not None:
         drafter.to(device=device, dtype=dtype)
     return drafter
+
+
+def serving_problems(path) -> list[str]:
+    """Where the drafter directory `path` breaks the serving contract (`dflash.model.serving`, docs/serving.md):
+    its config.json and the names and shapes of its tensors (read from the safetensors header only)."""
+    from safetensors import safe_open
+    path = Path(path)
+    with safe_open(str(path / WEIGHTS), framework="pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    return check(json.loads((path / CONFIG).read_text()), shapes)

@@ -31,8 +31,9 @@ def run(loaded: Loaded, args) -> int:
     from dflash.atomic import atomic_dir, read_json
     from dflash.errors import UserError
     from dflash.evaluate.modelcard import model_card
-    from dflash.model import save_drafter
+    from dflash.model import save_drafter, serving_problems
     from dflash.stages import check_run_config
+    from dflash.target import load_tokenizer
     from dflash.train.checkpoint import ended_with, load_drafter
 
     cfg = loaded.cfg
@@ -53,6 +54,8 @@ def run(loaded: Loaded, args) -> int:
         raise UserError(f"{ckpt}: the drafter there was trained for a target of vocabulary {dcfg.vocab_size} and "
                         f"hidden size {dcfg.hidden_size}, {tpath} has {tconf.vocab_size} and {tconf.hidden_size}")
     dtype = None if args.dtype == "keep" else getattr(torch, args.dtype)
+    # the mask token's text, which SGLang checks against the target's tokenizer (docs/serving.md)
+    mask_token = load_tokenizer(cfg.target).convert_ids_to_tokens(dcfg.mask_token_id)
 
     summary = _read(run_dir / "summary.json")
     acceptance = _read(run_dir / "acceptance.json")
@@ -61,12 +64,14 @@ def run(loaded: Loaded, args) -> int:
                         f"this drafter first (snakemake -R evaluate)")
     manifest = _read(Path(args.data or paths.dataset(cfg.results_dir, cfg.dataset_name)) / "manifest.json")
     with atomic_dir(out) as tmp:
-        save_drafter(drafter, tmp / "weights", dtype=dtype)
+        save_drafter(drafter, tmp / "weights", dtype=dtype, mask_token=mask_token)
         for f in (tmp / "weights").iterdir():
             shutil.move(str(f), tmp / f.name)
         (tmp / "weights").rmdir()
         card = model_card(cfg, tconf, dcfg, ckpt, summary, acceptance, manifest, read_json(tmp / "config.json"))
         (tmp / "README.md").write_text(card)
+        for problem in serving_problems(tmp):   # e.g. a target layer id the serving stacks read differently
+            log.warning("serving contract (docs/serving.md): %s", problem)
     log.info("drafter from %s (%d layers, block %d, target layers %s) -> %s", ckpt, dcfg.num_layers,
              dcfg.block_size, dcfg.target_layer_ids, out)
     return 0
