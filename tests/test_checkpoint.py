@@ -85,8 +85,9 @@ def test_init_from_a_checkpoint_and_refuses_another_shape(tmp_path):
     setup = fake_setup(tmp_path)
     d, _, _ = saved(setup, (4,))
     ck = C.step_dir(setup.run_dir, 4)
-    s = SimpleNamespace(cfg=SimpleNamespace(drafter=SimpleNamespace(init_from=str(ck)), seed=0),
-                        drafter_config=tiny_cfg(), compile=False)
+    from dflash.config import from_dict
+    s = SimpleNamespace(cfg=from_dict({"drafter": {"init_from": str(ck)}}).cfg, drafter_config=tiny_cfg(),
+                        compile=False)
     dr = build_drafter(s, d.embed_weight, d.lm_head_weight, torch.device("cpu"))
     assert dr.training and all(torch.equal(v, d.state_dict()[k]) for k, v in dr.state_dict().items())
     s.drafter_config = tiny_cfg(block_size=8)

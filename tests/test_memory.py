@@ -109,9 +109,10 @@ def test_estimate_covers_the_measured_h200_drafter_step_without_wild_excess():
     from dflash import config as C
     repo = Path(__file__).resolve().parent.parent
     bench = json.loads((repo / "bench/results/2026-11-29-h200-r2/bench-specforge-loss-profile.json").read_text())
-    tconf = SimpleNamespace(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                            intermediate_size=12288, num_hidden_layers=36, vocab_size=151936, rms_norm_eps=1e-6,
-                            rope_theta=1e6, max_position_embeddings=40960)
+    from transformers import Qwen3Config
+    tconf = Qwen3Config(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                        intermediate_size=12288, num_hidden_layers=36, vocab_size=151936, rms_norm_eps=1e-6,
+                        rope_theta=1e6, max_position_embeddings=40960)
     for shape in ("3072/512", "8192/1024", "16384/2048"):
         S, A = (int(x) for x in shape.split("/"))
         loaded = C.load(repo / "config" / "h200.yaml", {"train.num_anchors": A, "train.batch_size": 1})
