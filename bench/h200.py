@@ -32,6 +32,7 @@ from pathlib import Path
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch  # noqa: E402
+from transformers import Qwen3Config  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -294,8 +295,7 @@ def drafter_variants():
 def _drafter_step(tree: str, spec: str, shape: str, profile: str = ""):
     """One drafter_variants measurement in this process, with the dflash package of `tree`; prints one JSON line."""
     sys.path.insert(0, tree)
-    from types import SimpleNamespace
-
+    
     from dflash import config as C
     from dflash.fingerprint import collect, compile_cache_dir
     from dflash.model import DrafterConfig
@@ -312,7 +312,7 @@ def _drafter_step(tree: str, spec: str, shape: str, profile: str = ""):
         sets[{"chunk": "train.loss_chunk", "casts": "train.recompute_weight_casts"}[k]] = (
             v == "recompute" if k == "casts" else int(v))
     loaded = C.load(REPO / "config" / "h200.yaml", sets)
-    tconf = SimpleNamespace(hidden_size=H, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    tconf = Qwen3Config(hidden_size=H, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                             intermediate_size=12288, num_hidden_layers=36, vocab_size=V, rms_norm_eps=1e-6,
                             rope_theta=1e6, max_position_embeddings=40960)
     dcfg = DrafterConfig.from_target(tconf, loaded.cfg.drafter, 151669)
@@ -385,7 +385,7 @@ def specforge_step(num_anchors, feats, ids, loss_mask, vocab=V, layers=5, heads=
     """SpecForge's DFlash training step as its trainer runs it: OnlineDFlashModel (bf16 weights, its own anchor
     sampling, block mask and chunked loss) + BF16Optimizer (fp32 master weights, AdamW, clip, cosine).
     feats [1, S, 5*hidden] (their dtype is the model's), ids [1, S], loss_mask [1, S]."""
-    from transformers import Qwen3Config
+
     fam, draft, optmod, _ = load_specforge()
     h = feats.shape[-1] // 5
     cfg = Qwen3Config(hidden_size=h, num_attention_heads=heads[0], num_key_value_heads=heads[1], head_dim=heads[2],
@@ -423,8 +423,7 @@ def our_step(num_anchors, feats, ids, loss_mask, sets=None):
     and the trainer's Replica: micro_step (fused loss), then optimizer_step (the global-weight-sum scale and the
     clip folded into the fused AdamW's grad_scale) with its schedule; config/h200.yaml with train.num_anchors =
     num_anchors and the config keys `sets` (e.g. FP8_VARIANTS[name])."""
-    from types import SimpleNamespace
-
+    
     from dflash import config as C
     from dflash.model import DrafterConfig
     from dflash.train.context import RunContext
@@ -432,7 +431,7 @@ def our_step(num_anchors, feats, ids, loss_mask, sets=None):
     from dflash.train.step import build_drafter, random_head
     from dflash.train.trainer import Micro, Replica
     loaded = C.load(REPO / "config" / "h200.yaml", {"train.num_anchors": num_anchors, **(sets or {})})
-    tconf = SimpleNamespace(hidden_size=H, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    tconf = Qwen3Config(hidden_size=H, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                             intermediate_size=12288, num_hidden_layers=36, vocab_size=V, rms_norm_eps=1e-6,
                             rope_theta=1e6, max_position_embeddings=40960)
     dcfg = DrafterConfig.from_target(tconf, loaded.cfg.drafter, 151669)

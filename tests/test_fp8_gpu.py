@@ -4,7 +4,6 @@ points the same way (cosine > 0.98); compiled (flex, each layer compiled in plac
 steps over two shapes with no new graph; the target's FP8 features are within 20% (relative norm) of bf16's, compiled
 too (a random 4-layer target, whose errors compound over its 7 GEMMs a layer: 0.147 measured on an H200, eager and
 compiled alike, bench/results/2026-12-01-h200-fp8). Each test prints what it measured (pytest -s)."""
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from dflash.train.step import build_drafter, micro_step, random_head, warm_up
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs an FP8 GPU")]
 DEV = torch.device("cuda")
-TCONF = SimpleNamespace(hidden_size=1024, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+TCONF = Qwen3Config(hidden_size=1024, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
                         intermediate_size=3072, num_hidden_layers=8, vocab_size=16384, rms_norm_eps=1e-6,
                         rope_theta=1e6, max_position_embeddings=4096)
 

@@ -2,10 +2,10 @@
 several buckets with zero recompiles; a shape the warm-up did not see fails fast, naming the shape."""
 import json
 import threading
-from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers import Qwen3Config
 
 from dflash import config as C
 from test_train import prepared, run_dir, train_ok
@@ -31,7 +31,7 @@ def _tiny(compiled: bool, **train):
 
     loaded = C.from_dict({"train": {"num_anchors": 4, "loss_chunk": 16, **train},
                           "drafter": {"num_layers": 1, "block_size": 4}})
-    tconf = SimpleNamespace(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+    tconf = Qwen3Config(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                             intermediate_size=64, num_hidden_layers=6, vocab_size=64, rms_norm_eps=1e-6,
                             rope_theta=1e6, max_position_embeddings=512)
     dcfg = DrafterConfig.from_target(tconf, loaded.cfg.drafter, 5)

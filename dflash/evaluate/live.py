@@ -50,6 +50,7 @@ class LiveEval:
         self.every = ctx.cfg.train.eval_every
         self.timeout_s = ctx.cfg.train.stall_timeout_s
         self.target = target
+        self.sampler = None   # the process's GPU sampler (run.py sets it): the pause is left out of utilisation
         if target is None:
             return
         from dflash.data.shards import HOLDOUT
@@ -68,7 +69,10 @@ class LiveEval:
             return
         t0 = time.perf_counter()
         record = replica.sync.hold(replica.rank, lambda: self.evaluate(replica.drafter, step), self.timeout_s)
-        replica.t0 += time.perf_counter() - t0     # the training clock (time budget, LR schedule) excludes it
+        t1 = time.perf_counter()
+        replica.t0 += t1 - t0     # the training clock (time budget, LR schedule) excludes it
+        if self.sampler is not None:
+            self.sampler.exclude(t0, t1)   # and so does the GPU utilisation of the run's device rows
         if record is not None:
             replica.metrics.eval_done(record)
 

@@ -171,6 +171,9 @@ def train(ctx, transport: Transport, progress: bool = True) -> int:
     warm = warm_up(ctx, local, replicas, targets)
     transport.wrap(replicas)
     sampler = GpuSampler(list(dict.fromkeys(d for _, d in local.targets + local.replicas)))
+    for rep in replicas:
+        if rep.live is not None:
+            rep.live.sampler = sampler
     if metrics is not None:
         metrics.sampler = sampler   # started with the first training step, not during the warm-up
         metrics.set_warmup(warm, time.perf_counter() - t0)

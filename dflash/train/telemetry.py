@@ -18,6 +18,7 @@ class GpuSampler:
         self.samples: dict[str, list[tuple[float, float]]] = {str(d): [] for d in self.devices}
         self._stop = threading.Event()
         self._thread = None
+        self.excluded: list[tuple[float, float]] = []   # windows left out of every mean (in-training evaluations)
 
     def start(self):
         if not self.devices:
@@ -48,10 +49,16 @@ class GpuSampler:
         if self._thread:
             self._thread.join(timeout=2)
 
+    def exclude(self, start: float, end: float) -> None:
+        """Leave the samples of [start, end] (perf_counter seconds) out of every mean: a pause of training (the
+        in-training evaluation, whose eager decoding is not training's utilisation)."""
+        self.excluded.append((start, end))
+
     def mean(self, device, since: float | None = None, until: float | None = None) -> float | None:
-        """Mean utilisation of the samples taken in [since, until] (perf_counter seconds; None: unbounded); all of
-        them when that window holds none (a run too short to sample its measured steps)."""
-        s = self.samples.get(str(device)) or []
+        """Mean utilisation of the samples taken in [since, until] (perf_counter seconds; None: unbounded) outside
+        the excluded windows; all of them when that window holds none (a run too short to sample its measured
+        steps)."""
+        s = [(t, u) for t, u in self.samples.get(str(device)) or [] if not any(a <= t <= b for a, b in self.excluded)]
         inside = [u for t, u in s if (since is None or t >= since) and (until is None or t <= until)]
         use = inside or [u for _, u in s]
         return sum(use) / len(use) if use else None
