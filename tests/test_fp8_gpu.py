@@ -7,6 +7,7 @@ compiled alike, bench/results/2026-12-01-h200-fp8). Each test prints what it mea
 
 import pytest
 import torch
+from transformers import Qwen3Config
 
 from dflash import config as C
 from dflash.train import compile_guard
