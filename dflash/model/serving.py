@@ -18,7 +18,7 @@ FULL, SLIDING = "full_attention", "sliding_attention"
 STACKS = ("reference", "vllm", "sglang")
 
 
-def _get(config: dict, key: str):
+def _at(config: dict, key: str):
     node = config
     for part in key.split("."):
         if not isinstance(node, dict) or part not in node:
@@ -69,7 +69,7 @@ def _block_size(v, c):
 
 def _same_as(key):
     def check(v, c):
-        other = _get(c, key)
+        other = _at(c, key)
         return None if v == other else f"must equal {key} ({other!r}), is {v!r}"
     return check
 
@@ -207,13 +207,13 @@ def check(config: dict, shapes: dict[str, tuple[int, ...]]) -> list[str]:
     """Where an export (its config.json dict and its tensors' name -> shape) breaks the contract; [] if nowhere."""
     problems = []
     for f in FIELDS:
-        v = _get(config, f.key)
+        v = _at(config, f.key)
         if v is _MISSING:
             problems.append(f"config.json: {f.key} is missing (read by {', '.join(f.readers)}: {f.meaning})")
         elif (why := f.check(v, config)) is not None:
             problems.append(f"config.json: {f.key} {why}")
     problems += [f"config.json: {k} must be absent ({why})" for k, why in ABSENT.items()
-                 if _get(config, k) is not _MISSING]
+                 if _at(config, k) is not _MISSING]
     if problems:   # the weights' shapes follow from a config that holds
         return problems
     expected = weight_shapes(config)
