@@ -13,7 +13,8 @@ Two hazards of torch <= 2.13, both of threads sharing compiled code, and the one
      Defence: calls into one code object are serialized, on the host only (what they launch on a GPU still runs
      concurrently).
 
-`compiled(fn)` is torch.compile(fn) with both defences; they act inside `threaded()`, which the threads transport holds
+`compiled(fn)` is torch.compile(fn) with both defences (and `eager()`, a thread's way around the compiled code); they act
+inside `threaded()`, which the threads transport holds
 while its worker threads run (every compile happened before, in the single-threaded warm-up). A process with one
 training thread (the distributed runtime, the warm-up stage) never turns them on: its compiled calls go straight to
 torch. Pure torch: the model and the trainer both use it.
@@ -121,6 +122,22 @@ def exclusive():
     return FX_GUARD.exclusive() if enabled() else contextlib.nullcontext()
 
 
+_LOCAL = threading.local()
+
+
+@contextlib.contextmanager
+def eager():
+    """Inside the body, on this thread only, every `compiled` function runs its original Python: no compiled code,
+    no compile (the in-training evaluation decodes at shapes the warm-up never compiled, while the other threads go
+    on running the compiled code; torch.compiler.set_stance would switch every thread of the process)."""
+    before = getattr(_LOCAL, "eager", False)
+    _LOCAL.eager = True
+    try:
+        yield
+    finally:
+        _LOCAL.eager = before
+
+
 def _code_of(fn):
     """The code object dynamo keeps the compiled entries on: a function's or a bound method's. Not a module's: for
     torch.compile(module) of a torch.nn class dynamo runs a wrapper (external_utils.wrap_inline) whose code every such
@@ -140,6 +157,8 @@ def compiled(fn, **compile_kwargs):
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
+        if getattr(_LOCAL, "eager", False):
+            return fn(*args, **kwargs)
         if not _STATE["depth"]:
             return inner(*args, **kwargs)
         with FX_GUARD.shared(), lock:

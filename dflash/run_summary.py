@@ -89,7 +89,7 @@ class LiveEval(BaseModel):
     share: float | None = Field(description="Their share of the training loop's wall time.")
     tau: float | None = Field(description="tau of the last evaluation.")
     step: int | None = Field(description="Its step.")
-    tau_history: list[float] = Field(description="tau of every evaluation, in order.")
+    tau_history: list[float | None] = Field(description="tau of every evaluation, in order (null: nothing decoded).")
 
 
 class CheckpointRef(BaseModel):
@@ -129,7 +129,7 @@ class RunSummary(SummaryCore):
     ce: float | None = Field(description="Its cross-entropy term (against the data's tokens).")
     kl: float | None = Field(description="Its KL term (to the target's distribution); null unless train.objective "
                              "is kl or ce+kl.")
-    acc_per_position: list[float] | None = Field(description="Top-1 accuracy per block position k = 1..B-1.")
+    acc_per_position: list[float | None] | None = Field(description="Top-1 accuracy per block position k = 1..B-1.")
     acceptance_estimate: float | None = Field(description="Expected accepted prefix estimated from the accuracies.")
     eval: LiveEval | None = Field(description=(
         "tau measured while training (train.eval_every) and its cost (`LiveEval`); null when off."))

@@ -268,3 +268,21 @@ def test_backward_compiled_in_forward_never_waits_on_the_warm_ups_guard(tmp_path
     t.join(120)   # (the guard released: a backward that waited on it finishes now)
     assert in_time, "the backward compiled on the autograd thread and waited on the FX guard held by the warm-up"
     torch.testing.assert_close(w.grad, torch.autograd.grad(f(a, b, w).sum(), w)[0])
+
+
+def test_eager_runs_the_original_python_on_this_thread_only():
+    """The in-training evaluation decodes inside compile_threads.eager(): the compiled functions run their original
+    Python on that thread, while another thread (the threads runtime's target workers) keeps the compiled code."""
+    def f(x):
+        return x + (1.0 if torch.compiler.is_compiling() else 0.0)   # 1 in the compiled code, 0 in the original
+
+    g = compile_threads.compiled(f, backend="eager", fullgraph=True, dynamic=False)
+    x = torch.zeros(2)
+    assert g(x).sum().item() == 2.0
+    other = {}
+    with compile_threads.eager():
+        assert g(x).sum().item() == 0.0
+        t = threading.Thread(target=lambda: other.setdefault("sum", g(x).sum().item()))
+        t.start()
+        t.join()
+    assert other["sum"] == 2.0 and g(x).sum().item() == 2.0

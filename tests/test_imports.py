@@ -31,7 +31,14 @@ def imports_of(name: str, path: Path, modules) -> set[str]:
                 base = ".".join(up[:len(up) - node.level + 1] + ([base] if base else []))
             for a in node.names:                          # `from x import y`: the submodule x.y if there is one
                 out.add(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base)
+    # importing a.b.c runs the __init__ of a and a.b first: an edge to each package the importer is not inside
+    out |= {p for m in out for p in _parents(m) if not (name == p or name.startswith(p + "."))}
     return {m for m in out if m in modules}
+
+
+def _parents(module: str) -> list[str]:
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
 def import_graph(root: Path, package: str) -> dict[str, set[str]]:
@@ -107,7 +114,12 @@ def test_the_walk_finds_hidden_cycles(tmp_path):
     (pkg / "c.py").write_text("import os\nif True:\n    import p.a as a\n")      # absolute, nested
     (pkg / "d.py").write_text("from . import c\nfrom p.sub.b import x\n")        # into the circle, not part of it
     graph = import_graph(tmp_path, "p")
-    assert graph["p.a"] == {"p.sub.b"} and graph["p.sub.b"] == {"p.c"} and graph["p.d"] == {"p.c", "p.sub.b"}
+    # importing p.sub.b from outside p.sub runs p/sub/__init__.py first: an edge to p.sub too (and to p, the top
+    # package, from nowhere: every module is inside it)
+    assert graph["p.a"] == {"p.sub", "p.sub.b"} and graph["p.sub.b"] == {"p.c"}
+    assert graph["p.d"] == {"p.c", "p.sub", "p.sub.b"}
     assert cycles(graph) == [["p.a", "p.sub.b", "p.c", "p.a"]]
     (pkg / "c.py").write_text("import os\n")
     assert cycles(import_graph(tmp_path, "p")) == []
+    (pkg / "sub" / "__init__.py").write_text("from p import a\n")   # a package __init__ that imports its importer
+    assert cycles(import_graph(tmp_path, "p")) == [["p.a", "p.sub", "p.a"]]

@@ -126,8 +126,9 @@ def test_distributed_colocated_ranks_pause_for_rank_0s_eval_and_split_layout_is_
 
 def test_decoding_with_a_compiled_target_after_warm_up_compiles_nothing(tmp_path):
     """train.compile_target: the target's layers are compiled for the bucket shapes and recompiles forbidden; the
-    evaluation's decode shapes differ, so it runs them eagerly (the force_eager stance): no new graph, no error, the
-    compiled capture still serves its warmed shape. Without the stance the same decode fails as a recompile. (Dynamo
+    evaluation's decode shapes differ, so it runs them eagerly (compile_threads.eager(), this thread only): no new
+    graph, no error, the compiled capture still serves its warmed shape. Without it the same decode fails as a
+    recompile. (Dynamo
     with the eager backend: the guards and the stance are dynamo's, the backend only makes the test fast.)"""
     from types import SimpleNamespace
 
@@ -163,7 +164,26 @@ def test_decoding_with_a_compiled_target_after_warm_up_compiles_nothing(tmp_path
         assert record["prompts"] == 3 and record["tau"] >= 1.0 and 0 < record["tokens"] <= 3 * 12
         assert cap.guarded(ids).shape == (1, 16, 2 * 32)          # the warmed shape: still served compiled
         assert compile_guard.counters()["graphs"] == before       # nothing compiled after the warm-up
-        with pytest.raises(Exception, match="(?i)recompil"):     # the control: the same decode without the stance
+        with pytest.raises(Exception, match="(?i)recompil"):     # the control: the same decode outside eager()
             speculative_generate(model, DFlashDraft(drafter), [5, 9, 11, 13], 12, [], 0.0, 3)
     finally:
         compile_guard.allow_compiles()
+
+
+def test_what_cannot_be_evaluated_is_refused_before_anything_is_loaded():
+    """train.context refuses, naming the keys: replica 0 without a target in its process (the distributed split
+    layout), and an FP8-quantized target (its tau would not be the one `evaluate` measures)."""
+    from types import SimpleNamespace
+
+    from dflash.errors import UserError
+    from dflash.train.context import check_live_eval
+    split, coloc = SimpleNamespace(colocated=False), SimpleNamespace(colocated=True)
+    dist = C.from_dict({"train": {"eval_every": 5, "runtime": "distributed"}}).cfg.train
+    with pytest.raises(UserError, match="train.eval_every: .*split layout"):
+        check_live_eval(dist, split)
+    check_live_eval(dist, coloc)
+    check_live_eval(C.from_dict({"train": {"eval_every": 5}}).cfg.train, split)        # threads: one process
+    fp8 = C.from_dict({"train": {"eval_every": 5, "fp8_target": True}}).cfg.train
+    with pytest.raises(UserError, match="train.eval_every with train.fp8_target"):
+        check_live_eval(fp8, coloc)
+    check_live_eval(C.from_dict({"train": {"fp8_target": True}}).cfg.train, split)     # evaluation off: nothing to refuse

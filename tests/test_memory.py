@@ -26,7 +26,8 @@ def demo(num_layers=2):
 
 
 def train(**kw):
-    t = dict(batch_size=4, num_anchors=32, loss_chunk=2048, dtype="auto", queue_size=4, compile=False, objective="ce")
+    t = dict(batch_size=4, num_anchors=32, loss_chunk=2048, dtype="auto", queue_size=4, compile=False, objective="ce",
+             recompute_weight_casts=False, fp8_lm_head=False)
     t.update(kw)
     return SimpleNamespace(**t)
 

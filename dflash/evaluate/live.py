@@ -12,9 +12,10 @@ train.eval_prompts / eval_max_new_tokens left null (evaluate.num_prompts / max_n
 tau is the evaluate stage's tau on the final checkpoint (tests/test_live_eval.py holds them equal on the CPU).
 
 Side-effect free for training: nothing of the replica is touched (its weights are read, its train mode and compiled
-forwards are not used), the global RNG is forked, and the decode runs under the `force_eager` compile stance, so
-the target's compiled layers (train.compile_target), whose decode shapes the warm-up never saw, run eagerly instead
-of recompiling (training's recompile count stays 0). The other replicas wait at `sync.hold` (a barrier in the
+forwards are not used), the RNG of every device is forked, and the decode runs inside `compile_threads.eager()`, so
+the target's compiled layers (train.compile_target), whose decode shapes the warm-up never saw, run their original
+Python on this thread only instead of recompiling (training's recompile count stays 0; the target threads of the
+threads runtime go on making features with the compiled layers meanwhile). The other replicas wait at `sync.hold` (a barrier in the
 threads runtime; a key in the rendezvous store in the distributed one, so no collective is pending while they wait)
 and every replica takes the pause off its training clock: the time budget, the LR schedule and Ktok/s exclude it.
 """
@@ -25,7 +26,7 @@ import time
 
 import torch
 
-from dflash.errors import UserError
+from dflash import compile_threads
 
 log = logging.getLogger("dflash.train")
 
@@ -67,10 +68,10 @@ class LiveEval:
         """The hook of the step loop (every replica, after the step's checks): evaluate if due."""
         if not due(self.every, step, final):
             return
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), replica.clock()
         record = replica.sync.hold(replica.rank, lambda: self.evaluate(replica.drafter, step), self.timeout_s)
         t1 = time.perf_counter()
-        replica.t0 += t1 - t0     # the training clock (time budget, LR schedule) excludes it
+        replica.t0 += replica.clock() - c0     # the training clock (time budget, LR schedule) excludes it
         if self.sampler is not None:
             self.sampler.exclude(t0, t1)   # and so does the GPU utilisation of the run's device rows
         if record is not None:
@@ -82,8 +83,8 @@ class LiveEval:
         from dflash.evaluate.specdec import DFlashDraft, speculative_generate
         device = next(self.target.parameters()).device
         t0 = time.perf_counter()
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
-                torch.compiler.set_stance("force_eager"):
+        with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if device.type == "cuda" else []), \
+                compile_threads.eager():
             torch.manual_seed(self.seed)                  # as the evaluate stage, before it decodes
             draft = DFlashDraft(eager_copy(drafter, self.target))
             gens = [speculative_generate(self.target, draft, p, self.max_new_tokens, self.stops, 0.0,
@@ -110,14 +111,9 @@ def eager_copy(drafter, target):
 
 
 def attach(ctx, replicas, target) -> None:
-    """Give each replica of this process its part (train.eval_every > 0): replica 0 the evaluation with `target`
-    (a target model of this process, None where it has none), the others the pause."""
+    """Give each replica of this process its part (train.eval_every > 0; train.context refused what cannot run):
+    replica 0 the evaluation with `target` (a target model of this process), the others the pause."""
     if not ctx.cfg.train.eval_every:
         return
     for rep in replicas:
-        if rep.rank == 0 and target is None:
-            raise UserError("train.eval_every: drafter replica 0 has no target in its process to decode with "
-                            "(the split layout of the distributed runtime); co-locate the target (the same devices "
-                            "in train.targets and train.drafters), use train.runtime: threads, or set "
-                            "train.eval_every: 0 (the evaluate stage still measures tau after training)")
         rep.live = LiveEval(ctx, target if rep.rank == 0 else None)

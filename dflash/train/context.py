@@ -63,6 +63,23 @@ class RunContext:
         return max(1, min(self.anchors_wanted(length), length - 1))
 
 
+def check_live_eval(train_cfg, placement) -> None:
+    """Refuse, before anything is loaded, an in-training evaluation that cannot run or would measure something else:
+    drafter replica 0 needs a target in its process (not the distributed runtime's split layout), and that target must
+    be the one `evaluate` decodes with (not quantized by train.fp8_target)."""
+    if not train_cfg.eval_every:
+        return
+    if train_cfg.runtime == "distributed" and not placement.colocated:
+        raise UserError("train.eval_every: drafter replica 0 has no target in its process to decode with "
+                        "(the split layout of the distributed runtime); co-locate the target (the same devices "
+                        "in train.targets and train.drafters), use train.runtime: threads, or set "
+                        "train.eval_every: 0 (the evaluate stage still measures tau after training)")
+    if train_cfg.fp8_target:
+        raise UserError("train.eval_every with train.fp8_target: the in-training tau would be measured against the "
+                        "FP8-quantized target, not the target `evaluate` decodes with; set train.eval_every: 0 "
+                        "(the evaluate stage still measures tau) or train.fp8_target: false")
+
+
 def prepare(loaded, need_data: bool = True, run_dir=None, data_dir=None) -> RunContext:
     from transformers import AutoConfig
 
@@ -72,6 +89,7 @@ def prepare(loaded, need_data: bool = True, run_dir=None, data_dir=None) -> RunC
     cfg = loaded.cfg
     placement = P.resolve(cfg.train)
     precision.check(cfg.train, placement)
+    check_live_eval(cfg.train, placement)
     backend = P.attention_backend(cfg.train, placement.drafters)
     if backend == "flex" and any(d.type != "cuda" for d in placement.drafters):
         raise UserError("train.attention is flex but a drafter is on the CPU: flex_attention has no CPU backward; "

@@ -98,13 +98,13 @@ def estimate(d, train, max_len: int, backend: str, device_type: str = "cpu", num
     backward = saved + gqa + (4 * b * nh * Q * T if backend == "eager" else 0)   # one layer's gradients at a time
     parts = {
         "weights": 4 * P, "grads": 4 * P, "optimizer": 8 * P,
-        "weight_casts": 2 * P if bf16 and not (compiled and getattr(train, "recompute_weight_casts", False)) else 0,
+        "weight_casts": 2 * P if bf16 and not (compiled and train.recompute_weight_casts) else 0,
         "features": (train.queue_size + 1) * b * S * (feature_width(d, train) * e + 9),
         "activations": L * per_layer + once, "loss": loss, "backward": backward,
         # flat gradients, my shard of their sum and a peer's shard in flight (1/n each, n >= 2); DDP's buckets; none
         "grad_buffers": {"flat": 8 * P, "ddp": 4 * P, "none": 0}[reduce],
         # train.fp8_lm_head: the head's two FP8 copies (model/fp8.py FrozenHead) and one chunk's quantized input
-        "fp8_head": 2 * V * H + C * V if getattr(train, "fp8_lm_head", False) else 0,
+        "fp8_head": 2 * V * H + C * V if train.fp8_lm_head else 0,
     }
     parts["total"] = (sum(parts[x] for x in ("weights", "grads", "optimizer", "features", "fp8_head"))
                       + max(parts["activations"] + parts["loss"] + parts["backward"] + parts["weight_casts"],

@@ -80,7 +80,7 @@ TRAIN_ONLY = ("steps", "runtime", "optimizer", "lr", "muon_lr", "betas", "weight
               "min_lr_ratio", "time_budget_s", "grad_clip", "grad_accum", "checkpoint_every", "log_every", "resume",
               "warmup_steps_excluded", "matmul_tflops", "ready_timeout_s", "stall_timeout_s", "fail_at_step",
               "queue_size", "rendezvous", "check_every", "diverge_at_step", "stop_timeout_s", "profile",
-              "loss_weighting", "dpace_alpha")
+              "loss_weighting", "dpace_alpha", "eval_every", "eval_prompts", "eval_max_new_tokens")
 
 
 def warmup_section():
