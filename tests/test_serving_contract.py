@@ -39,14 +39,20 @@ def test_our_export_meets_the_contract(tmp_path, layout):
     assert shapes["fc.weight"] == (32, 3 * 32) and shapes["layers.1.self_attn.k_proj.weight"] == (2 * 8, 32)
 
 
+def edited(conf: dict, key: str):
+    """A deep copy of `conf` and (the dict holding the dotted `key`, its last part)."""
+    broken = copy.deepcopy(conf)
+    *path, last = key.split(".")
+    node = broken
+    for p in path:
+        node = node[p]
+    return broken, node, last
+
+
 def test_every_field_removed_breaks_it(tmp_path):
     conf, shapes = read(export(tmp_path))
     for field in FIELDS:
-        broken = copy.deepcopy(conf)
-        *path, last = field.key.split(".")
-        node = broken
-        for p in path:
-            node = node[p]
+        broken, node, last = edited(conf, field.key)
         del node[last]
         problems = check(broken, shapes)
         assert problems and field.key in problems[0], (field.key, problems)
@@ -55,11 +61,7 @@ def test_every_field_removed_breaks_it(tmp_path):
 def test_a_forbidden_field_breaks_it(tmp_path):
     conf, shapes = read(export(tmp_path))
     for key in ABSENT:
-        broken = copy.deepcopy(conf)
-        *path, last = key.split(".")
-        node = broken
-        for p in path:
-            node = node[p]
+        broken, node, last = edited(conf, key)
         node[last] = False
         assert check(broken, shapes) == [f"config.json: {key} must be absent ({ABSENT[key]})"]
 
