@@ -215,7 +215,8 @@ def conversations(files: list[CodeFile], seed: int = 0, max_count: int | None = 
     return out
 
 
-def heldout_conversations(pretrain_cfg: PretrainSection, max_count: int, seed: int = 0, processes: int = 1) -> list[dict]:
+def heldout_conversations(pretrain_cfg: PretrainSection, max_count: int, seed: int = 0,
+                          processes: int = 1) -> list[dict]:
     """The `code` data source: conversations from the held-out files of the corpus of `target.pretrain` only."""
     files, _ = read_files(cap_bytes(pretrain_cfg))
     return conversations(split(files, pretrain_cfg.heldout_fraction)[1], seed=seed, max_count=max_count,

@@ -57,7 +57,8 @@ def tokenizer_sample(docs: list[tuple[str, str]], mb: float) -> list[str]:
     return out
 
 
-def build_code_target(target_cfg: TargetSection, out_dir, seed: int = 0, progress: bool = True, threads: int | None = None) -> dict:
+def build_code_target(target_cfg: TargetSection, out_dir, seed: int = 0, progress: bool = True,
+                      threads: int | None = None) -> dict:
     """Build the code target into `out_dir`; returns build.json's content. `threads`: torch CPU threads."""
     with cpu_threads(threads):
         return _build(target_cfg, Path(out_dir), seed, progress)

@@ -262,8 +262,8 @@ def load_cache_file(path) -> dict[str, dict]:
     return {e["hash"]: e for e in (json.loads(x) for x in Path(path).read_text().splitlines() if x.strip())}
 
 
-def regenerate_stream(convs, total: int, tokenizer, cfg: DflashConfig, cache_dir, stats: dict, progress=True, engine=None,
-                      shard: int = 0):
+def regenerate_stream(convs, total: int, tokenizer, cfg: DflashConfig, cache_dir, stats: dict, progress=True,
+                      engine=None, shard: int = 0):
     """Yield (conversation, messages list or reject reason str) for an iterable of {"hash", "messages", ...},
     `chunk_size` at a time: a chunk's conversations found in the cache come from it, the others are regenerated
     (the engine starts at the first miss) and the chunk is written before anything of it is yielded. `stats` is

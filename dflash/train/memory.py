@@ -56,8 +56,8 @@ def num_params(d) -> int:
     return d.num_context_layers * H * H + 2 * H + d.num_layers * layer
 
 
-def estimate(d, train: TrainSection, max_len: int, backend: str, device_type: str = "cpu", num_anchors: int | None = None,
-             compiled: bool | None = None, reduce: str = "flat") -> dict:
+def estimate(d, train: TrainSection, max_len: int, backend: str, device_type: str = "cpu",
+             num_anchors: int | None = None, compiled: bool | None = None, reduce: str = "flat") -> dict:
     """Bytes one drafter replica of config `d` needs for `train` (batch_size, num_anchors, loss_chunk, dtype,
     queue_size, compile) at sequences of `max_len` tokens: per part, and `total` (the parameters, their state and
     the feature queue, plus the larger of the forward/backward peak and the gradient reduction's buffers).
