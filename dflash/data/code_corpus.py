@@ -30,6 +30,8 @@ import sysconfig
 import textwrap
 from pathlib import Path
 
+from dflash.config_model import PretrainSection
+
 MAX_FILE_BYTES = 512 * 1024        # larger .py files are mostly generated tables, not code a person wrote
 SKIP_IN_STDLIB = ("site-packages", "dist-packages")
 MIN_LINES, MAX_LINES = 6, 60       # function sizes worth a prompt (decorators and signature included)
@@ -213,13 +215,14 @@ def conversations(files: list[CodeFile], seed: int = 0, max_count: int | None = 
     return out
 
 
-def heldout_conversations(pretrain_cfg, max_count: int, seed: int = 0, processes: int = 1) -> list[dict]:
+def heldout_conversations(pretrain_cfg: PretrainSection, max_count: int, seed: int = 0,
+                          processes: int = 1) -> list[dict]:
     """The `code` data source: conversations from the held-out files of the corpus of `target.pretrain` only."""
     files, _ = read_files(cap_bytes(pretrain_cfg))
     return conversations(split(files, pretrain_cfg.heldout_fraction)[1], seed=seed, max_count=max_count,
                          processes=processes)
 
 
-def cap_bytes(pretrain_cfg) -> int:
+def cap_bytes(pretrain_cfg: PretrainSection) -> int:
     """`target.pretrain.corpus_mb` in bytes."""
     return int(pretrain_cfg.corpus_mb * (1 << 20))

@@ -25,6 +25,7 @@ import logging
 import time
 from pathlib import Path
 
+from dflash.config_model import PretrainSection, TargetSection
 from dflash.data import code_corpus
 from dflash.data.pretrain import compile_layers, loss_summary, mean_nll, pretrain
 from dflash.data.tiny_target import EOS, cpu_threads, generation_config, qwen3_config, render, train_tokenizer
@@ -56,13 +57,14 @@ def tokenizer_sample(docs: list[tuple[str, str]], mb: float) -> list[str]:
     return out
 
 
-def build_code_target(target_cfg, out_dir, seed: int = 0, progress: bool = True, threads: int | None = None) -> dict:
+def build_code_target(target_cfg: TargetSection, out_dir, seed: int = 0, progress: bool = True,
+                      threads: int | None = None) -> dict:
     """Build the code target into `out_dir`; returns build.json's content. `threads`: torch CPU threads."""
     with cpu_threads(threads):
         return _build(target_cfg, Path(out_dir), seed, progress)
 
 
-def _corpus(pre):
+def _corpus(pre: PretrainSection):
     """(pre-training documents [(name, text)], held-out texts, build.json's corpus record)."""
     files, skipped = code_corpus.read_files(code_corpus.cap_bytes(pre))
     train, held = code_corpus.split(files, pre.heldout_fraction)
@@ -81,7 +83,7 @@ def _corpus(pre):
     return docs, [f.text for f in held], record
 
 
-def _build(target_cfg, out_dir: Path, seed: int, progress: bool) -> dict:
+def _build(target_cfg: TargetSection, out_dir: Path, seed: int, progress: bool) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -14,6 +14,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from dflash.config import Loaded
+from dflash.config_model import DflashConfig
 from dflash.data import shards
 from dflash.data.rows import min_supervised_tokens, rank, reasons
 from dflash.errors import UserError
@@ -70,7 +72,7 @@ def _check_left(names, stats, rejects, paths: dict):
             f"rejected ({reasons(rejects[n])})" for n in names))
 
 
-def _warn_too_few(cfg, few: int, rows: int, min_sup: int, regenerated: bool):
+def _warn_too_few(cfg: DflashConfig, few: int, rows: int, min_sup: int, regenerated: bool):
     if few:
         d = cfg.data
         log.warning("%d of %d rows rejected as too_few_supervised: fewer than %d supervised (assistant) tokens = "
@@ -85,7 +87,7 @@ def _rank_batch(ids, seed):
     return {"rank": [int(rank(seed, i)[:15], 16) for i in ids]}
 
 
-def _write_samples(cfg, parts, holdout, out_dir: Path) -> dict:
+def _write_samples(cfg: DflashConfig, parts, holdout, out_dir: Path) -> dict:
     """Write the parts' samples into length buckets, ordered by a seeded hash of their id; returns {buckets, lengths,
     total, supervised, content_hash, num_samples}. Streamed: Arrow on disk, sorted through an index."""
     import shutil
@@ -130,7 +132,7 @@ def _write_samples(cfg, parts, holdout, out_dir: Path) -> dict:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _tokenizer_facts(cfg) -> dict:
+def _tokenizer_facts(cfg: DflashConfig) -> dict:
     from transformers import AutoConfig
 
     from dflash.target import load_tokenizer, mask_token_id
@@ -141,7 +143,7 @@ def _tokenizer_facts(cfg) -> dict:
             "eos_token_id": tokenizer.eos_token_id, "mask_token_id": mask_token_id(tokenizer, vocab_size)}
 
 
-def finish(loaded, parts: list[dict], out_dir) -> dict:
+def finish(loaded: Loaded, parts: list[dict], out_dir) -> dict:
     """The gather: merge the parts' counts, write the length buckets, holdout.jsonl and the manifest into `out_dir`.
     The content (and its hash) is the same for any number of parts: samples are ordered by a seeded hash of their
     id and every per-row decision is a function of the row."""

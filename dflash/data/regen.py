@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from dflash.atomic import atomic_write_text
+from dflash.config_model import DflashConfig, RegenerateSection
 from dflash.data.generate import regenerate
 from dflash.data.tokenise import prompt_ids, render
 from dflash.errors import UserError
@@ -46,7 +47,7 @@ def _target_identity(path) -> dict:
             "weights": [(p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in files]}
 
 
-def cache_key(cfg) -> str:
+def cache_key(cfg: DflashConfig) -> str:
     """Responses depend on the target (config, template, weights; a `build: random` target's weights on the seed),
     the generation settings and the seed; never on the engine or the shard."""
     r = cfg.data.regenerate
@@ -76,7 +77,7 @@ class HFEngine:
     """In-process generation: prompts sorted by length, left-padded batches, transformers `generate` or the static-cache
     decoder with a CUDA-graph decode step (`dflash.data.generate.regenerate`)."""
 
-    def __init__(self, model, tokenizer, rcfg):
+    def __init__(self, model, tokenizer, rcfg: RegenerateSection):
         self.model, self.tokenizer, self.r = model, tokenizer, rcfg
 
     def generate(self, prompts, seed: int):
@@ -95,7 +96,7 @@ class OpenAIEngine:
 
     RETRY_STATUS = {408, 409, 429, 500, 502, 503, 504}
 
-    def __init__(self, rcfg, model_name: str):
+    def __init__(self, rcfg: RegenerateSection, model_name: str):
         if not rcfg.servers:
             raise UserError("data.regenerate.servers is empty: give the base URL of at least one OpenAI-compatible "
                             "server (e.g. http://127.0.0.1:8000/v1) for engine openai")
@@ -157,7 +158,7 @@ class OpenAIEngine:
                         f"(is it up? data.regenerate.servers)")
 
 
-def make_engine(cfg, shard: int = 0):
+def make_engine(cfg: DflashConfig, shard: int = 0):
     """The configured engine. `hf` loads the target onto data.regenerate.device (`auto` with several data shards:
     shard I on GPU I mod the GPUs visible, so N shards on one node use N GPUs). `openai`: shard I starts its
     requests at server I, so shards spread over the servers."""
@@ -261,8 +262,8 @@ def load_cache_file(path) -> dict[str, dict]:
     return {e["hash"]: e for e in (json.loads(x) for x in Path(path).read_text().splitlines() if x.strip())}
 
 
-def regenerate_stream(convs, total: int, tokenizer, cfg, cache_dir, stats: dict, progress=True, engine=None,
-                      shard: int = 0):
+def regenerate_stream(convs, total: int, tokenizer, cfg: DflashConfig, cache_dir, stats: dict, progress=True,
+                      engine=None, shard: int = 0):
     """Yield (conversation, messages list or reject reason str) for an iterable of {"hash", "messages", ...},
     `chunk_size` at a time: a chunk's conversations found in the cache come from it, the others are regenerated
     (the engine starts at the first miss) and the chunk is written before anything of it is yielded. `stats` is

@@ -15,6 +15,7 @@ import hashlib
 import json
 from collections import Counter
 
+from dflash.config_model import DflashConfig
 from dflash.data.tokenise import conversation_ids
 
 
@@ -32,7 +33,7 @@ def rank(seed, sid: str) -> str:
     return hashlib.sha256(f"{seed}:{sid}".encode()).hexdigest()
 
 
-def min_supervised_tokens(cfg) -> int:
+def min_supervised_tokens(cfg: DflashConfig) -> int:
     return max(1, int(-(-cfg.data.min_supervised_blocks * cfg.drafter.block_size // 1)))
 
 

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
+from dflash.config_model import SourceSection
 from dflash.errors import UserError
 
 ROLE_ALIASES = {
@@ -40,7 +41,7 @@ class SourceSpec:
     weight: float = 1.0
 
     @classmethod
-    def of(cls, cfg) -> "SourceSpec":
+    def of(cls, cfg: SourceSection | dict) -> "SourceSpec":
         if isinstance(cfg, dict):
             return cls(**{f.name: cfg[f.name] for f in dataclasses.fields(cls) if f.name in cfg})
         return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)})

@@ -27,11 +27,12 @@ import time
 import torch
 
 from dflash import compile_threads
+from dflash.config_model import DflashConfig
 
 log = logging.getLogger("dflash.train")
 
 
-def settings(cfg) -> tuple[int, int]:
+def settings(cfg: DflashConfig) -> tuple[int, int]:
     """(prompts, max new tokens) of an in-training evaluation: train.eval_prompts / eval_max_new_tokens, null
     meaning the evaluate stage's num_prompts / max_new_tokens."""
     t, ev = cfg.train, cfg.evaluate

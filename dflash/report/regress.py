@@ -214,7 +214,7 @@ def changed_text(changes: dict[str, list[dict]], limit: int = 4) -> str:
 
 
 # ---- anomalies ---------------------------------------------------------------------------------------------
-def anomalies(run: Run, st) -> list[dict]:
+def anomalies(run: Run, st: ReportSection) -> list[dict]:
     snap, out = run.snapshot, []
 
     def add(kind, message, **extra):
@@ -281,7 +281,7 @@ class Metric:
     always: float | None = None         # a change at or below this is a regression whatever the threshold
 
 
-def metrics_of(st) -> tuple[Metric, Metric]:
+def metrics_of(st: ReportSection) -> tuple[Metric, Metric]:
     """(throughput, quality) from the `report` section of the config."""
     return (Metric("throughput", "ktok_per_s", True, st.threshold, st.threshold_cap, state_key, ALWAYS_REGRESSION),
             Metric("quality", "tau", False, st.tau_threshold, st.tau_threshold_cap, quality_state))
@@ -327,7 +327,7 @@ def spread(runs: list[Run], metric: Metric, window: int) -> float | None:
     return 1.4826 * statistics.median(devs) if devs else None
 
 
-def find_baseline(i: int, runs: list[Run], metric: Metric, st,
+def find_baseline(i: int, runs: list[Run], metric: Metric, st: ReportSection,
                   outliers: set[str]) -> tuple[list[Run], str, float | None]:
     """(the baseline runs, why them, the spread) for run i; no runs when there is nothing to compare with. Runs in
     `outliers` (regressions with nothing changed) are neither baselines nor counted in the spread."""
@@ -374,7 +374,7 @@ def verdict_of(change: float | None, threshold: float, always: float | None = No
     return "ok"
 
 
-def judge(i: int, runs: list[Run], metric: Metric, st, outliers: set[str]) -> dict:
+def judge(i: int, runs: list[Run], metric: Metric, st: ReportSection, outliers: set[str]) -> dict:
     """Run i against its baseline for one metric; a regression with nothing changed joins `outliers`."""
     run = runs[i]
     group, why, sigma = find_baseline(i, runs, metric, st, outliers)

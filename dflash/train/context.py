@@ -9,7 +9,8 @@ from pathlib import Path
 
 from dflash import fingerprint
 from dflash import paths
-from dflash.config import REPO
+from dflash.config import REPO, Loaded
+from dflash.config_model import DflashConfig, TrainSection
 from dflash.errors import UserError
 from dflash.train import placement as P, precision
 
@@ -18,7 +19,7 @@ log = logging.getLogger("dflash.train")
 
 @dataclass
 class RunContext:
-    loaded: object                 # dflash.config.Loaded: the validated config, its hash and source
+    loaded: Loaded                 # the validated config, its hash and source
     placement: P.Placement
     backend: str                   # flex | sdpa | eager
     run_dir: Path
@@ -32,7 +33,7 @@ class RunContext:
     shapes: list[tuple[int, int]] = field(default_factory=list)   # (batch, length) of every bucket: the warm-up set
 
     @property
-    def cfg(self):
+    def cfg(self) -> DflashConfig:
         return self.loaded.cfg
 
     @property
@@ -63,7 +64,7 @@ class RunContext:
         return max(1, min(self.anchors_wanted(length), length - 1))
 
 
-def check_live_eval(train_cfg, placement) -> None:
+def check_live_eval(train_cfg: TrainSection, placement) -> None:
     """Refuse, before anything is loaded, an in-training evaluation that cannot run or would measure something else:
     drafter replica 0 needs a target in its process (not the distributed runtime's split layout), and that target must
     be the one `evaluate` decodes with (not quantized by train.fp8_target)."""
@@ -80,7 +81,7 @@ def check_live_eval(train_cfg, placement) -> None:
                         "(the evaluate stage still measures tau) or train.fp8_target: false")
 
 
-def prepare(loaded, need_data: bool = True, run_dir=None, data_dir=None) -> RunContext:
+def prepare(loaded: Loaded, need_data: bool = True, run_dir=None, data_dir=None) -> RunContext:
     from transformers import AutoConfig
 
     from dflash.model import DrafterConfig, default_gamma

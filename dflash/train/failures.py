@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+from dflash.config_model import TrainSection
+
 
 class StopRun(Exception):
     """All replicas agreed to stop after this step (a signal); the checkpoint is written."""
@@ -34,7 +36,7 @@ def check_finite(step: int, loss: float | None, gnorm: float) -> None:
                         "check the data, or resume from an earlier checkpoint)")
 
 
-def injector(train_cfg, name: str) -> Callable[[int], None]:
+def injector(train_cfg: TrainSection, name: str) -> Callable[[int], None]:
     """`fail(step)` for worker `name`: raises InjectedFailure at train.fail_at_step's step (0: at init) when the hook
     names this worker, else does nothing."""
     hook = train_cfg.fail_at_step

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from dflash import compile_threads
+from dflash.config_model import TrainSection
 from dflash.train import compile_guard, precision
 
 
@@ -37,7 +38,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return decoder.layers
 
 
-def feature_width(drafter_config, train_cfg) -> int:
+def feature_width(drafter_config, train_cfg: TrainSection) -> int:
     """Columns of a training run's features: k*H context, plus H (the target's final-norm state) for kl / ce+kl."""
     from dflash.model import uses_target
     return (drafter_config.num_context_layers + uses_target(train_cfg.objective)) * drafter_config.hidden_size

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from dflash.config_model import TrainSection
 from dflash.errors import UserError
 from dflash.model import uses_target
 from dflash.train.features import feature_width
@@ -55,8 +56,8 @@ def num_params(d) -> int:
     return d.num_context_layers * H * H + 2 * H + d.num_layers * layer
 
 
-def estimate(d, train, max_len: int, backend: str, device_type: str = "cpu", num_anchors: int | None = None,
-             compiled: bool | None = None, reduce: str = "flat") -> dict:
+def estimate(d, train: TrainSection, max_len: int, backend: str, device_type: str = "cpu",
+             num_anchors: int | None = None, compiled: bool | None = None, reduce: str = "flat") -> dict:
     """Bytes one drafter replica of config `d` needs for `train` (batch_size, num_anchors, loss_chunk, dtype,
     queue_size, compile) at sequences of `max_len` tokens: per part, and `total` (the parameters, their state and
     the feature queue, plus the larger of the forward/backward peak and the gradient reduction's buffers).
@@ -121,7 +122,7 @@ def capacity(device) -> tuple[int, str]:
     return psutil.virtual_memory().available, "available"
 
 
-def check(d, train, max_len: int, device, backend: str, replicas: int = 1, resident: int = 0,
+def check(d, train: TrainSection, max_len: int, device, backend: str, replicas: int = 1, resident: int = 0,
           num_anchors: int | None = None, compiled: bool | None = None, reduce: str = "flat") -> dict:
     """Refuse (UserError, one line naming the keys to change) a run whose `replicas` drafter replicas on `device`
     plus `resident` bytes already bound there (on a GPU: the target's weights, a copy of its embedding and LM

@@ -15,6 +15,7 @@ from datetime import datetime, timezone
 import torch
 
 from dflash.atomic import atomic_write_text
+from dflash.config_model import DflashConfig, TrainSection
 from dflash.train import compile_guard
 from dflash.train.failures import check_finite
 
@@ -70,7 +71,7 @@ class DeviceTimer:
         return items
 
 
-def log_due(train_cfg, step: int, start_step: int) -> bool:
+def log_due(train_cfg: TrainSection, step: int, start_step: int) -> bool:
     """Whether step ends a logging interval (its row is written and checked): the last excluded warm-up step, every
     train.log_every steps and the final one."""
     return step == start_step + train_cfg.warmup_steps_excluded or step % train_cfg.log_every == 0 \
@@ -111,7 +112,7 @@ def _finite(x):
 class RunMetrics:
     def __init__(self, ctx, progress: bool = True):
         self.ctx = ctx
-        self.cfg = ctx.cfg
+        self.cfg: DflashConfig = ctx.cfg
         self.path = ctx.run_dir / "metrics.jsonl"
         self.lock = threading.Lock()
         self.pending: list[tuple] = []

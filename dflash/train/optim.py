@@ -12,6 +12,8 @@ import math
 
 import torch
 
+from dflash.config_model import TrainSection
+
 
 # ---- the schedule ----------------------------------------------------------------------------------------------
 def cosine(progress: float, min_ratio: float) -> float:
@@ -40,7 +42,7 @@ class Schedule:
     training time (seconds after warm-up, summed over resumes) that every replica agreed on at the last step; it
     is the schedule's state in a checkpoint."""
 
-    def __init__(self, train_cfg):
+    def __init__(self, train_cfg: TrainSection):
         self.steps, self.budget = train_cfg.steps, train_cfg.time_budget_s
         self.warmup_ratio, self.min_ratio = train_cfg.warmup_ratio, train_cfg.min_lr_ratio
         self.elapsed_s = 0.0
@@ -139,7 +141,7 @@ class DrafterOptimizer:
             opt.load_state_dict(state[name])
 
 
-def build(named, train_cfg, device: torch.device) -> tuple[DrafterOptimizer, Schedule]:
+def build(named, train_cfg: TrainSection, device: torch.device) -> tuple[DrafterOptimizer, Schedule]:
     """The optimizer of the trainable parameters `named` ((name, parameter) pairs) and its schedule."""
     named = list(named)
     groups = param_groups(named, train_cfg.optimizer)

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash.config_model import TrainSection
 from dflash.device_names import device_name, same_devices
 from dflash.errors import UserError
 
@@ -102,7 +103,7 @@ class Placement:
         return device_name(self.ranks[rank], rank // self.per_node, self.nnodes)
 
 
-def resolve(train_cfg) -> Placement:
+def resolve(train_cfg: TrainSection) -> Placement:
     # every node checks every entry: the c10d rendezvous decides which host becomes node n, so any node may run any
     # node's ranks (the nodes are alike: each lists its own local cuda:N)
     targets = tuple(parse_device(d) for d in train_cfg.targets)
@@ -147,14 +148,14 @@ def resolve(train_cfg) -> Placement:
     return p
 
 
-def attention_backend(train_cfg, drafter_devices) -> str:
+def attention_backend(train_cfg: TrainSection, drafter_devices) -> str:
     """auto: flex where every drafter is on a GPU, sdpa otherwise (flex has no CPU backward in torch >= 2.11)."""
     if train_cfg.attention != "auto":
         return train_cfg.attention
     return "flex" if all(d.type == "cuda" for d in drafter_devices) else "sdpa"
 
 
-def autocast_dtype(train_cfg, device: torch.device):
+def autocast_dtype(train_cfg: TrainSection, device: torch.device):
     """bf16 autocast on GPU, none (float32) on CPU, unless the config says otherwise."""
     if train_cfg.dtype == "float32" or (train_cfg.dtype == "auto" and device.type != "cuda"):
         return None

@@ -14,20 +14,21 @@ from __future__ import annotations
 
 import torch
 
+from dflash.config_model import TrainSection
 from dflash.errors import UserError
 
 FP8_CAPABILITY = (8, 9)
 _HEAD = "_fp8_lm_head"   # the drafter's attribute holding its FrozenHead (a plain attribute: not in state_dict)
 
 
-def wanted(train_cfg) -> list[str]:
+def wanted(train_cfg: TrainSection) -> list[str]:
     """The FP8 switches a config turns on, as `key=value` strings."""
     return [k for k, on in (("train.precision=fp8", train_cfg.precision == "fp8"),
                             ("train.fp8_lm_head=true", train_cfg.fp8_lm_head),
                             ("train.fp8_target=true", train_cfg.fp8_target)) if on]
 
 
-def check(train_cfg, placement) -> None:
+def check(train_cfg: TrainSection, placement) -> None:
     """Refuse FP8 switches that cannot run on this placement (see the module docstring)."""
     keys = wanted(train_cfg)
     if not keys:
@@ -54,7 +55,7 @@ def check(train_cfg, placement) -> None:
                         "or turn the FP8 switches off") from None
 
 
-def apply_drafter(drafter, train_cfg, compiled: bool) -> None:
+def apply_drafter(drafter, train_cfg: TrainSection, compiled: bool) -> None:
     """train.precision fp8: the layers' Linears to float8 training (train.fp8_recipe); train.fp8_lm_head: the frozen
     head's FP8 copies, made here once, its inputs quantized by quantize_rows (`compiled`: compiled once per process,
     its graphs traced in the warm-up, like the loss kernel). Call before the layers are compiled."""
@@ -82,7 +83,7 @@ def loss_head(drafter):
     return getattr(drafter, _HEAD, None) or drafter.lm_head_weight
 
 
-def apply_target(layers, train_cfg) -> None:
+def apply_target(layers, train_cfg: TrainSection) -> None:
     """train.fp8_target: quantize, once, the weights of the target layers the capture runs (inference only)."""
     if train_cfg.fp8_target:
         from dflash.model import fp8

@@ -32,7 +32,7 @@ from dflash.evaluate import live
 from dflash.fingerprint import compile_cache_dir
 from dflash.train import checkpoint, compile_guard, memory, summary
 from dflash.train import failures
-from dflash.train.context import set_shapes
+from dflash.train.context import RunContext, set_shapes
 from dflash.train.features import run_capture
 from dflash.train.metrics import DeviceTimer, RunMetrics, seconds
 from dflash.train.step import build_drafter
@@ -126,7 +126,7 @@ class Target:
 @dataclass
 class Process:
     """A training process as its transport serves it: the workers, where the stream starts and ends."""
-    ctx: object
+    ctx: RunContext
     local: Local
     reader: object
     targets: list[Target]

@@ -25,6 +25,7 @@ from typing import Callable, Protocol
 
 import torch
 
+from dflash.config_model import ProfileSection
 from dflash.train import checkpoint, compile_guard, optim
 from dflash.train.failures import Diverged, StopRun
 from dflash.train import placement as P
@@ -74,9 +75,9 @@ class StepProfiler:
     written to the run folder when the window closes (or the loop ends). The loop's phases are record_function
     ranges (queue_wait, drafter_fwd_bwd, optimizer), free when no profiler runs."""
 
-    def __init__(self, conf, run_dir, rank: int):
+    def __init__(self, conf: ProfileSection, run_dir, rank: int):
         from dflash.config import inside
-        self.conf = conf if rank == 0 else None
+        self.conf: ProfileSection | None = conf if rank == 0 else None
         self.out = inside(run_dir / conf.out, run_dir) if self.conf else None
         self.prof = None
 

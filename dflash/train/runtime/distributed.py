@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from dflash.atomic import atomic_write_json
+from dflash.config import Loaded
 from dflash.errors import UserError
 from dflash.train import failures
 from dflash.train.features import feature_width
@@ -48,7 +49,7 @@ STOP_KEY = "dflash/stop_index"
 
 
 # ---- launcher ------------------------------------------------------------------------------------------------
-def launch_config(loaded, placement):
+def launch_config(loaded: Loaded, placement):
     """The elastic launch configuration: one process per rank of the placement (placement.per_node on each of
     train.rendezvous.nnodes nodes), no restarts."""
     from torch.distributed.launcher.api import LaunchConfig
@@ -65,7 +66,7 @@ def launch_config(loaded, placement):
     return LaunchConfig(**kw)
 
 
-def worker_args(loaded, args) -> list[str]:
+def worker_args(loaded: Loaded, args) -> list[str]:
     """The command line every rank runs (the same stage, inside the launcher's environment)."""
     out = ["-m", "dflash", "train", "--config", str(loaded.source), "--no-progress"]
     for item in getattr(args, "set", None) or []:
@@ -76,7 +77,7 @@ def worker_args(loaded, args) -> list[str]:
     return out
 
 
-def torchrun_command(loaded, placement, overrides=()) -> list[str]:
+def torchrun_command(loaded: Loaded, placement, overrides=()) -> list[str]:
     """The equivalent torchrun command line (for clusters that start ranks themselves)."""
     cfg = launch_config(loaded, placement)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={cfg.min_nodes}",

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash import compile_threads
+from dflash.config_model import TrainSection
 from dflash.device_names import device_name
 from dflash.train import compile_guard, failures
 from dflash.train.metrics import DeviceTimer
@@ -335,7 +336,8 @@ def _on_signal(shared: Shared, signum: int):
     shared.interrupt.set()
 
 
-def _supervise(workers, replicas, shared: Shared, sync: "GradSync", tcfg, metrics) -> tuple[str, dict | None]:
+def _supervise(workers, replicas, shared: Shared, sync: "GradSync", tcfg: TrainSection,
+               metrics) -> tuple[str, dict | None]:
     """Wait for readiness, then for the end; any error or stall stops the run within seconds, named."""
     deadline = time.perf_counter() + tcfg.ready_timeout_s
     while not all(w.ready.is_set() for w in workers):
