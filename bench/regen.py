@@ -14,9 +14,29 @@ CUDA graph capture and allocator growth happen there), then on all prompts with 
   static-N-eager               the same decode loop without compiling
   cb                           transformers continuous batching (`generate_batch`, paged attention; GPU only:
                                on CPU it did not finish 16 x 8 tokens in 8 minutes)
+  hfstatic-N[-forward|-eager][-gqa]
+                               transformers' own static-cache generate (`cache_implementation="static"`), batch N,
+                               greedy, the same sorted, left-padded, filled batches and the same cache length as
+                               static-N. Plain: generate compiles its decode step itself (transformers 5.17 does so for
+                               a static cache on GPU: `compile_config=CompileConfig(fullgraph=True,
+                               mode="reduce-overhead")`, prefill eager). -forward: the documented recipe,
+                               `model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)`
+                               (prefill compiled too), generate's own compile off. -eager: no compile (CPU).
+                               -gqa: with our grouped decode attention instead of transformers' sdpa
 The JSON (written after every variant, so a timeout keeps what finished) holds the command, date, torch and
 transformers versions, device, the config, and per variant: tokens, seconds, tokens/s, ms per decode step, peak
-GPU memory, or the error.
+GPU memory, or the error. Every variant but the reference (the first static-* listed, else the first listed) also
+gets `greedy_vs`: the count of its sequences identical token for token to the reference's (`identical_sequences` of
+`sequences`) and the mean length of their common prefix.
+
+Ours against transformers' static-cache generate on one H200 (issue 28; one call, timeout 600 s, carry `.whl`; the
+JSON is written after each variant, so the riskiest, -forward, goes last):
+
+    pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site:$PWD \\
+      python3 bench/regen.py --out $OUT/regen.json --variants static-512,hfstatic-512,hfstatic-512-gqa,hfstatic-512-forward
+
+Each generate call allocates a fresh StaticCache (transformers' behaviour without a passed `past_key_values`), so the
+timed pass may re-record the CUDA graph once; the warm-up pass uses the same cache length, so it does not recompile.
 """
 from __future__ import annotations
 
@@ -67,10 +87,56 @@ def parse_variant(v: str) -> dict:
     if v == "cb":
         return {"name": v, "kind": "cb"}
     parts = v.split("-")
+    if parts[0] == "hfstatic":
+        flags = parts[2:]
+        if len(parts) < 2 or not parts[1].isdigit() or len(set(flags)) != len(flags) \
+                or not set(flags) <= {"forward", "eager", "gqa"} or {"forward", "eager"} <= set(flags):
+            raise SystemExit(f"--variants: {v!r} is not hfstatic-N[-forward|-eager][-gqa]")
+        return {"name": v, "kind": "hfstatic", "batch": int(parts[1]), "gqa": "gqa" in flags,
+                "compile": "forward" if "forward" in flags else "eager" if "eager" in flags else "generate"}
     if parts[0] not in ("generate", "static") or len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "eager"):
-        raise SystemExit(f"--variants: {v!r} is not generate-N, generate-auto, static-N, static-auto, static-N-eager or cb")
+        raise SystemExit(f"--variants: {v!r} is not generate-N, generate-auto, static-N, static-auto, static-N-eager, "
+                         "hfstatic-N[-forward|-eager][-gqa] or cb")
     return {"name": v, "kind": "generate", "decoder": parts[0], "batch": 0 if parts[1] == "auto" else int(parts[1]),
             "compile": len(parts) == 2}
+
+
+def hf_static(model, prompts, new_tokens, batch, pad, compile, cache_len, compile_config=None):
+    """transformers' static-cache generate over the prompts as `regenerate` batches them for the static decoder
+    (sorted longest first, left-padded, the last batch filled to the fixed shape), greedy, exactly new_tokens each
+    (no EOS), the static cache `cache_len` long in every call. compile "generate": generate compiles its decode
+    step with `compile_config` (default: fullgraph, reduce-overhead); else it compiles nothing itself.
+    Returns (tokens, sequences in prompt order)."""
+    import torch
+    from transformers import CompileConfig
+
+    from dflash.data.generate import _left_padded
+    device = next(model.parameters()).device
+    kw = dict(max_new_tokens=new_tokens, do_sample=False, temperature=None, top_k=None, top_p=None,
+              eos_token_id=None, pad_token_id=pad, use_cache=True, cache_implementation="static",
+              max_cache_len=cache_len, disable_compile=compile != "generate")
+    if compile == "generate":
+        kw["compile_config"] = compile_config or CompileConfig(fullgraph=True, mode="reduce-overhead")
+    order = sorted(range(len(prompts)), key=lambda i: (-len(prompts[i]), i))
+    out, tokens = [None] * len(prompts), 0
+    with torch.inference_mode():
+        for k in range(0, len(order), batch):
+            rows = order[k:k + batch]
+            ids, att = _left_padded(prompts, rows + [rows[-1]] * (batch - len(rows)), pad)
+            gen = model.generate(input_ids=ids.to(device), attention_mask=att.to(device), **kw)[:, ids.shape[1]:]
+            gen = gen.cpu()
+            for r, i in enumerate(rows):
+                out[i] = gen[r].tolist()
+                tokens += len(out[i])
+    return tokens, out
+
+
+def greedy_vs(seqs, ref) -> dict:
+    """How many sequences are identical token for token, and the mean common prefix length."""
+    def prefix(a, b):
+        return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return {"identical_sequences": sum(a == b for a, b in zip(seqs, ref)), "sequences": len(ref),
+            "mean_common_prefix": round(sum(prefix(a, b) for a, b in zip(seqs, ref)) / max(1, len(ref)), 2)}
 
 
 def run_variant(model, tokenizer, prompts, new_tokens, var, device):
@@ -95,24 +161,51 @@ def run_variant(model, tokenizer, prompts, new_tokens, var, device):
             res = model.generate_batch(inputs=ps, generation_config=gen, progress_bar=False)
             if cuda:
                 torch.cuda.synchronize()
-            return sum(len(r.generated_tokens) for r in res.values()), time.time() - t, None
+            return sum(len(r.generated_tokens) for r in res.values()), time.time() - t, None, None
+    elif var["kind"] == "hfstatic":
+        from dflash.data.decode import GQA, _register, cache_len
+        for a in ("_compiled_call", "_last_compile_config", "_previous_max_cache_length"):
+            model.__dict__.pop(a, None)        # a previous variant's compiled call or cache length: start afresh
+        prev = model.config._attn_implementation
+        if var["gqa"]:
+            _register()
+        attn[0] = GQA if var["gqa"] else prev
+        length = cache_len(max(len(q) for q in prompts) + new_tokens)    # the static decoder's length for these
+        compiled = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True) \
+            if var["compile"] == "forward" else None
+
+        def go(ps, new):
+            t = time.time()
+            if attn[0] != prev:
+                model.set_attn_implementation(attn[0])
+            if compiled is not None:
+                model.forward = compiled
+            try:
+                tokens, seqs = hf_static(model, ps, new, var["batch"], tokenizer.pad_token_id, var["compile"], length)
+            finally:
+                if attn[0] != prev:
+                    model.set_attn_implementation(prev)
+                model.__dict__.pop("forward", None)      # the class's forward again (the compiled one is cached)
+            if cuda:
+                torch.cuda.synchronize()
+            return tokens, time.time() - t, var["batch"], seqs
     else:
         def go(ps, new):
             t = time.time()
-            _, st = regenerate(model, tokenizer, ps, new, 0.0, var["batch"], progress=False,
-                               decoder=var["decoder"], compile=var["compile"], ignore_eos=True)
+            seqs, st = regenerate(model, tokenizer, ps, new, 0.0, var["batch"], progress=False,
+                                  decoder=var["decoder"], compile=var["compile"], ignore_eos=True)
             if cuda:
                 torch.cuda.synchronize()
             attn[0] = st["attn_implementation"]
-            return st["tokens"], time.time() - t, st["batch_size"]
-    _, warm_s, _ = go(prompts, min(16, new_tokens))     # warm-up: the same batches, fewer tokens
-    tokens, seconds, bs = go(prompts, new_tokens)
+            return st["tokens"], time.time() - t, st["batch_size"], seqs
+    _, warm_s, _, _ = go(prompts, min(16, new_tokens))     # warm-up: the same batches, fewer tokens
+    tokens, seconds, bs, seqs = go(prompts, new_tokens)
     batches = -(-len(prompts) // bs) if bs else None
     return {"variant": var["name"], "batch_size": bs, "tokens": tokens, "seconds": round(seconds, 3),
             "attn_implementation": attn[0],
             "tokens_per_s": round(tokens / seconds, 1), "warmup_s": round(warm_s, 3),
             "ms_per_decode_step": round(1000 * seconds / (batches * new_tokens), 2) if batches else None,
-            "peak_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None}
+            "peak_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None}, seqs
 
 
 def main(argv=None):
@@ -151,13 +244,18 @@ def main(argv=None):
         model, tokenizer = build(arch, device, dtype, Path(tmp) / "target")
         report["build_s"] = round(time.time() - t0, 1)
         prompts = make_prompts(tokenizer, arch["vocab_size"], n, lengths)
+        ref = next((v["name"] for v in variants if v.get("decoder") == "static"), variants[0]["name"])
+        seqs = {}                                      # variant -> greedy sequences, held to the reference's
         for var in variants:
             try:
-                r = run_variant(model, tokenizer, prompts, new, var, device)
+                r, seqs[var["name"]] = run_variant(model, tokenizer, prompts, new, var, device)
             except Exception as e:                     # OOM, an unsupported variant: recorded, the others still run
                 r = {"variant": var["name"], "error": f"{type(e).__name__}: {str(e)[:500]}",
                      "traceback": traceback.format_exc()[-2000:]}
             report["results"].append(r)
+            for x in report["results"]:
+                if x["variant"] != ref and seqs.get(x["variant"]) is not None and seqs.get(ref) is not None:
+                    x["greedy_vs"] = {"variant": ref, **greedy_vs(seqs[x["variant"]], seqs[ref])}
             print(json.dumps({k: v for k, v in r.items() if k != "traceback"}), flush=True)
             out.write_text(json.dumps(report, indent=2) + "\n")
     ok = [r for r in report["results"] if "tokens_per_s" in r]
