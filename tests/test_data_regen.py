@@ -229,6 +229,16 @@ def test_static_decoder_and_auto_batch_give_the_greedy_turns_of_generate(talking
     cut_s, _ = regenerate(model, tok, prompts, 12, batch_size=3, progress=False, stop_ids=stop, decoder="static")
     assert cut_s == cut_g and len(cut_g[0]) == 4 and any(len(r) < 12 for r in cut_g)
     assert st3["batch_size"] == 32 and st2["batch_size"] == 3          # CPU: no GPU memory to size it from
+    # ignore_eos (the benchmarks): exactly max_new_tokens per turn with either decoder, even when the model's own
+    # generation_config names a token the turns produce as its EOS (transformers fills an unset eos from it)
+    eos = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = ref[0][4]
+    try:
+        full = {dec: regenerate(model, tok, prompts, 12, batch_size=3, progress=False, decoder=dec,
+                                ignore_eos=True)[0] for dec in ("generate", "static")}
+        assert full["generate"] == full["static"] and {len(r) for r in full["static"]} == {12}
+    finally:
+        model.generation_config.eos_token_id = eos
 
 
 @pytest.mark.gpu

@@ -113,8 +113,10 @@ def regenerate(model, tokenizer, prompts, max_new_tokens, temperature=0.0, batch
             if static:
                 gen = dec.generate(ids, att, max_new_tokens, stop, temperature, gen_g).cpu()
             else:
-                gen = model.generate(input_ids=ids.to(device), attention_mask=att.to(device),
-                                     generation_config=gen_cfg)[:, ids.shape[1]:].cpu()
+                # ignore_eos: eos_token_id=None as an argument, which transformers applies last (an unset eos in
+                # gen_cfg it would fill from the model's generation_config)
+                gen = model.generate(input_ids=ids.to(device), attention_mask=att.to(device), generation_config=gen_cfg,
+                                     **({"eos_token_id": None} if ignore_eos else {}))[:, ids.shape[1]:].cpu()
             for r, i in enumerate(batch):
                 seq = gen[r].tolist()
                 cut = next((k for k, t in enumerate(seq) if t in stop), None)
