@@ -43,6 +43,11 @@ _ORDER = ("$schema", "$id", "title", "type", "additionalProperties", "required",
           "description", "properties")
 
 
+def _ordered(node: dict) -> dict:
+    """A schema node with its keys in _ORDER (any other key after them)."""
+    return {k: node[k] for k in sorted(node, key=lambda k: _ORDER.index(k) if k in _ORDER else len(_ORDER))}
+
+
 def _plain(node, defs: dict):
     """pydantic's schema node in the form a reader (and Snakemake's validate with defaults) takes: references
     inlined, `anyOf [X, null]` as `type: [X, "null"]`, no generated titles, keys in _ORDER."""
@@ -60,7 +65,7 @@ def _plain(node, defs: dict):
         node = {**other, **node, "type": [other["type"], "null"]}
     out = {k: _plain(v, defs) if k != "properties" else {p: _plain(s, defs) for p, s in v.items()}
            for k, v in node.items() if k != "title" and k != "$defs"}
-    return {k: out[k] for k in sorted(out, key=lambda k: _ORDER.index(k) if k in _ORDER else len(_ORDER))}
+    return _ordered(out)
 
 
 @functools.cache
@@ -69,7 +74,7 @@ def json_schema() -> dict:
     raw = DflashConfig.model_json_schema()
     schema = _plain(raw, raw.get("$defs", {}))
     schema["title"] = DflashConfig.model_config["title"]
-    return {k: schema[k] for k in sorted(schema, key=lambda k: _ORDER.index(k) if k in _ORDER else len(_ORDER))}
+    return _ordered(schema)
 
 
 def schema_text() -> str:
