@@ -176,11 +176,6 @@ def _json(spec: SourceSpec) -> Iterator[Row]:
         yield Row(spec.name, i, value)
 
 
-def _table_rows(spec: SourceSpec, table_iter) -> Iterator[Row]:
-    for i, value in enumerate(table_iter):
-        yield Row(spec.name, i, value)
-
-
 def _parquet(spec: SourceSpec) -> Iterator[Row]:
     import pyarrow.parquet as pq
     p = _need_file(spec)
