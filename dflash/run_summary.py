@@ -82,7 +82,8 @@ class LiveEval(BaseModel):
     max_new_tokens: int | None = Field(description="Tokens generated per prompt.")
     evals: int = Field(description="Evaluations made by this process (a resumed run counts only its own).")
     steps: list[int] = Field(description="The steps they were made at.")
-    seconds: float = Field(description="Their seconds in all (left out of the training time and of Ktok/s).")
+    seconds: float = Field(description=(
+        "The seconds training paused for them in all (left out of the training time and of Ktok/s)."))
     seconds_per_eval: float | None = Field(description="Seconds per evaluation.")
     step_s: float | None = Field(description="Mean seconds of a training step without them.")
     eval_over_step: float | None = Field(description="seconds_per_eval / step_s: an evaluation's cost in steps.")

@@ -69,14 +69,18 @@ class LiveEval:
         """The hook of the step loop (every replica, after the step's checks): evaluate if due."""
         if not due(self.every, step, final):
             return
+        if replica.device.type == "cuda":   # the step's kernels still in flight are training's time, not the pause's
+            torch.cuda.synchronize(replica.device)
         t0, c0 = time.perf_counter(), replica.clock()
         record = replica.sync.hold(replica.rank, lambda: self.evaluate(replica.drafter, step), self.timeout_s)
         t1 = time.perf_counter()
-        replica.t0 += replica.clock() - c0     # the training clock (time budget, LR schedule) excludes it
+        # the one measure of the pause, taken off the training clock (time budget, LR schedule), Ktok/s (metrics)
+        # and the GPU utilisation of the run's device rows
+        replica.t0 += replica.clock() - c0
         if self.sampler is not None:
-            self.sampler.exclude(t0, t1)   # and so does the GPU utilisation of the run's device rows
+            self.sampler.exclude(t0, t1)
         if record is not None:
-            replica.metrics.eval_done(record)
+            replica.metrics.eval_done({**record, "pause_s": round(t1 - t0, 4)})
 
     def evaluate(self, drafter, step: int) -> dict:
         """tau of `drafter`'s current weights on the held-out prompts (see the module's docstring)."""

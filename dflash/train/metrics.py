@@ -192,7 +192,7 @@ class RunMetrics:
             return
         with self.lock:
             evals, self.pending_evals = self.pending_evals, []
-        eval_s = sum(e["seconds"] for e in evals)   # decoding time in this interval: not training time
+        eval_s = sum(e["pause_s"] for e in evals)   # training paused for evaluations in this interval
         step = pending[-1][0]
         dev = pending[-1][1].device
         if dev.type == "cuda":
@@ -308,7 +308,7 @@ class RunMetrics:
         share of the loop's wall time (Ktok/s and the training time exclude them), the last tau and its step."""
         if not self.cfg.train.eval_every:
             return None
-        total = sum(e["seconds"] for e in self.evals)
+        total = sum(e["pause_s"] for e in self.evals)   # what training paused for them
         t_start = getattr(self, "t_start", None)   # None: the run failed before its first step
         loop_s = getattr(self, "_t_last", t_start) - t_start if t_start is not None else 0.0
         steps = self.step - self.start_step
