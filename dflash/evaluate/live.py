@@ -48,11 +48,11 @@ def due(every: int, step: int, final: bool) -> bool:
 class LiveEval:
     """One replica's part: replica 0 (`target` given) evaluates, every replica pauses while it does."""
 
-    def __init__(self, ctx, target=None):
+    def __init__(self, ctx, target=None, sampler=None):
         self.every = ctx.cfg.train.eval_every
         self.timeout_s = ctx.cfg.train.stall_timeout_s
         self.target = target
-        self.sampler = None   # the process's GPU sampler (run.py sets it): the pause is left out of utilisation
+        self.sampler = sampler   # the process's GPU sampler: the pause is left out of utilisation
         if target is None:
             return
         from dflash.data.shards import HOLDOUT
@@ -115,10 +115,11 @@ def eager_copy(drafter, target):
     return copy.eval()
 
 
-def attach(ctx, replicas, target) -> None:
+def attach(ctx, replicas, target, sampler=None) -> None:
     """Give each replica of this process its part (train.eval_every > 0; train.context refused what cannot run):
-    replica 0 the evaluation with `target` (a target model of this process), the others the pause."""
+    replica 0 the evaluation with `target` (a target model of this process), the others the pause; `sampler`: the
+    process's GPU sampler, which leaves the pauses out."""
     if not ctx.cfg.train.eval_every:
         return
     for rep in replicas:
-        rep.live = LiveEval(ctx, target if rep.rank == 0 else None)
+        rep.live = LiveEval(ctx, target if rep.rank == 0 else None, sampler)

@@ -163,7 +163,6 @@ def train(ctx, transport: Transport, progress: bool = True) -> int:
     refuse_what_cannot_fit(ctx, local, targets, transport.reduce)
     metrics = RunMetrics(ctx, progress=progress) if local.writer else None
     replicas = build_replicas(ctx, local, heads, transport.sync(ctx), metrics)
-    live.attach(ctx, replicas, eval_target(targets, replicas))
     start_step, data_index = resume(ctx, local, replicas, transport)
     if start_step >= cfg.train.steps:
         log.info("run already complete at step %d; nothing to train", start_step)
@@ -171,9 +170,7 @@ def train(ctx, transport: Transport, progress: bool = True) -> int:
     warm = warm_up(ctx, local, replicas, targets)
     transport.wrap(replicas)
     sampler = GpuSampler(list(dict.fromkeys(d for _, d in local.targets + local.replicas)))
-    for rep in replicas:
-        if rep.live is not None:
-            rep.live.sampler = sampler
+    live.attach(ctx, replicas, eval_target(targets, replicas), sampler)
     if metrics is not None:
         metrics.sampler = sampler   # started with the first training step, not during the warm-up
         metrics.set_warmup(warm, time.perf_counter() - t0)
@@ -220,7 +217,7 @@ def build_replicas(ctx, local: Local, heads: dict, sync: Sync, metrics) -> list[
 
 def eval_target(targets: list[Target], replicas: list[Replica]):
     """The target model replica 0 decodes with while training (train.eval_every): the one on its device, else any of
-    this process's; None where this process has no target (the split distributed layout: live.attach refuses it)."""
+    this process's; None where this process has no target (the split distributed layout, refused by train.context)."""
     on = [t for t in targets if replicas and t.device == replicas[0].device] + targets
     return on[0].model if on else None
 
