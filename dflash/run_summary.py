@@ -56,7 +56,9 @@ class Throughput(ThroughputCore):
     samples_per_s: float | None = Field(description="Sequences per second, measured as ktok_per_s.")
     draft_positions_per_s: float | None = Field(description="Scored block positions per second.")
     measured_seconds: float | None = Field(description="The wall seconds measured (after the warm-up).")
-    mfu: float | None = Field(description="Model FLOPs utilisation against the measured matmul ceiling (null on CPU).")
+    mfu: float | None = Field(description="Model FLOPs utilisation against `train.matmul_tflops`, the measured bf16 "
+                                "matmul ceiling (null on CPU); FP8 GEMMs (`train.precision: fp8`) run above it, so "
+                                "with FP8 it can pass 1.")
     mfu_target: float | None = Field(description="The target's share of mfu.")
     mfu_drafter: float | None = Field(description="The drafter's share of mfu.")
 
