@@ -933,8 +933,9 @@ def stages(config, extra=()):
     return res
 
 
-def profile(out_dir: Path, config="config/h200.yaml", extra=()):
-    """The real train stage (1 target + 1 drafter on cuda:0) with train.profile over BENCH_PROFILE_WINDOW
+def profile(out_dir: Path, extra=()):
+    """The real train stage of one e2e run (BENCH_PROFILE_RUN, a name of e2e_runs(), default 1t1d: 1 target + 1
+    drafter on cuda:0; e.g. 1t1d-fp8all for the fastest) with train.profile over BENCH_PROFILE_WINDOW
     (start_step,steps; default 10,5: every graph is compiled before step 0, by the warm-up), reduced by reduce_trace.
     The run goes 12 steps past the window: the target, which runs ahead by up to train.queue_size batches, is then
     still working in the window (with 2 steps past it, a compiled target had finished its batches before the window).
@@ -942,15 +943,20 @@ def profile(out_dir: Path, config="config/h200.yaml", extra=()):
     its host side a little: compare busy_fraction with the run's own GPU utilisation (summary.devices)."""
     import shutil
     start, n = (int(x) for x in os.environ.get("BENCH_PROFILE_WINDOW", "10,5").split(","))
-    res = stages(config, extra)
+    run_name = os.environ.get("BENCH_PROFILE_RUN", "1t1d")
+    runs = {k: v for k, v in e2e_runs().items() if v[1] is not None}
+    if run_name not in runs:
+        return {"error": f"unknown BENCH_PROFILE_RUN {run_name}; known: {', '.join(runs)}"}
+    config, sets = runs[run_name]
+    res = {} if os.environ.get("BENCH_SKIP_STAGES") else stages(config, extra)
     if any(k.endswith("_error") for k in res):
         return res
     name = "h200-profile"
     r, s = dflash_stage("train", "--config", config, "--no-progress", "--set", f"run_name={name}",
-                        "--set", f"train.steps={start + n + 12}", "--set", "train.resume=false",
-                        "--set", 'train.drafters=["cuda:0"]', "--set", "train.check_every=0",
+                        "--set", f"train.steps={start + n + 12}", "--set", "train.resume=false", *sets,
+                        "--set", "train.check_every=0", "--set", "train.eval_every=0",
                         "--set", "train.profile=" + json.dumps({"start_step": start, "steps": n}), *extra)
-    res.update(exit=r.returncode, wall_s=round(s, 1), window={"start_step": start, "steps": n})
+    res.update(run=run_name, exit=r.returncode, wall_s=round(s, 1), window={"start_step": start, "steps": n})
     run = REPO / "results" / "runs" / name
     trace = run / "profile.json.gz"
     if r.returncode or not trace.exists():

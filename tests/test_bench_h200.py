@@ -135,3 +135,20 @@ def test_fp8_variants_are_config_keys_of_the_h200_config():
         t = C.load(REPO / h200.H200, {"train.num_anchors": 512, **sets}).cfg.train
         assert (t.precision, t.fp8_lm_head) == (sets.get("train.precision", "bf16"),
                                                  sets.get("train.fp8_lm_head", False)), name
+
+
+def test_profile_takes_its_run_from_the_e2e_table(tmp_path, monkeypatch):
+    """BENCH_PROFILE_RUN names an e2e run (its config and --set keys): an unknown name is refused before any stage."""
+    monkeypatch.setenv("BENCH_PROFILE_RUN", "1t1d-fp16")
+    res = h200.profile(tmp_path)
+    assert "unknown BENCH_PROFILE_RUN 1t1d-fp16" in res["error"] and "1t1d-fp8all" in res["error"]
+    assert "restart" not in res["error"]   # the warm restart has no --set keys of its own
+    calls = []
+    monkeypatch.setenv("BENCH_PROFILE_RUN", "1t1d-fp8all")
+    monkeypatch.setenv("BENCH_SKIP_STAGES", "1")
+    monkeypatch.setattr(h200, "dflash_stage", lambda *a: calls.append(a) or (type("R", (), {"returncode": 1,
+                                                                                           "stderr": "x"})(), 0.0))
+    res = h200.profile(tmp_path)
+    assert res["run"] == "1t1d-fp8all" and res["exit"] == 1
+    args = calls[0]
+    assert "train.fp8_target=true" in args and "train.eval_every=0" in args and args[2] == "config/h200.yaml"
