@@ -707,42 +707,42 @@ def _fp8_head(hd: dict):
 
 
 def _fp8_target(tg: dict):
+    from types import SimpleNamespace
+
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from dflash.model import fp8 as F8
-    from dflash.train.features import LayerCapture
+    from bench import fp8_features
+    from dflash import config as C
+    from dflash.model import DrafterConfig
     conf = AutoConfig.for_model("qwen3", hidden_size=H, num_hidden_layers=36, num_attention_heads=32,
                                 num_key_value_heads=8, head_dim=128, intermediate_size=12288, vocab_size=V,
                                 max_position_embeddings=40960)
     torch.manual_seed(0)
     with torch.device(DEV):
         model = AutoModelForCausalLM.from_config(conf, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    loaded = C.load(REPO / "config" / "h200.yaml")   # its capture: layers 1, 9, 17, 25, 33 of 36
+    ctx = SimpleNamespace(drafter_config=DrafterConfig.from_target(conf, loaded.cfg.drafter, V - 1), cfg=loaded.cfg)
     ids = torch.randint(0, V, (1, S), device=DEV)
     compiled = os.environ.get("BENCH_FP8_TARGET_COMPILE", "1") == "1"
-    feats = {}
-    for name in ("bf16", "fp8"):
-        cap = LayerCapture(model, [1, 9, 17, 25, 33])
-        if name == "fp8":
-            t0 = time.perf_counter()
-            F8.quantize_frozen(torch.nn.ModuleList(cap.modules))
-            torch.cuda.synchronize()
-            tg["quantize_s"] = round(time.perf_counter() - t0, 2)
+
+    def measure(name, cap):
         tg[f"capture_{name}_ms"] = round(bench(lambda: cap(ids), warmup=2, reps=5), 2)
-        feats[name] = cap(ids).float()
+        feats = {name: cap(ids)}
         if compiled:
             cap.compile()
             warm = cap.warm_up(DEV, [(1, S)], V)
             tg[f"capture_{name}_compiled_ms"] = round(bench(lambda: cap(ids), warmup=2, reps=10), 2)
             tg[f"compile_{name}_s"] = warm["seconds"]
-            feats[name + "_compiled"] = cap(ids).float()
+            feats[name + "_compiled"] = cap(ids)
             for m in cap.modules:       # back to eager for the next variant (the compiled forward is an attribute)
                 del m.forward
-        cap.remove()
-    ref = feats["bf16"]
+        return feats
+    feats, quantize_s = fp8_features.capture_both(model, ctx, measure)
+    tg["quantize_s"] = round(quantize_s, 2)
     for k, v in feats.items():
         if k != "bf16":
-            tg[f"{k}_rel_err"] = round(float((v - ref).norm() / ref.norm()), 5)
-    model = feats = ref = None
+            tg[f"{k}_rel_err"] = round(fp8_features.relative_error(v, feats["bf16"]), 5)
+    model = feats = None
     torch.cuda.empty_cache()
 
 

@@ -1,11 +1,18 @@
-"""bench/quality.py's own logic (the device run is the lead's; `--cpu` runs it end to end, minutes on 2 cores): the
-config it hands every call, the recipes' commands, and the table over a set of finished runs: the seed spread, which
-lever beats it, the pipeline's own evaluation counted for its temperature."""
+"""bench/quality.py's own logic (the device run is the lead's): the config it hands every call, the recipes' commands,
+and the table over a set of finished runs: the seed spread, which lever beats it, the pipeline's own evaluation counted
+for its temperature; at equal steps (issue 28), whether each FP8 recipe stays within the bf16 seeds' spread, and the
+FP8 target's feature error (skipped with its reason where it cannot run). The CPU dry run of the equal-steps mode end
+to end on a tiny target: the bf16 seeds train and are evaluated, the FP8 recipes are refused by the train stage (FP8
+needs an FP8 GPU), the feature error is measured with torch's CPU FP8 matmul."""
 import importlib.util
 import json
+import subprocess
+import time
 import types
 from pathlib import Path
 
+import pytest
+import torch
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -17,7 +24,7 @@ _spec.loader.exec_module(qb)
 def bench(tmp_path, **kw):
     args = dict(out=str(tmp_path / "out"), config="config/quality.yaml", parts="table", until=None,
                 recipes="baseline,baseline-seed1,dpace,muon", seconds=150.0, temps="0,1", parallel=4, budget=60.0,
-                results_dir=str(tmp_path / "results"), cpu=False)
+                results_dir=str(tmp_path / "results"), cpu=False, steps=None)
     return qb.Bench(types.SimpleNamespace(**{**args, **kw}))
 
 
@@ -41,11 +48,13 @@ def test_a_recipe_is_its_overrides_the_budget_and_its_own_run(tmp_path):
                             "--set", "train.time_budget_s=150.0"]
 
 
-def fake_run(results: Path, run: str, taus: dict, steps=400, ktok=7.0, pipeline_temp=None):
+def fake_run(results: Path, run: str, taus: dict, steps=400, ktok=7.0, pipeline_temp=None, finished=True,
+             time_budget_s=150):
     rd = results / "runs" / run
     rd.mkdir(parents=True)
     rd.joinpath("summary.json").write_text(json.dumps({
-        "status": "completed", "steps": steps, "train_seconds": 150.0, "time_budget_s": 150, "finished_by": "time_budget",
+        "status": "completed", "steps": steps, "train_seconds": 150.0, "time_budget_s": time_budget_s,
+        "finished": finished, "finished_by": ("time_budget" if time_budget_s else "steps") if finished else None,
         "throughput": {"ktok_per_s": ktok}, "loss": 3.0, "acceptance_estimate": 1.0, "replicas_identical": True,
         "env": {"gpu": {"models": ["NVIDIA H200"]}, "packages": {"torch": "2.11.0+cu130"}}}))
     rd.joinpath("metrics.jsonl").write_text("".join(json.dumps({"step": s, "elapsed_s": s / 2, "ce": 3.0,
@@ -79,3 +88,135 @@ def test_the_table_names_the_seed_spread_and_the_levers_beyond_it(tmp_path):
     assert "4 at once on the one GPU" in md and "seed spread 0.040" in md
     assert (b.out / "quality.png").stat().st_size > 0 and (b.out / "runs.tar.gz").stat().st_size > 0
     assert qb.pipeline_eval(res / "runs" / "quality", 0.0) and not qb.pipeline_eval(res / "runs" / "quality", 1.0)
+
+
+def test_equal_steps_trains_every_recipe_n_steps_into_its_own_run(tmp_path):
+    b = bench(tmp_path, steps=800, recipes=None)
+    assert b.recipes == ["baseline", "baseline-seed1", "baseline-seed2", "fp8", "fp8head", "fp8target"]
+    assert b.recipe_sets("baseline-seed2") == {"seed": 2, "run_name": "q-s800-baseline-seed2", "train.time_budget_s": 0,
+                                               "train.steps": 800, "train.eval_every": 0}
+    assert b.recipe_sets("fp8target") == {"train.precision": "fp8", "train.fp8_lm_head": True, "train.fp8_target": True,
+                                          "train.eval_every": 0, "run_name": "q-s800-fp8target",
+                                          "train.time_budget_s": 0, "train.steps": 800}
+    assert b.runs()[1:3] == [("baseline", "q-s800-baseline"), ("baseline-seed1", "q-s800-baseline-seed1")]
+    assert bench(tmp_path, recipes=None).recipes == qb.DEFAULT_RECIPES.split(",")     # equal time: the levers
+    with pytest.raises(SystemExit, match="--recipes: unknown fp9"):
+        bench(tmp_path, steps=800, recipes="baseline,fp9")
+
+
+def test_a_run_stopped_short_of_its_steps_is_trained_again(tmp_path):
+    """At equal steps a run the budget stopped (summary.json, finished false) resumes on the next call; at equal time
+    any summary counts, as before."""
+    res = tmp_path / "results"
+    fake_run(res, "q-s800-baseline", {}, steps=500, finished=False, time_budget_s=None)
+    fake_run(res, "q-s800-fp8", {}, steps=800, time_budget_s=None)
+    b = bench(tmp_path, steps=800)
+    assert (b.trained("q-s800-baseline"), b.trained("q-s800-fp8"), b.trained("q-s800-fp8head")) == (False, True, False)
+    assert bench(tmp_path).trained("q-s800-baseline") is True
+
+
+def test_the_equal_steps_table_says_whether_each_fp8_recipe_is_within_the_bf16_spread(tmp_path):
+    b = bench(tmp_path, steps=800, recipes="baseline,baseline-seed1,baseline-seed2,fp8,fp8head,fp8target")
+    res = tmp_path / "results"
+    for name, tau in (("baseline", 1.80), ("baseline-seed1", 1.86), ("baseline-seed2", 1.83), ("fp8", 1.85),
+                      ("fp8head", 1.70), ("fp8target", 1.78)):
+        fake_run(res, f"q-s800-{name}", {0.0: tau}, steps=800, time_budget_s=None)
+    b.state["commands"]["train q-s800-fp8"] = {"parallel": 6}
+    b.state["fp8_features"] = {"rel_err": 0.0312, "rel_err_per_layer": {"1": 0.02, "9": 0.041}, "layers": [1, 9],
+                               "conversations": 32, "tokens": 20000, "target": "results/target/code",
+                               "device": "cuda:0", "dtype": "bfloat16", "quantize_s": 0.1}
+    b.table()
+    doc = json.loads((b.out / "quality.json").read_text())
+    rows = {r["recipe"]: r for r in doc["rows"]}
+    assert (doc["mode"], doc["steps"], doc["seconds"], doc["parallel"]) == ("steps", 800, None, 6)
+    assert doc["bf16_seeds"] == ["baseline", "baseline-seed1", "baseline-seed2"]
+    assert doc["baseline_seed_spread_t0"] == pytest.approx(0.06) and doc["baseline_tau_t0_mean"] == pytest.approx(1.83)
+    assert {n: r.get("within_spread") for n, r in rows.items()} == {
+        "baseline": None, "baseline-seed1": None, "baseline-seed2": None,      # the seeds are the spread
+        "fp8": True, "fp8head": False, "fp8target": True}                      # +0.02, -0.13, -0.05 against 0.06
+    assert doc["fp8_features"]["rel_err"] == 0.0312
+    md = (b.out / "quality.md").read_text()
+    assert "exactly 800 optimizer steps" in md and "seed spread (max - min) 0.060" in md
+    assert "| tau - bf16 mean | within bf16 seed spread |" in md
+    assert '| fp8head | `{"train.precision": "fp8", "train.fp8_lm_head": true}` | 800 | 150.0 | 7.0 | 3.000 | 1.700 |' \
+           '  | True | -0.130 | False |' in md
+    assert "| baseline-seed2 | `{\"seed\": 2}` | 800 |" in md and md.count("| True |\n") == 2   # fp8, fp8target
+    assert "relative error **0.0312** (per layer 1: 0.0200, 9: 0.0410)" in md and "on `results/target/code`" in md
+
+
+def target_and_holdout(tmp_path) -> str:
+    """config/quality.yaml with its target under tmp_path, that target's config.json and one held-out conversation."""
+    cfg = tmp_path / "q.yaml"
+    qb.write_config("config/quality.yaml", {"target.path": str(tmp_path / "target")}, str(cfg))
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text("{}")
+    data = tmp_path / "results" / "data" / "code-completion"
+    data.mkdir(parents=True)
+    data.joinpath("holdout.jsonl").write_text(json.dumps({"id": "a", "prompt_ids": [1, 2], "reference_ids": [3]}) + "\n")
+    return str(cfg)
+
+
+def test_fp8_features_say_why_they_were_not_measured(tmp_path, monkeypatch, fake_gpus):
+    b = bench(tmp_path, steps=800)
+    b.fp8_features()
+    assert "no target or no held-out conversations" in b.state["fp8_features"]["skipped"]
+    b = bench(tmp_path, steps=800, config=target_and_holdout(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    b.fp8_features()
+    assert b.state["fp8_features"]["skipped"] == "train placement: 'cuda:0' asks for a GPU but CUDA is not available here"
+    fake_gpus(1)                                                     # an A100: no FP8 tensor cores
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA A100")
+    b.fp8_features()                                                 # not measured yet: tried again
+    why = json.loads((b.out / "quality-state.json").read_text())["fp8_features"]["skipped"]
+    assert why.startswith("train.fp8_target=true: cuda:0 (NVIDIA A100) has compute capability 8.0")
+    b.table()
+    assert f"train.fp8_target's features against bf16: not measured ({why})." in (b.out / "quality.md").read_text()
+
+
+def test_stop_signals_every_job_before_waiting_on_any(tmp_path):
+    """The budget's end stops every running job at once: each gets its grace, together (one at a time, six train runs
+    that take their grace to checkpoint would overrun the device call by minutes)."""
+    deaf = [subprocess.Popen(["sh", "-c", "trap '' TERM; sleep 30"], start_new_session=True) for _ in range(2)]
+    time.sleep(0.3)                                                  # the traps are set
+    t0 = time.monotonic()
+    qb.stop(*deaf, grace=1.5)
+    assert time.monotonic() - t0 < 2.9                               # one grace, not two
+    assert [p.returncode for p in deaf] == [-9, -9]                  # SIGTERM ignored: killed after the grace
+
+
+def test_cpu_dry_run_at_equal_steps_end_to_end(tmp_path):
+    """The CPU dry run of the FP8 check on a tiny target built here (config/quality.yaml shrunk by --cpu; the data from
+    the built-in corpus): two bf16 seeds train 2 steps and are evaluated, the FP8 recipe is refused by the train stage
+    naming the key, the feature error is measured on the CPU, the table is that of equal steps."""
+    from dflash import config as C
+    from dflash.cli import main
+    from dflash.data.tiny_target import build_target
+    res, out = tmp_path / "results", tmp_path / "out"
+    args = ["--out", str(out), "--cpu", "--results-dir", str(res), "--steps", "2", "--temps", "0", "--parallel", "3",
+            "--recipes", "baseline,baseline-seed1,fp8", "--budget", "300"]
+    assert qb.main([*args, "--parts", "table"]) == 0                  # writes the --cpu config: nothing trained yet
+    cfg = str(out / "config.yaml")
+    build_target(C.load(cfg, {"target.build": "tiny"}).cfg.target, res / "target" / "code", corpus_size=200,
+                 progress=False, threads=1)
+    qb.write_config(cfg, {"data.builtin_corpus": {"enabled": True, "max_conversations": 60}, "data.holdout": 4,
+                          "data.code_completion": {"enabled": False}, "data.regenerate": {"enabled": False}},
+                    str(tmp_path / "data.yaml"))
+    assert main(["data", "--config", str(tmp_path / "data.yaml"), "--no-progress"]) == 0
+    assert qb.main([*args, "--parts", "fp8_features,train,eval,table"]) == 0
+    state = json.loads((out / "quality-state.json").read_text())
+    assert {k: v["exit"] for k, v in state["commands"].items()} == {
+        "train q-s2-baseline": 0, "train q-s2-baseline-seed1": 0, "train q-s2-fp8": 1,
+        "evaluate q-s2-baseline T=0": 0, "evaluate q-s2-baseline-seed1 T=0": 0}
+    assert "train.precision=fp8: FP8 matmuls need a CUDA GPU" in (out / "logs" / "train-q-s2-fp8.log").read_text()
+    doc = json.loads((out / "quality.json").read_text())
+    assert (doc["mode"], doc["steps"], doc["bf16_seeds"]) == ("steps", 2, ["baseline", "baseline-seed1"])
+    assert [(r["recipe"], r["steps"], r["finished_by"], r["time_budget_s"]) for r in doc["rows"]] == [
+        ("baseline", 2, "steps", None), ("baseline-seed1", 2, "steps", None)]
+    taus = [r["tau_t0"] for r in doc["rows"]]
+    assert all(t >= 1 for t in taus) and doc["baseline_seed_spread_t0"] == max(taus) - min(taus)
+    f = doc["fp8_features"]
+    assert (f["device"], f["dtype"], f["layers"], f["conversations"]) == ("cpu", "float32", [0, 2], 4)
+    assert 1e-3 < f["rel_err"] < 0.1 and set(f["rel_err_per_layer"]) == {"0", "2"}   # e4m3 rounding, not bf16's
+    md = (out / "quality.md").read_text()
+    assert "# Quality at equal steps" in md and "exactly 2 optimizer steps" in md and "| fp8 |" not in md

@@ -3,6 +3,8 @@ _scaled_mm runs the real torchao code paths, small): which modules are converted
 made once (never in a step), the weights saved and exported as the bf16 drafter's, and the refusals naming the key.
 The numerics on a GPU (losses of the same batch within a stated tolerance of bf16, compiled with no recompile after
 the warm-up) are in test_fp8_gpu.py."""
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -236,3 +238,57 @@ def test_memory_estimate_counts_the_fp8_head_copies():
     base, head = (memory.estimate(d, context(**t).cfg.train, 24, "sdpa") for t in ({}, {"fp8_lm_head": True}))
     assert base["fp8_head"] == 0 and head["fp8_head"] == 2 * V * H + 16 * V     # two copies + one 16-row chunk
     assert head["total"] - base["total"] == head["fp8_head"]
+
+
+def test_fp8_trained_run_exports_through_the_stage_as_a_bf16_trained_one(tmp_path):
+    """The whole path of a run trained with train.precision fp8 (+ the FP8 head) on the tiny target: its real capture,
+    a training step with the optimizer, the checkpoint a run writes, then `dflash export` as the pipeline runs it
+    (weights as trained: the fp32 masters) and with --dtype bfloat16. Both exports are byte for byte those of a plain
+    drafter holding the same weights: no FP8 tensor, module or key reaches them. (The train stage refuses FP8 on the
+    CPU, so the run's context is prepared bf16 and switched, as on an FP8 GPU.)"""
+    import yaml
+    from torchao.float8.float8_linear import Float8Linear
+
+    from conftest_data import build_tiny_target, target_section
+    from dflash.cli import main
+    from dflash.model import DFlashDrafter
+    from dflash.target import load_target
+    from dflash.train import checkpoint
+    from dflash.train.context import prepare
+    from dflash.train.features import run_capture
+    from dflash.train.step import frozen_head
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "results_dir": str(tmp_path / "results"), "run_name": "t", "target": target_section(build_tiny_target()),
+        "drafter": {"num_layers": 1, "block_size": 4, "num_target_layers": 2, "target_layer_ids": [0, 1]},
+        "train": {"targets": ["cpu"], "drafters": ["cpu"], "attention": "sdpa", "compile": False, "num_anchors": 8,
+                  "loss_chunk": 16}}))
+    ctx = prepare(C.load(cfg), need_data=False)
+    ctx.loaded = C.load(cfg, {"train.precision": "fp8", "train.fp8_lm_head": True})
+    target = load_target(ctx.cfg.target, "cpu")
+    ids = torch.randint(0, ctx.drafter_config.vocab_size - 1, (2, 32), generator=torch.Generator().manual_seed(0))
+    feats = run_capture(target, ctx)(ids).clone()            # out of inference mode, as the feature queue hands it
+    d = build_drafter(ctx, *frozen_head(target, CPU), CPU)
+    assert sum(isinstance(m, Float8Linear) for m in d.modules()) == 7 and precision.loss_head(d) is not d.lm_head_weight
+    opt = torch.optim.AdamW(d.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    micro_step(d, feats, ids, torch.ones_like(ids, dtype=torch.bool), 0, ctx, None).loss.backward()
+    opt.step()
+    sched.step()
+    plain = DFlashDrafter(ctx.drafter_config, *frozen_head(target, CPU))
+    plain.load_state_dict(d.state_dict(), strict=True)
+    run = tmp_path / "results" / "runs"
+    for name, drafter in (("fp8", d), ("plain", plain)):
+        ckpt = checkpoint.save(run / name, 1, 0, drafter, opt, sched)
+        for dtype in ("keep", "bfloat16"):
+            assert main(["export", "--config", str(cfg), "--run-dir", str(run / name), "--checkpoint", str(ckpt),
+                         "--dtype", dtype, "--out", str(tmp_path / f"{name}-{dtype}")]) == 0
+    for dtype, want in (("keep", torch.float32), ("bfloat16", torch.bfloat16)):
+        got, ref = tmp_path / f"fp8-{dtype}", tmp_path / f"plain-{dtype}"
+        tensors = load_file(str(got / "model.safetensors"))
+        assert {t.dtype for t in tensors.values()} == {want}
+        assert json.loads((got / "config.json").read_text())["dtype"] == str(want).removeprefix("torch.")
+        torch.testing.assert_close(tensors["layers.0.mlp.up_proj.weight"],
+                                   d.layers[0].mlp.up_proj.weight.detach().to(want), rtol=0, atol=0)
+        assert (got / "model.safetensors").read_bytes() == (ref / "model.safetensors").read_bytes()
+        assert (got / "config.json").read_text() == (ref / "config.json").read_text()
