@@ -756,7 +756,7 @@ def dflash_stage(*args, timeout=900):
 H200, LONG = "config/h200.yaml", "config/h200-long.yaml"
 
 
-OPT_IN = ("long", "1t1d-eager", "1t1d-fp8", "1t1d-fp8head", "1t1d-fp8all")   # only when BENCH_E2E_RUNS names them
+OPT_IN = ("long", "1t1d-eager", "1t1d-fp8", "1t1d-fp8head", "1t1d-fp8all", "1t1d-fp8target")   # only when BENCH_E2E_RUNS names them
 
 
 def e2e_runs() -> dict:
@@ -779,7 +779,9 @@ def e2e_runs() -> dict:
             "1t1d-fp8": (H200, [*one, *fp8]),
             "1t1d-fp8head": (H200, [*one, *fp8, "--set", "train.fp8_lm_head=true"]),
             "1t1d-fp8all": (H200, [*one, *fp8, "--set", "train.fp8_lm_head=true", "--set", "train.fp8_target=true",
-                                   "--set", "train.eval_every=0"])}   # tau under an FP8 target is refused
+                                   "--set", "train.eval_every=0"]),   # tau under an FP8 target is refused
+            # the target's FP8 forward on its own, the drafter in bf16
+            "1t1d-fp8target": (H200, [*one, "--set", "train.fp8_target=true", "--set", "train.eval_every=0"])}
 
 
 def e2e(out_dir: Path, steps: int, extra=()):
