@@ -448,6 +448,32 @@ def test_decoder_options_give_the_default_decoders_greedy_turns(talking_target):
         decode.StaticDecoder(model, 3, 256, compile=False, prefill=2)
 
 
+def test_flex_decode_step_is_one_graph_for_dynamo(talking_target):
+    """The flex decode step compiled as on a GPU (fullgraph; dynamo's eager backend here, no Inductor): one graph,
+    no graph break, its BlockMask built inside it, and the default decoder's turns."""
+    import torch
+    import torch._dynamo
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash.data import decode
+    from dflash.data.generate import _left_padded, regenerate
+    from dflash.data.tokenise import prompt_ids
+    tok = AutoTokenizer.from_pretrained(str(talking_target))
+    model = AutoModelForCausalLM.from_pretrained(str(talking_target)).eval()
+    prompts = [prompt_ids(tok, r["messages"][:1])[k:] for k, r in zip([0, 3, 5, 0], good_rows(4))]
+    ref, _ = regenerate(model, tok, prompts, 8, batch_size=4, progress=False, decoder="static", ignore_eos=True)
+    decode.release(model)
+    dec = decode.StaticDecoder(model, 4, 256, compile=False, attention=decode.FLEX)
+    dec._greedy = torch.compile(decode._step_greedy, backend="eager", fullgraph=True)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    ids, att = _left_padded(prompts, range(4), tok.pad_token_id)
+    assert dec.generate(ids, att, 8).tolist() == ref
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert not torch._dynamo.utils.counters["graph_break"]
+    dec.close()
+
+
 def test_static_decoder_is_reused_while_it_fits_and_its_cache_freed_when_replaced(talking_target):
     from transformers import AutoModelForCausalLM
 
