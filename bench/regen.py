@@ -399,6 +399,11 @@ def main(argv=None):
                 if x["variant"] != ref and seqs.get(x["variant"]) is not None and seqs.get(ref) is not None:
                     x["greedy_vs"] = {"variant": ref, **greedy_vs(seqs[x["variant"]], seqs[ref])}
             print(json.dumps({k: v for k, v in r.items() if k not in ("traceback", "profile")}), flush=True)
+            if "table" in r.get("profile", {}):                 # the profile's headline: ms per decode step by group
+                t = r["profile"]["table"]
+                print(json.dumps({"profile": r["variant"], "steps": t["steps"], "step_ms": t["step"]["ms"],
+                                  "step_groups_ms": {g: v["ms"] for g, v in t["step"]["groups"].items()},
+                                  "outside_ms": t["outside"]["ms"]}), flush=True)
             out.write_text(json.dumps(report, indent=2) + "\n")
     ok = [r for r in report["results"] if "tokens_per_s" in r]
     if ok:

@@ -403,7 +403,7 @@ def test_flex_decode_attention_equals_grouped_attention():
 
 def test_visible_blocks_lists_only_the_kv_blocks_a_decode_step_sees():
     """The block lists a compiled flex kernel reads (eager flex ignores them): per row the 128-slot blocks holding a
-    visible slot, in order, and nothing else; partial blocks cut by the mask itself."""
+    visible slot, in order, and nothing else; those wholly visible as full blocks, the others cut by the mask."""
     import torch
 
     from dflash.data.decode import KV_BLOCK, visible_blocks
@@ -415,8 +415,10 @@ def test_visible_blocks_lists_only_the_kv_blocks_a_decode_step_sees():
     vis[2, 100:130] = True
     vis[2, 640] = True
     bm = visible_blocks(vis)
-    assert bm.kv_num_blocks[:, 0, 0].tolist() == [4, 1, 3] and bm.seq_lengths == (1, L)
-    assert [bm.kv_indices[b, 0, 0, :n].tolist() for b, n in enumerate([4, 1, 3])] == [[2, 3, 4, 5], [0], [0, 1, 5]]
+    def lists(num, idx):
+        return [idx[b, 0, 0, :n].tolist() for b, n in enumerate(num[:, 0, 0].tolist())]
+    assert lists(bm.kv_num_blocks, bm.kv_indices) == [[2, 5], [0], [0, 1, 5]] and bm.seq_lengths == (1, L)
+    assert lists(bm.full_kv_num_blocks, bm.full_kv_indices) == [[3, 4], [], []]
     assert torch.equal(block_mask_to_dense(bm, 1, L)[:, 0], vis)
 
 

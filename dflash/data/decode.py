@@ -46,14 +46,18 @@ def gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
 
 def visible_blocks(visible):
     """visible (B, L) bool, the slots one query per row sees -> a flex BlockMask over the KV blocks holding any of
-    them (per row, in order), the partial blocks cut by `visible` itself."""
+    them (per row, in order): the blocks all visible as full blocks, the others cut by `visible` itself."""
     from torch.nn.attention.flex_attention import BlockMask
 
     from dflash.model.masks import _ordered
     B, L = visible.shape
-    num, idx = _ordered(visible.view(B, L // KV_BLOCK, KV_BLOCK).any(-1)[:, None, None])   # (B,1,1), (B,1,1,L/128)
-    return BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=KV_BLOCK, mask_mod=lambda b, h, q, kv: visible[b, kv],
-                                    seq_lengths=(1, L), compute_q_blocks=False)
+    blocks = visible.reshape(B, L // KV_BLOCK, KV_BLOCK)
+    full = blocks.all(-1)                                                  # (B, L/128)
+    num, idx = _ordered((blocks.any(-1) & ~full)[:, None, None])         # (B,1,1), (B,1,1,L/128): partial blocks
+    full_num, full_idx = _ordered(full[:, None, None])
+    return BlockMask.from_kv_blocks(num, idx, full_num, full_idx, BLOCK_SIZE=KV_BLOCK,
+                                    mask_mod=lambda b, h, q, kv: visible[b, kv], seq_lengths=(1, L),
+                                    compute_q_blocks=False)
 
 
 def flex_decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
