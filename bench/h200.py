@@ -36,6 +36,8 @@ from transformers import Qwen3Config  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from bench.traces import reduce_trace  # noqa: E402  (the profile section's reducer, shared with bench/regen.py)
+
 S, A, BK, H, V = 3072, 512, 16, 4096, 151936
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -838,90 +840,6 @@ def warm_restart(extra=()):
     else:
         res = {"exit": r.returncode, "stderr": r.stderr[-3000:]}
     return res
-
-
-# ---- where the GPU's idle time goes: the train stage under torch.profiler --------------------------------------
-PHASES = ("queue_wait", "drafter_fwd_bwd", "optimizer")   # record_function ranges of the trainer loop
-SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy", "aten::item",
-         "aten::_local_scalar_dense")
-
-
-def _union(intervals):
-    """Sorted, merged [start, end) intervals."""
-    out = []
-    for a, e in sorted(intervals):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], e)
-        else:
-            out.append([a, e])
-    return out
-
-
-def reduce_trace(path, top=15, gap_ms=1.0, gaps_listed=15) -> dict:
-    """A torch.profiler chrome trace (.json or .json.gz) -> where the GPU time goes, per GPU: busy fraction of the
-    window (first to last GPU activity), busy time per stream (the stream holding the drafter's annotations is the
-    drafter's; the target runs on its own), the top kernels, idle gaps longer than gap_ms with what the profiled
-    (drafter) thread was doing on the CPU then, and host syncs and annotated phases (queue_wait, drafter_fwd_bwd, optimizer).
-    Times in ms. CPU ops are those of the profiling thread only (torch.profiler records the thread that opens it)."""
-    import gzip
-    from collections import defaultdict
-    with (gzip.open if str(path).endswith(".gz") else open)(path, "rt") as f:
-        ev = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
-    gpu = [e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    host = sorted((e for e in ev if e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver")),
-                  key=lambda e: e["ts"])
-    out = {"events": len(ev), "steps": sum(1 for e in ev if e.get("cat") == "user_annotation" and e["name"] == "optimizer")}
-    phases = defaultdict(lambda: defaultdict(float))
-    for e in ev:
-        if e["name"] in PHASES and e.get("cat") in ("user_annotation", "gpu_user_annotation"):
-            key = "cpu_ms" if e["cat"] == "user_annotation" else "gpu_ms"
-            phases[e["name"]][key] += e["dur"] / 1e3
-            phases[e["name"]]["count_" + key[:3]] += 1
-    out["phases"] = {k: {m: round(x, 2) for m, x in v.items()} for k, v in phases.items()}
-    syncs = defaultdict(lambda: [0, 0.0])
-    for e in host:
-        if e["name"] in SYNCS:
-            syncs[e["name"]][0] += 1
-            syncs[e["name"]][1] += e["dur"] / 1e3
-    out["host_syncs"] = {k: {"count": c, "ms": round(t, 2)} for k, (c, t) in syncs.items()}
-    drafter_streams = {(e["pid"], e["tid"]) for e in ev if e.get("cat") == "gpu_user_annotation"}
-    main = {e["tid"] for e in ev if e.get("cat") == "user_annotation"}   # the profiled (drafter) thread
-    out["gpus"] = {}
-    for dev in sorted({e["pid"] for e in gpu}, key=str):
-        g = [e for e in gpu if e["pid"] == dev]
-        busy = _union((e["ts"], e["ts"] + e["dur"]) for e in g)
-        t0, t1 = busy[0][0], busy[-1][1]
-        busy_us = sum(e - a for a, e in busy)
-        streams = {}
-        for tid in {e["tid"] for e in g}:
-            u = _union((e["ts"], e["ts"] + e["dur"]) for e in g if e["tid"] == tid)
-            streams[str(tid)] = {"busy_ms": round(sum(e - a for a, e in u) / 1e3, 2),
-                                 "kernels": sum(1 for e in g if e["tid"] == tid),
-                                 "role": "drafter" if (dev, tid) in drafter_streams else "other (target)"}
-        names = defaultdict(lambda: [0, 0.0])
-        for e in g:
-            names[e["name"][:140]][0] += 1
-            names[e["name"][:140]][1] += e["dur"]
-        total = sum(t for _, t in names.values()) or 1.0
-        kernels = sorted(names.items(), key=lambda kv: -kv[1][1])[:top]
-        gaps = [(a_end, b_start) for (_, a_end), (b_start, _) in zip(busy, busy[1:]) if b_start - a_end > gap_ms * 1e3]
-        listed = []
-        for a, e in sorted(gaps, key=lambda x: x[0] - x[1])[:gaps_listed]:
-            # what the CPU was doing: host events covering most of the gap, outermost first, then the innermost two
-            at = [h for h in host if min(e, h["ts"] + h["dur"]) - max(a, h["ts"]) > (e - a) / 2]
-            listed.append({"at_ms": round((a - t0) / 1e3, 2), "ms": round((e - a) / 1e3, 2),
-                           "cpu": [h["name"][:100] + ("" if h["tid"] in main else f" (thread {h['tid']})")
-                                   for h in (at if len(at) <= 3 else at[:1] + at[-2:])]})
-        out["gpus"][str(dev)] = {
-            "window_ms": round((t1 - t0) / 1e3, 2), "busy_ms": round(busy_us / 1e3, 2),
-            "busy_fraction": round(busy_us / max(t1 - t0, 1e-9), 4),
-            "window_ms_per_step": round((t1 - t0) / 1e3 / out["steps"], 2) if out["steps"] else None,
-            "streams": streams,
-            "idle_gaps_over_ms": {"threshold_ms": gap_ms, "count": len(gaps),
-                                  "total_ms": round(sum(e - a for a, e in gaps) / 1e3, 2), "longest": listed},
-            "top_kernels": [{"name": k, "count": c, "ms": round(t / 1e3, 2), "share": round(t / total, 4)}
-                            for k, (c, t) in kernels]}
-    return out
 
 
 def stages(config, extra=()):

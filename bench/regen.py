@@ -12,6 +12,11 @@ CUDA graph capture and allocator growth happen there), then on all prompts with 
   static-N | static-auto       dflash.data.decode.StaticDecoder: static KV cache, one fixed batch shape, the decode
                                step compiled and replayed as a CUDA graph (the `hf` engine's default on GPU)
   static-N-eager               the same decode loop without compiling
+  static-N[-eager][-prefillR][-flex]
+                               with the decoder's options (off in the `hf` engine; issue 28): -prefillR: the prefill
+                               in chunks of R prompts of similar length, each only as wide as its longest prompt;
+                               -flex: decode attention `grouped_flex` (flex_attention over only the 128-slot KV blocks
+                               holding slots a row sees: no block of left padding, none not yet written)
   cb                           transformers continuous batching (`generate_batch`, paged attention; GPU only:
                                on CPU it did not finish 16 x 8 tokens in 8 minutes)
   hfstatic-N[-forward|-eager][-gqa]
@@ -23,20 +28,43 @@ CUDA graph capture and allocator growth happen there), then on all prompts with 
                                `model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)`
                                (prefill compiled too), generate's own compile off. -eager: no compile (CPU).
                                -gqa: with our grouped decode attention instead of transformers' sdpa
+A static-N variant's decoder is made before the warm-up for the timed pass's length, so the warm-up compiles and
+records what the timed pass replays.
 The JSON (written after every variant, so a timeout keeps what finished) holds the command, date, torch and
-transformers versions, device, the config, and per variant: tokens, seconds, tokens/s, ms per decode step, peak
-GPU memory, or the error. Every variant but the reference (the first static-* listed, else the first listed) also
-gets `greedy_vs`: the count of its sequences identical token for token to the reference's (`identical_sequences` of
-`sequences`) and the mean length of their common prefix.
+transformers versions, device, the config, and per variant: tokens, seconds, tokens/s, ms per decode step (the
+wall time over batches x new tokens: the prefill included), peak GPU memory, or the error. Every variant but the
+reference (the first static-* listed, else the first listed) also gets `greedy_vs`: the count of its sequences
+identical token for token to the reference's (`identical_sequences` of `sequences`) and the mean length of their
+common prefix (on the random bf16 target any change of kernel changes some argmax: a prefix of tens of tokens is
+rounding, a prefix near 0 a broken decoder). Static variants also get `phases` (the timed pass, CUDA events):
+prefill_ms per batch, decode_step_ms (the CUDA graph replay), between_steps_ms (the loop's bookkeeping and its stop
+check's sync), prefill_share of the pass, decode_tokens_per_s. `--profile V1,V2` (static variants) adds `profile`:
+torch.profiler over one batch with --profile-steps decode steps after the timed pass, reduced by
+`bench.traces.step_table` (per decode step: ms per group gemm / attention / elementwise+copies / sampling / other
+and the top kernels; outside the steps: the prefill and the loop's bookkeeping), the chrome trace kept gzipped
+beside the JSON (`<out>-profile-<variant>.json.gz`) when under 20 MB.
 
-Ours against transformers' static-cache generate on one H200 (issue 28; one call, timeout 600 s, carry `.whl`; the
-JSON is written after each variant, so the riskiest, -forward, goes last):
+Where a static-512 pass's 18.0 s go on the H200 (r6: 7,275 tok/s, "70.4 ms per decode step" with the prefill in
+it), estimated, not measured: the eager prefill of 512 x 512 tokens (37.5% of them padding) is ~5 s of GEMMs at
+the measured 739 TFLOP/s plus ~2 s of unfused fp32 RMSNorm, rotary and SiLU passes, so about 7 s; the 255 decode
+steps get the other ~11 s, ~43 ms each, against a floor of ~24 ms (7.7 TFLOP of GEMMs: 10.5 ms; the whole 58 GB
+static cache read: 12.1 ms at 4.8 TB/s; ~1.5 ms of the rest). `phases` and the profile measure this split.
 
-    pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site:$PWD \\
-      python3 bench/regen.py --out $OUT/regen.json --variants static-512,hfstatic-512,hfstatic-512-gqa,hfstatic-512-forward
+Next device call (issue 28; one call, timeout 600 s, carry `.whl`; ~11 s to build the target, ~80-100 s per
+variant, ~20 s per profile; the JSON is written after each variant, the riskiest, -flex, goes last; then the GPU
+tests of the decoder options: their greedy turns under CUDA graphs, the compiled flex kernel's included, against
+`generate`'s on the tiny target):
 
-Each generate call allocates a fresh StaticCache (transformers' behaviour without a passed `past_key_values`), so the
-timed pass may re-record the CUDA graph once; the warm-up pass uses the same cache length, so it does not recompile.
+    pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && \\
+      timeout 400 python3 bench/regen.py --out $OUT/regen.json \\
+        --variants static-512,static-512-prefill64,static-512-flex --profile static-512,static-512-flex \\
+        > $OUT/regen.log 2>&1; \\
+      timeout 150 python3 -m pytest -q -m gpu tests/test_data_regen.py -k decoder_options_on_cuda \\
+        > $OUT/pytest-gpu.log 2>&1; tail -n 3 $OUT/regen.log $OUT/pytest-gpu.log
+
+Each generate call of an hfstatic variant allocates a fresh StaticCache (transformers' behaviour without a passed
+`past_key_values`), so the timed pass may re-record the CUDA graph once; the warm-up pass uses the same cache length,
+so it does not recompile.
 """
 from __future__ import annotations
 
@@ -94,11 +122,19 @@ def parse_variant(v: str) -> dict:
             raise SystemExit(f"--variants: {v!r} is not hfstatic-N[-forward|-eager][-gqa]")
         return {"name": v, "kind": "hfstatic", "batch": int(parts[1]), "gqa": "gqa" in flags,
                 "compile": "forward" if "forward" in flags else "eager" if "eager" in flags else "generate"}
-    if parts[0] not in ("generate", "static") or len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "eager"):
-        raise SystemExit(f"--variants: {v!r} is not generate-N, generate-auto, static-N, static-auto, static-N-eager, "
-                         "hfstatic-N[-forward|-eager][-gqa] or cb")
+    from dflash.data.decode import FLEX
+    flags, options = parts[2:], {}
+    for f in flags if parts[0] == "static" else ():
+        if f == "flex":
+            options["attention"] = FLEX
+        elif f.startswith("prefill") and f[len("prefill"):].isdigit() and int(f[len("prefill"):]) > 0:
+            options["prefill_rows"] = int(f[len("prefill"):])
+    if parts[0] not in ("generate", "static") or len(parts) < 2 or not (parts[1].isdigit() or parts[1] == "auto") \
+            or len(set(flags)) != len(flags) or len(flags) != ("eager" in flags) + len(options):
+        raise SystemExit(f"--variants: {v!r} is not generate-N, generate-auto, "
+                         "static-N|auto[-eager][-prefillR][-flex], hfstatic-N[-forward|-eager][-gqa] or cb")
     return {"name": v, "kind": "generate", "decoder": parts[0], "batch": 0 if parts[1] == "auto" else int(parts[1]),
-            "compile": len(parts) == 2}
+            "compile": "eager" not in flags, "options": options}
 
 
 def hf_static(model, prompts, new_tokens, batch, pad, compile, cache_len, compile_config=None):
@@ -139,10 +175,93 @@ def greedy_vs(seqs, ref) -> dict:
             "mean_common_prefix": round(sum(prefix(a, b) for a, b in zip(seqs, ref)) / max(1, len(ref)), 2)}
 
 
-def run_variant(model, tokenizer, prompts, new_tokens, var, device):
+class PhaseClock:
+    """A StaticDecoder's time, split: per generate call the prefill (from the call to its first decode step: the
+    mask and cache set-up and the prompt's forward), each decode step (the compiled step: a CUDA graph replay) and
+    each gap between steps (the loop's bookkeeping, the stop check's host sync every check_every steps). CUDA events
+    on a GPU (no sync until `summary`), the wall clock on the CPU. Each step is also a `decode_step` profiler range
+    (for `bench.traces.step_table`)."""
+
+    def __init__(self, dec):
+        import torch
+        self.cuda, self.calls, self.B = dec.device.type == "cuda", [], dec.B
+        generate, step = dec.generate, dec._greedy
+
+        def timed_generate(*a, **kw):
+            self.calls.append([self._mark()])
+            return generate(*a, **kw)
+
+        def timed_step(*a, **kw):
+            self.calls[-1].append(self._mark())
+            with torch.profiler.record_function("decode_step"):
+                out = step(*a, **kw)
+            self.calls[-1].append(self._mark())
+            return out
+        dec.generate, dec._greedy = timed_generate, timed_step
+
+    def _mark(self):
+        import torch
+        if not self.cuda:
+            return time.perf_counter()
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def summary(self) -> dict:
+        """ms: prefill per call, decode step and gap between steps (mean and median), decode-only tokens/s."""
+        import statistics
+
+        import torch
+        if self.cuda:
+            torch.cuda.synchronize()
+        prefill, steps, gaps = [], [], []
+        for marks in (m for m in self.calls if len(m) > 1):
+            t = [marks[0].elapsed_time(x) if self.cuda else 1e3 * (x - marks[0]) for x in marks]   # ms from the call
+            prefill.append(t[1])
+            steps += [b - a for a, b in zip(t[1::2], t[2::2])]
+            gaps += [b - a for a, b in zip(t[2::2], t[3::2])]
+        if not steps:
+            return {"calls": len(self.calls), "decode_steps": 0}
+        step, gap = statistics.fmean(steps), statistics.fmean(gaps) if gaps else 0.0
+        total = sum(prefill) + sum(steps) + sum(gaps)
+        return {"calls": len(prefill), "decode_steps": len(steps), "prefill_ms": round(statistics.fmean(prefill), 2),
+                "decode_step_ms": round(step, 3), "decode_step_ms_median": round(statistics.median(steps), 3),
+                "between_steps_ms": round(gap, 3), "prefill_share": round(sum(prefill) / total, 4),
+                "decode_tokens_per_s": round(1e3 * self.B / (step + gap), 1)}
+
+
+def profile_decode(go, prompts, batch, steps, trace_out: Path) -> dict:
+    """torch.profiler (CPU, and CUDA on a GPU) over one generate call of `batch` prompts with `steps` decode steps,
+    after the variant's timed pass (compiled, graphs recorded), reduced by `bench.traces.step_table`; the chrome
+    trace is kept gzipped at `trace_out` when under 20 MB."""
+    import gzip
+    import shutil
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.traces import step_table
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "trace.json"
+        with profile(activities=acts) as prof:
+            go(prompts[:batch], steps + 1)                          # the prefill's token, then `steps` decode steps
+        prof.export_chrome_trace(str(raw))
+        res = {"steps_asked": steps, "table": step_table(raw, "decode_step")}
+        with open(raw, "rb") as f, gzip.open(Path(tmp) / "trace.json.gz", "wb") as g:
+            shutil.copyfileobj(f, g)
+        mb = (Path(tmp) / "trace.json.gz").stat().st_size / 2**20
+        res["trace_mb"] = round(mb, 2)
+        if mb < 20:
+            shutil.copy(Path(tmp) / "trace.json.gz", trace_out)
+            res["trace_file"] = trace_out.name
+    return res
+
+
+def run_variant(model, tokenizer, prompts, new_tokens, var, device, profile_steps=0, trace_out=None):
     import torch
 
-    from dflash.data.decode import release
+    from dflash.data.decode import decoder_for, release
     from dflash.data.generate import regenerate
     cuda = device.startswith("cuda")
     release(model)                              # the previous variant's decoder: each variant sizes its own
@@ -193,19 +312,34 @@ def run_variant(model, tokenizer, prompts, new_tokens, var, device):
         def go(ps, new):
             t = time.time()
             seqs, st = regenerate(model, tokenizer, ps, new, 0.0, var["batch"], progress=False,
-                                  decoder=var["decoder"], compile=var["compile"], ignore_eos=True)
+                                  decoder=var["decoder"], compile=var["compile"], ignore_eos=True,
+                                  static_options=var["options"])
             if cuda:
                 torch.cuda.synchronize()
             attn[0] = st["attn_implementation"]
             return st["tokens"], time.time() - t, st["batch_size"], seqs
+    static = var.get("decoder") == "static"
+    need = max(len(q) for q in prompts) + new_tokens
+    if static and var["batch"]:                 # the timed pass's length: the warm-up compiles what it runs
+        decoder_for(model, var["batch"], need, var["compile"], **var["options"])
     _, warm_s, _, _ = go(prompts, min(16, new_tokens))     # warm-up: the same batches, fewer tokens
+    dec = decoder_for(model, None, need, var["compile"], **var["options"]) if static else None
+    clock = PhaseClock(dec) if dec is not None else None
     tokens, seconds, bs, seqs = go(prompts, new_tokens)
     batches = -(-len(prompts) // bs) if bs else None
-    return {"variant": var["name"], "batch_size": bs, "tokens": tokens, "seconds": round(seconds, 3),
-            "attn_implementation": attn[0],
-            "tokens_per_s": round(tokens / seconds, 1), "warmup_s": round(warm_s, 3),
-            "ms_per_decode_step": round(1000 * seconds / (batches * new_tokens), 2) if batches else None,
-            "peak_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None}, seqs
+    res = {"variant": var["name"], "batch_size": bs, "tokens": tokens, "seconds": round(seconds, 3),
+           "attn_implementation": attn[0], **({"options": var["options"]} if var.get("options") else {}),
+           "tokens_per_s": round(tokens / seconds, 1), "warmup_s": round(warm_s, 3),
+           "ms_per_decode_step": round(1000 * seconds / (batches * new_tokens), 2) if batches else None,
+           "peak_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None}
+    if clock is not None:
+        res["phases"] = clock.summary()
+    if profile_steps:
+        if clock is None:
+            res["profile"] = {"error": "--profile: only a static-N variant's decode steps are profiled"}
+        else:
+            res["profile"] = profile_decode(go, prompts, bs, profile_steps, trace_out)
+    return res, seqs
 
 
 def main(argv=None):
@@ -218,6 +352,9 @@ def main(argv=None):
     p.add_argument("--variants", default=None,
                    help="comma list (default static-128,static-256,static-auto,generate-128; tiny generate-4,static-4-eager)")
     p.add_argument("--device", default=None, help="default cuda (tiny: cpu)")
+    p.add_argument("--profile", default="", help="comma list of static-N variants (of --variants) to profile: "
+                   "torch.profiler over one batch with --profile-steps decode steps after the timed pass")
+    p.add_argument("--profile-steps", type=int, default=8, help="decode steps in a profile (default 8)")
     args = p.parse_args(argv)
     import torch
     import transformers
@@ -229,6 +366,9 @@ def main(argv=None):
     lengths = [int(x) for x in (args.prompt_lengths or ("8,12,16" if tiny else "128,256,384,512")).split(",")]
     variants = [parse_variant(v) for v in (args.variants or ("generate-4,static-4-eager" if tiny else
                                                              "static-128,static-256,static-auto,generate-128")).split(",")]
+    profiled = set(filter(None, args.profile.split(",")))
+    if profiled - {v["name"] for v in variants}:
+        raise SystemExit(f"--profile: {sorted(profiled - {v['name'] for v in variants})} not in --variants")
     arch = TINY if tiny else QWEN3_8B
     dtype = "float32" if device == "cpu" else "bfloat16"
     out = Path(args.out)
@@ -248,7 +388,9 @@ def main(argv=None):
         seqs = {}                                      # variant -> greedy sequences, held to the reference's
         for var in variants:
             try:
-                r, seqs[var["name"]] = run_variant(model, tokenizer, prompts, new, var, device)
+                r, seqs[var["name"]] = run_variant(
+                    model, tokenizer, prompts, new, var, device, args.profile_steps if var["name"] in profiled else 0,
+                    out.with_name(f"{out.stem}-profile-{var['name']}.json.gz"))
             except Exception as e:                     # OOM, an unsupported variant: recorded, the others still run
                 r = {"variant": var["name"], "error": f"{type(e).__name__}: {str(e)[:500]}",
                      "traceback": traceback.format_exc()[-2000:]}
@@ -256,7 +398,12 @@ def main(argv=None):
             for x in report["results"]:
                 if x["variant"] != ref and seqs.get(x["variant"]) is not None and seqs.get(ref) is not None:
                     x["greedy_vs"] = {"variant": ref, **greedy_vs(seqs[x["variant"]], seqs[ref])}
-            print(json.dumps({k: v for k, v in r.items() if k != "traceback"}), flush=True)
+            print(json.dumps({k: v for k, v in r.items() if k not in ("traceback", "profile")}), flush=True)
+            if "table" in r.get("profile", {}):                 # the profile's headline: ms per decode step by group
+                t = r["profile"]["table"]
+                print(json.dumps({"profile": r["variant"], "steps": t["steps"], "step_ms": t["step"]["ms"],
+                                  "step_groups_ms": {g: v["ms"] for g, v in t["step"]["groups"].items()},
+                                  "outside_ms": t["outside"]["ms"]}), flush=True)
             out.write_text(json.dumps(report, indent=2) + "\n")
     ok = [r for r in report["results"] if "tokens_per_s" in r]
     if ok:

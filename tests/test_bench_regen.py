@@ -93,3 +93,94 @@ def test_generates_own_compile_is_one_graph_with_a_static_cache(tmp_path, monkey
     assert len(caches) == 4 and all(type(c).__name__ == "StaticCache" and c.max_cache_len == 256 for c in caches)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     assert not torch._dynamo.utils.counters["graph_break"]
+
+
+def test_static_variant_names():
+    assert regen.parse_variant("static-512") == {"name": "static-512", "kind": "generate", "decoder": "static",
+                                                 "batch": 512, "compile": True, "options": {}}
+    v = regen.parse_variant("static-512-prefill64-flex")
+    assert (v["batch"], v["compile"], v["options"]) == (512, True, {"prefill_rows": 64, "attention": "grouped_flex"})
+    v = regen.parse_variant("static-auto-eager-flex")
+    assert (v["batch"], v["compile"], v["options"]) == (0, False, {"attention": "grouped_flex"})
+    assert regen.parse_variant("generate-4-eager")["options"] == {}
+    for bad in ("static-4-prefill0", "static-4-prefill", "static-4-flex-flex", "generate-4-flex", "static-x",
+                "static-4-prefill2-prefill3", "static"):
+        with pytest.raises(SystemExit):
+            regen.parse_variant(bad)
+
+
+def test_phases_and_profile_of_the_static_decoder(tmp_path):
+    """Every static variant reports its prefill, decode step and between-steps time; --profile adds a torch.profiler
+    table of one batch with 3 decode steps: on the CPU the ops' self times, the decode step's (argmax, attention,
+    matmuls) apart from the prefill's. The options' variant keeps the reference's greedy tokens."""
+    import gzip
+    out = tmp_path / "regen.json"
+    with pytest.raises(SystemExit):                                         # not a listed variant
+        regen.main(["--tiny", "--out", str(out), "--variants", "static-4-eager", "--profile", "static-8-eager"])
+    assert regen.main(["--tiny", "--out", str(out), "--variants",
+                       "static-4-eager,static-4-eager-prefill2-flex,generate-4",
+                       "--profile", "static-4-eager,generate-4", "--profile-steps", "3"]) == 0
+    res = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
+    for name in ("static-4-eager", "static-4-eager-prefill2-flex"):
+        ph = res[name]["phases"]
+        assert (ph["calls"], ph["decode_steps"]) == (4, 4 * 7), name              # 16 prompts / 4, 8 tokens each
+        assert ph["prefill_ms"] > 0 and ph["decode_step_ms"] > 0 and ph["between_steps_ms"] > 0
+        assert 0 < ph["prefill_share"] < 1
+        assert ph["decode_tokens_per_s"] == pytest.approx(4e3 / (ph["decode_step_ms"] + ph["between_steps_ms"]),
+                                                          rel=1e-2)
+    assert res["static-4-eager-prefill2-flex"]["greedy_vs"]["identical_sequences"] == 16
+    assert res["static-4-eager-prefill2-flex"]["options"] == {"prefill_rows": 2, "attention": "grouped_flex"}
+    assert "phases" not in res["generate-4"] and "error" in res["generate-4"]["profile"]
+    prof = res["static-4-eager"]["profile"]
+    t = prof["table"]
+    assert (t["device"], t["steps"], prof["steps_asked"]) == ("cpu", 3, 3)
+    step, outside = t["step"], t["outside"]
+    for part in (step, outside):
+        assert sum(g["share"] for g in part["groups"].values()) == pytest.approx(1, abs=2e-3)
+        assert sum(g["ms"] for g in part["groups"].values()) == pytest.approx(part["ms"], rel=1e-2)
+        assert {"gemm", "attention", "elementwise+copies"} <= set(part["groups"])
+    assert step["groups"]["sampling"]["ms"] > 0                          # the step's argmax
+    assert step["ms"] > 0 and outside["groups"]["gemm"]["ms"] > 0                # the prefill's matmuls
+    with gzip.open(tmp_path / prof["trace_file"], "rt") as f:
+        assert sum(e.get("name") == "decode_step" for e in json.load(f)["traceEvents"]) == 3
+    from bench.traces import step_table
+    top = {x["name"]: x for x in step_table(tmp_path / prof["trace_file"], "decode_step", top=1000)["step"]["top"]}
+    assert top["aten::mm"]["group"] == "gemm" and top["aten::mm"]["count"] == 2 * 7 + 1   # 2 layers x 7 Linear + head
+
+
+def test_step_table_gives_a_step_the_kernels_its_launches_made(tmp_path):
+    """On a GPU trace a kernel is the step's when the runtime call that launched it (same correlation id) lies in
+    a decode_step range, however late it runs; kernels launched elsewhere (the prefill) are `outside`."""
+    import gzip
+
+    from bench.traces import group, step_table
+
+    def x(cat, name, ts, dur, tid=1, corr=None):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid,
+                "pid": 0 if cat.startswith(("kernel", "gpu")) else 1,
+                **({"args": {"correlation": corr}} if corr is not None else {})}
+    ev = [x("user_annotation", "decode_step", 100, 100), x("user_annotation", "decode_step", 300, 100),
+          x("cuda_runtime", "cudaLaunchKernel", 50, 5, corr=3), x("cuda_runtime", "cudaGraphLaunch", 150, 10, corr=7),
+          x("cuda_runtime", "cudaGraphLaunch", 350, 10, corr=8)]
+    for corr, t0 in ((7, 1000), (8, 9000)):                              # a graph's kernels run long after the launch
+        ev += [x("kernel", "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", t0, 30, tid=7, corr=corr),
+               x("kernel", "fmha_cutlassF_bf16_aligned_64x64_rf_sm80", t0 + 30, 50, tid=7, corr=corr),
+               x("kernel", "triton_red_fused_argmax_0", t0 + 80, 5, tid=7, corr=corr),
+               x("gpu_memcpy", "Memcpy DtoD (Device -> Device)", t0 + 85, 10, tid=7, corr=corr)]
+    ev.append(x("kernel", "sm90_xmma_gemm_bf16bf16_bf16f32", 60, 1000, tid=7, corr=3))
+    path = tmp_path / "t.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": ev}, f)
+    t = step_table(path, "decode_step")
+    assert (t["device"], t["steps"]) == ("gpu", 2)
+    assert t["step"]["ms"] == pytest.approx(0.095)
+    assert {g: v["ms"] for g, v in t["step"]["groups"].items()} == pytest.approx(
+        {"attention": 0.05, "gemm": 0.03, "elementwise+copies": 0.01, "sampling": 0.005})
+    assert t["step"]["groups"]["attention"]["share"] == pytest.approx(50 / 95, abs=1e-4)
+    assert t["step"]["top"][0] == {"name": "fmha_cutlassF_bf16_aligned_64x64_rf_sm80", "group": "attention",
+                                   "count": 1.0, "ms": 0.05, "share": pytest.approx(50 / 95, abs=1e-4)}
+    assert t["outside"]["ms"] == 1.0 and t["outside"]["groups"] == {"gemm": {"ms": 1.0, "share": 1.0}}
+    names = ("aten::mm", "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::argmax", "aten::index_copy_",
+             "triton_poi_fused_add_cos_mul_neg_sin_0", "triton_tem_fused_flex_decoding_0", "Torch-Compiled Region: 0/0")
+    assert [group(n) for n in names] == \
+        ["gemm", "attention", "sampling", "elementwise+copies", "elementwise+copies", "attention", "other"]

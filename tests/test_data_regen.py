@@ -264,6 +264,26 @@ def test_static_decoder_cuda_graph_gives_the_greedy_turns_of_generate(talking_ta
     assert graph2 == ref2 and len(graph2[0]) == 6 and decode._LAST[id(model)] is dec
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", [{"attention": "grouped_flex"}, {"prefill_rows": 3}])
+def test_decoder_options_on_cuda_graphs_give_the_greedy_turns_of_generate(talking_target, options):
+    """The options compiled and replayed as CUDA graphs (flex: the compiled kernel, which reads only the listed
+    blocks) give `generate`'s turns."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash.data import decode
+    from dflash.data.generate import regenerate
+    from dflash.data.tokenise import prompt_ids
+    tok = AutoTokenizer.from_pretrained(str(talking_target))
+    model = AutoModelForCausalLM.from_pretrained(str(talking_target)).cuda().eval()
+    prompts = [prompt_ids(tok, r["messages"][:1])[k:] for k, r in zip([0, 3, 5, 0, 9, 2, 7, 1], good_rows(8))]
+    ref, _ = regenerate(model, tok, prompts, 40, batch_size=4, progress=False, decoder="generate", ignore_eos=True)
+    got, st = regenerate(model, tok, prompts, 40, batch_size=4, progress=False, ignore_eos=True,
+                         static_options=options)
+    assert st["decoder"] == "static" and decode._LAST[id(model)].graphs and got == ref
+    decode.release(model)
+
+
 def test_bench_regen_runs_tiny(tmp_path):
     out = tmp_path / "regen.json"
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent), OMP_NUM_THREADS="1")
@@ -352,6 +372,108 @@ def test_grouped_decode_attention_equals_transformers_sdpa():
     torch.testing.assert_close(gqa_attention(Mod(), q, k2, v, mask, scaling=0.25)[0], out, rtol=0, atol=1e-12)
     k2[0, :, 5] += 5.0
     assert not torch.allclose(gqa_attention(Mod(), q, k2, v, mask, scaling=0.25)[0], out)
+
+
+def test_flex_decode_attention_equals_grouped_attention():
+    """The `grouped_flex` decode attention (flex_attention, eager here: the math reference, which reads every block)
+    is grouped_sdpa's attention for a decode step with left padding and unwritten slots; other calls are it."""
+    import torch
+
+    from dflash.data.decode import KV_BLOCK, flex_decode_attention, gqa_attention
+
+    class Mod(torch.nn.Module):
+        num_key_value_groups, is_causal = 4, True
+
+    g = torch.Generator().manual_seed(0)
+    L = 2 * KV_BLOCK
+    q = torch.randn(3, 8, 1, 16, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(3, 2, L, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    mask = torch.ones(3, 1, 1, L, dtype=torch.bool)
+    mask[0, ..., :140] = False                                         # left padding: all of block 0 and more
+    mask[2, ..., 100:] = False                                         # unwritten slots: all of block 1
+    out, _ = flex_decode_attention(Mod(), q, k, v, mask, scaling=0.25)
+    ref, _ = gqa_attention(Mod(), q, k, v, mask, scaling=0.25)
+    assert out.shape == ref.shape == (3, 1, 8, 16)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    q4 = torch.randn(3, 8, 4, 16, generator=g, dtype=torch.float64)   # a prefill: grouped_sdpa's own path
+    pmask = mask.expand(3, 1, 4, L)
+    torch.testing.assert_close(flex_decode_attention(Mod(), q4, k, v, pmask, scaling=0.25)[0],
+                               gqa_attention(Mod(), q4, k, v, pmask, scaling=0.25)[0], rtol=0, atol=0)
+
+
+def test_visible_blocks_lists_only_the_kv_blocks_a_decode_step_sees():
+    """The block lists a compiled flex kernel reads (eager flex ignores them): per row the 128-slot blocks holding a
+    visible slot, in order, and nothing else; those wholly visible as full blocks, the others cut by the mask."""
+    import torch
+
+    from dflash.data.decode import KV_BLOCK, visible_blocks
+    from dflash.model.masks import block_mask_to_dense
+    L = 6 * KV_BLOCK
+    vis = torch.zeros(3, L, dtype=torch.bool)
+    vis[0, 300:700] = True                           # left padding, the prompt and tokens so far, unwritten slots
+    vis[1, :6] = True
+    vis[2, 100:130] = True
+    vis[2, 640] = True
+    bm = visible_blocks(vis)
+    def lists(num, idx):
+        return [idx[b, 0, 0, :n].tolist() for b, n in enumerate(num[:, 0, 0].tolist())]
+    assert lists(bm.kv_num_blocks, bm.kv_indices) == [[2, 5], [0], [0, 1, 5]] and bm.seq_lengths == (1, L)
+    assert lists(bm.full_kv_num_blocks, bm.full_kv_indices) == [[3, 4], [], []]
+    assert torch.equal(block_mask_to_dense(bm, 1, L)[:, 0], vis)
+
+
+def test_decoder_options_give_the_default_decoders_greedy_turns(talking_target):
+    """The static decoder's options (flex decode attention, the prefill in row chunks, both) give the greedy turns
+    of the default decoder (fp32, CPU) for prompts of six lengths in batches of 3; a kept decoder is reused only
+    with the same options."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash.data import decode
+    from dflash.data.generate import regenerate
+    from dflash.data.tokenise import prompt_ids
+    tok = AutoTokenizer.from_pretrained(str(talking_target))
+    model = AutoModelForCausalLM.from_pretrained(str(talking_target)).eval()
+    prompts = [prompt_ids(tok, r["messages"][:1])[k:] for k, r in zip([0, 3, 5, 0, 9, 2, 7], good_rows(7))]
+    ref, _ = regenerate(model, tok, prompts, 12, batch_size=3, progress=False, decoder="static", ignore_eos=True)
+    for options in ({"prefill_rows": 2}, {"attention": decode.FLEX}, {"attention": decode.FLEX, "prefill_rows": 1}):
+        got, st = regenerate(model, tok, prompts, 12, batch_size=3, progress=False, decoder="static",
+                             ignore_eos=True, static_options=options)
+        assert got == ref, options
+        assert decode._LAST[id(model)].options == {**decode.OPTIONS, **options}
+        assert st["attn_implementation"] == options.get("attention", decode.GQA)
+    assert model.config._attn_implementation == "sdpa"
+    d = decode.decoder_for(model, 3, 40, compile=False, prefill_rows=2)
+    assert decode.decoder_for(model, 3, 40, compile=False, prefill_rows=2) is d
+    assert decode.decoder_for(model, 3, 40, compile=False) is not d and d.cache is None
+    decode.release(model)
+    with pytest.raises(ValueError, match="options"):
+        decode.StaticDecoder(model, 3, 256, compile=False, prefill=2)
+
+
+def test_flex_decode_step_is_one_graph_for_dynamo(talking_target):
+    """The flex decode step compiled as on a GPU (fullgraph; dynamo's eager backend here, no Inductor): one graph,
+    no graph break, its BlockMask built inside it, and the default decoder's turns."""
+    import torch
+    import torch._dynamo
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash.data import decode
+    from dflash.data.generate import _left_padded, regenerate
+    from dflash.data.tokenise import prompt_ids
+    tok = AutoTokenizer.from_pretrained(str(talking_target))
+    model = AutoModelForCausalLM.from_pretrained(str(talking_target)).eval()
+    prompts = [prompt_ids(tok, r["messages"][:1])[k:] for k, r in zip([0, 3, 5, 0], good_rows(4))]
+    ref, _ = regenerate(model, tok, prompts, 8, batch_size=4, progress=False, decoder="static", ignore_eos=True)
+    decode.release(model)
+    dec = decode.StaticDecoder(model, 4, 256, compile=False, attention=decode.FLEX)
+    dec._greedy = torch.compile(decode._step_greedy, backend="eager", fullgraph=True)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    ids, att = _left_padded(prompts, range(4), tok.pad_token_id)
+    assert dec.generate(ids, att, 8).tolist() == ref
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert not torch._dynamo.utils.counters["graph_break"]
+    dec.close()
 
 
 def test_static_decoder_is_reused_while_it_fits_and_its_cache_freed_when_replaced(talking_target):

@@ -13,12 +13,21 @@ graph) for the next call that fits it, so a stage compiles once, not once per ch
 Attention: with a padding mask transformers' sdpa path repeats K and V for every query head of a KV group (4x the
 cache read per step for Qwen3-8B: 100 ms per step at batch 256 on an H200); the decoder registers `grouped_sdpa`,
 which reads each KV head once for its group of query heads (same kernel, same math) and is sdpa elsewhere.
+
+Options, off by default, each a `bench/regen.py` variant until a measurement makes it the default (issue 28):
+- `attention=FLEX` ("grouped_flex"): decode steps through flex_attention over only the 128-slot KV blocks that hold a
+  slot the query sees (no block of left padding, none of the cache not yet written), each KV head read once.
+- `prefill_rows=R`: the prefill in chunks of R prompts of similar length, each only as wide as its longest prompt
+  (the whole-batch prefill computes every padding position of the batch's width), its K/V copied into the cache.
 """
 from __future__ import annotations
 
 import torch
 
 GQA = "grouped_sdpa"       # (a name with "flash" in it would be taken for a flash-attention kernel)
+FLEX = "grouped_flex"
+KV_BLOCK = 128             # flex_attention's sparse block; every cache_len is a multiple of it
+OPTIONS = {"attention": GQA, "prefill_rows": 0}     # StaticDecoder's options, at their defaults (today's decoder)
 
 
 def gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -35,11 +44,41 @@ def gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
     return out.reshape(B, H, 1, D).transpose(1, 2).contiguous(), None
 
 
+def visible_blocks(visible):
+    """visible (B, L) bool, the slots one query per row sees -> a flex BlockMask over the KV blocks holding any of
+    them (per row, in order): the blocks all visible as full blocks, the others cut by `visible` itself."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    from dflash.model.masks import _ordered
+    B, L = visible.shape
+    blocks = visible.reshape(B, L // KV_BLOCK, KV_BLOCK)
+    full = blocks.all(-1)                                                  # (B, L/128)
+    num, idx = _ordered((blocks.any(-1) & ~full)[:, None, None])         # (B,1,1), (B,1,1,L/128): partial blocks
+    full_num, full_idx = _ordered(full[:, None, None])
+    return BlockMask.from_kv_blocks(num, idx, full_num, full_idx, BLOCK_SIZE=KV_BLOCK,
+                                    mask_mod=lambda b, h, q, kv: visible[b, kv], seq_lengths=(1, L),
+                                    compute_q_blocks=False)
+
+
+def flex_decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers attention function: decode steps (one query, the cache a whole number of KV blocks) as
+    flex_attention over `visible_blocks` of the mask, the query heads of a KV group sharing its reads; everything
+    else as `gqa_attention`. query (B, H, 1, D), key/value (B, Hkv, L, D), mask (B, 1, 1, L) bool."""
+    from torch.nn.attention.flex_attention import flex_attention as flex
+    B, H, q, D = query.shape
+    if q != 1 or attention_mask is None or attention_mask.dtype != torch.bool or key.shape[2] % KV_BLOCK:
+        return gqa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    out = flex(query, key, value, block_mask=visible_blocks(attention_mask[:, 0, 0]), scale=scaling,
+               enable_gqa=H != key.shape[1])                        # (B, H, 1, D)
+    return out.transpose(1, 2).contiguous(), None
+
+
 def _register():
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-    AttentionInterface.register(GQA, gqa_attention)
-    AttentionMaskInterface.register(GQA, sdpa_mask)
+    for name, fn in ((GQA, gqa_attention), (FLEX, flex_decode_attention)):
+        AttentionInterface.register(name, fn)
+        AttentionMaskInterface.register(name, sdpa_mask)
 
 
 def _forward(model, cache, ids, pos, mask):          # ids, pos (B, T); mask (B, L) -> last logits (B, V)
@@ -57,13 +96,19 @@ def _step_logits(model, cache, ids, pos, mask):
 
 
 class StaticDecoder:
-    def __init__(self, model, batch_size: int, max_len: int, compile: bool = True, check_every: int = 32):
+    def __init__(self, model, batch_size: int, max_len: int, compile: bool = True, check_every: int = 32,
+                 **options):
         from transformers import StaticCache
+        self.options = {**OPTIONS, **options}
+        if set(options) - set(OPTIONS) or self.options["attention"] not in (GQA, FLEX) \
+                or self.options["prefill_rows"] < 0:
+            raise ValueError(f"StaticDecoder: options {options} (known: attention {GQA} | {FLEX}, prefill_rows >= 0)")
         self.model, self.B, self.L, self.check_every = model, batch_size, max_len, check_every
         self.device = next(model.parameters()).device
         self.cache = StaticCache(config=model.config, max_cache_len=max_len)
         # grouped decode attention while this decoder runs (the caller's model keeps its own setting otherwise)
-        self.attn = GQA if model.config._attn_implementation in ("sdpa", GQA) else model.config._attn_implementation
+        impl = model.config._attn_implementation
+        self.attn = self.options["attention"] if impl in ("sdpa", GQA, FLEX) else impl
         self.graphs = compile and self.device.type == "cuda"
         self._greedy = torch.compile(_step_greedy, mode="reduce-overhead", fullgraph=True) if self.graphs \
             else _step_greedy
@@ -102,7 +147,10 @@ class StaticDecoder:
         pos = (att.cumsum(-1) - 1).clamp_min(0)                          # left padding: first real token at 0
         pick = (lambda lg: lg.argmax(-1)) if temperature <= 0 else (
             lambda lg: torch.multinomial(torch.softmax(lg.float() / temperature, -1), 1, generator=generator)[:, 0])
-        nxt = pick(_forward(self.model, self.cache, ids, pos, mask))     # prefill: eager, any width
+        if self.options["prefill_rows"]:
+            nxt = pick(self._prefill_rows(ids, att, pos))
+        else:
+            nxt = pick(_forward(self.model, self.cache, ids, pos, mask))     # prefill: eager, any width
         out = torch.empty(B, max_new_tokens, dtype=torch.long, device=dev)
         out[:, 0] = nxt
         stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=dev)
@@ -118,6 +166,30 @@ class StaticDecoder:
             out[:, t] = nxt
             done |= torch.isin(nxt, stop)
         return out
+
+    def _prefill_rows(self, ids, att, pos):
+        """The prefill of a reset cache in chunks of `prefill_rows` prompts, longest first, each as wide as its
+        longest prompt; each chunk's K/V (its own dynamic cache) go to the rows and slots a whole-batch prefill
+        fills (prompts end at slot W). ids, att, pos (B, W) -> last logits (B, V)."""
+        B, W = ids.shape
+        if any(getattr(layer, "is_sliding", False) for layer in self.cache.layers):
+            raise ValueError("StaticDecoder prefill_rows: a sliding-window cache layer keeps other slots")
+        lens = att.sum(-1)
+        last = None
+        for rows in torch.argsort(lens, descending=True, stable=True).split(self.options["prefill_rows"]):
+            w = int(lens[rows[0]])
+            out = self.model(input_ids=ids[rows, W - w:], position_ids=pos[rows, W - w:],
+                             attention_mask=att[rows, W - w:], use_cache=True, logits_to_keep=1)
+            for static, chunk in zip(self.cache.layers, out.past_key_values.layers):   # chunk K/V (R, Hkv, w, D)
+                if not static.is_initialized:                                          # shapes, dtype, device
+                    static.lazy_initialization(*(t[:1].expand(B, -1, -1, -1) for t in (chunk.keys, chunk.values)))
+                static.keys[rows, :, W - w:W] = chunk.keys
+                static.values[rows, :, W - w:W] = chunk.values
+            last = out.logits.new_empty(B, out.logits.shape[-1]) if last is None else last
+            last[rows] = out.logits[:, -1]
+        for static in self.cache.layers:
+            static.cumulative_length.fill_(W)
+        return last
 
 
 _LAST: dict[int, StaticDecoder] = {}
@@ -144,16 +216,18 @@ def release(model) -> None:
         torch.cuda.empty_cache()
 
 
-def decoder_for(model, batch_size: int | None, need_len: int, compile: bool = True) -> StaticDecoder | None:
-    """The model's last decoder if it is long enough and has the asked batch size (None: any), else a new one
-    (the old one's cache is freed first); None when there is nothing to reuse and no batch size is given."""
+def decoder_for(model, batch_size: int | None, need_len: int, compile: bool = True, **options) -> StaticDecoder | None:
+    """The model's last decoder if it is long enough, has the asked batch size (None: any) and the same `options`
+    (StaticDecoder's attention, prefill_rows; unnamed: their defaults), else a new one (the old one's cache is freed
+    first); None when there is nothing to reuse and no batch size is given."""
     last = _LAST.get(id(model))
     if last is not None and last.L >= need_len and batch_size in (None, last.B) \
-            and last.graphs == (compile and last.device.type == "cuda"):
+            and last.graphs == (compile and last.device.type == "cuda") \
+            and last.options == {**OPTIONS, **options}:
         return last
     del last
     release(model)
     if batch_size is None:
         return None
-    _LAST[id(model)] = dec = StaticDecoder(model, batch_size, cache_len(need_len), compile=compile)
+    _LAST[id(model)] = dec = StaticDecoder(model, batch_size, cache_len(need_len), compile=compile, **options)
     return dec

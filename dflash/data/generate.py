@@ -2,8 +2,8 @@
 
 Public:
 - `regenerate(model, tokenizer, prompts, max_new_tokens, temperature=0.0, batch_size=0, seed=0, progress=True,
-  stop_ids=None, decoder="auto", compile=True, ignore_eos=False, cpu_batch_size=None)` -> (responses:
-  list[list[int]] without the stop token, stats dict); decoder static|generate|auto (`dflash.data.decode`)
+  stop_ids=None, decoder="auto", compile=True, ignore_eos=False, cpu_batch_size=None, static_options=None)` ->
+  (responses: list[list[int]] without the stop token, stats dict); decoder static|generate|auto (`dflash.data.decode`)
 - `auto_batch_size(model, width, max_new_tokens, cpu_batch_size=None)` -> sequences per batch when batch_size is 0:
   from free GPU memory, or on CPU `cpu_batch_size` (None: the schema's `data.regenerate.cpu_batch_size`)
 """
@@ -40,12 +40,13 @@ def auto_batch_size(model, width: int, max_new_tokens: int, cpu_batch_size: int 
     return int(max(1, min(MAX_BATCH, MEMORY_FRACTION * free // per_seq)))
 
 
-def _batching(model, prompts, longest, max_new_tokens, batch_size, static, compile, cpu_batch_size):
-    """(batch size, static decoder or None): the model's kept decoder if it fits (batch_size 0: whatever its batch),
-    else batch_size, 0 sized by `auto_batch_size` (static: equal batches, the last one filled to the fixed shape)."""
+def _batching(model, prompts, longest, max_new_tokens, batch_size, static, compile, cpu_batch_size, options):
+    """(batch size, static decoder or None): the model's kept decoder if it fits (batch_size 0: whatever its batch;
+    `options`: the StaticDecoder's), else batch_size, 0 sized by `auto_batch_size` (static: equal batches, the last
+    one filled to the fixed shape)."""
     from dflash.data.decode import cache_len, decoder_for
     need = longest + max_new_tokens
-    dec = decoder_for(model, batch_size or None, need, compile) if static else None
+    dec = decoder_for(model, batch_size or None, need, compile, **options) if static else None
     if not batch_size and dec is None:
         width = cache_len(need) - max_new_tokens if static else longest
         batch_size = auto_batch_size(model, width, max_new_tokens, cpu_batch_size)
@@ -53,7 +54,7 @@ def _batching(model, prompts, longest, max_new_tokens, batch_size, static, compi
             batch_size = -(-len(prompts) // -(-len(prompts) // max(1, batch_size)))
         log.info("regeneration batch size %d (from free GPU memory)", batch_size)
         if static:
-            dec = decoder_for(model, batch_size, need, compile)
+            dec = decoder_for(model, batch_size, need, compile, **options)
     return (dec.B, dec) if static else (batch_size, None)
 
 
@@ -71,7 +72,7 @@ def _left_padded(prompts, rows, pad):
 
 
 def regenerate(model, tokenizer, prompts, max_new_tokens, temperature=0.0, batch_size=0, seed=0, progress=True,
-               stop_ids=None, decoder="auto", compile=True, ignore_eos=False, cpu_batch_size=None):
+               stop_ids=None, decoder="auto", compile=True, ignore_eos=False, cpu_batch_size=None, static_options=None):
     """Batched generation with a KV cache and left padding, prompts sorted by length (longest first). Returns
     responses (token ids up to, excluding, the first stop token) in the order of `prompts`, and {tokens, seconds,
     tokens_per_s, batch_size, decoder}.
@@ -79,7 +80,8 @@ def regenerate(model, tokenizer, prompts, max_new_tokens, temperature=0.0, batch
     decoder "generate": transformers `generate` with its dynamic cache. "static": `dflash.data.decode.StaticDecoder`
     (one fixed batch shape, the last batch filled; on GPU with `compile` the decode step is a CUDA graph). "auto":
     static on GPU, generate on CPU. batch_size 0 sizes batches by `auto_batch_size` (free GPU memory; on CPU
-    `cpu_batch_size`). `ignore_eos` generates exactly max_new_tokens (benchmarks)."""
+    `cpu_batch_size`). `ignore_eos` generates exactly max_new_tokens (benchmarks). `static_options`: the static
+    decoder's options (`dflash.data.decode.OPTIONS`; None: their defaults)."""
     import torch
     from tqdm import tqdm
     from transformers import GenerationConfig
@@ -92,7 +94,8 @@ def regenerate(model, tokenizer, prompts, max_new_tokens, temperature=0.0, batch
     static = decoder == "static" or (decoder == "auto" and device.type == "cuda")
     order = sorted(range(len(prompts)), key=lambda i: (-len(prompts[i]), i))
     longest = len(prompts[order[0]]) if prompts else 1
-    batch_size, dec = _batching(model, prompts, longest, max_new_tokens, batch_size, static, compile, cpu_batch_size)
+    batch_size, dec = _batching(model, prompts, longest, max_new_tokens, batch_size, static, compile, cpu_batch_size,
+                                static_options or {})
     if static:
         gen_g = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
     else:
