@@ -220,3 +220,33 @@ def test_cpu_dry_run_at_equal_steps_end_to_end(tmp_path):
     assert 1e-3 < f["rel_err"] < 0.1 and set(f["rel_err_per_layer"]) == {"0", "2"}   # e4m3 rounding, not bf16's
     md = (out / "quality.md").read_text()
     assert "# Quality at equal steps" in md and "exactly 2 optimizer steps" in md and "| fp8 |" not in md
+
+
+def test_a_part_that_raises_leaves_the_later_parts_their_turn(tmp_path, monkeypatch):
+    """The in-process fp8_features part (GPU code first run on the device) raising must not cost the call its later
+    parts: the error is recorded (and tried again next call), the table still written, the exit code 1."""
+    cfg = target_and_holdout(tmp_path)
+    out = tmp_path / "out"
+
+    def boom(self):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    monkeypatch.setattr(qb.Bench, "measure_fp8_features", boom)
+    args = ["--out", str(out), "--config", cfg, "--results-dir", str(tmp_path / "results"), "--steps", "800",
+            "--budget", "60"]
+    assert qb.main([*args, "--parts", "fp8_features,table"]) == 1
+    state = json.loads((out / "quality-state.json").read_text())
+    assert state["fp8_features"]["error"] == "RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert state["failed"] == {}                                     # fp8_features records its own error
+    md = (out / "quality.md").read_text()
+    assert "train.fp8_target's features against bf16: not measured (RuntimeError: CUDA error" in md
+    measured = {"rel_err": 0.03, "rel_err_per_layer": {"1": 0.03}, "layers": [1], "conversations": 1, "tokens": 3,
+                "target": "t", "device": "cuda:0", "dtype": "bfloat16", "quantize_s": 0.1}
+    monkeypatch.setattr(qb.Bench, "measure_fp8_features", lambda self: dict(measured))
+    assert qb.main([*args, "--parts", "fp8_features"]) == 0         # an error is not a measurement: tried again
+    assert json.loads((out / "quality-state.json").read_text())["fp8_features"]["rel_err"] == 0.03
+    monkeypatch.setattr(qb.Bench, "eval", boom)                       # any other part: recorded, the next one runs
+    assert qb.main([*args, "--parts", "eval,table"]) == 1
+    state = json.loads((out / "quality-state.json").read_text())
+    assert state["failed"]["eval"].startswith("RuntimeError: CUDA error") and (out / "quality.json").exists()
+    monkeypatch.setattr(qb.Bench, "eval", lambda self: None)
+    assert qb.main([*args, "--parts", "eval"]) == 0 and json.loads((out / "quality-state.json").read_text())["failed"] == {}
