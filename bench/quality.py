@@ -91,6 +91,7 @@ RECIPES: dict[str, dict] = {
 PARTS = ("pipeline", "fp8_features", "train", "eval", "table")
 DEFAULT_RECIPES = "baseline,baseline-seed1,dpace,muon,swa2048,kl"
 PRECISION_RECIPES = "baseline,baseline-seed1,baseline-seed2,fp8,fp8head,fp8target"   # --steps' default
+FP8_FEATURES_S = 60   # fp8_features' worst wall time on the device: imports, CUDA start, the target, 2 captures
 FP8_KEYS = {"train.precision": "fp8", "train.fp8_lm_head": True, "train.fp8_target": True}   # a key on: an FP8 recipe
 # the CPU dry run: config/quality.yaml shrunk to minutes on 2 cores (same code paths, tiny shapes)
 CPU_SETS = {
@@ -306,6 +307,9 @@ class Bench:
         kept."""
         if (self.state.get("fp8_features") or {}).get("rel_err") is not None:
             print("fp8_features: measured already", flush=True)
+            return
+        if self.budget.left() < FP8_FEATURES_S:   # no timeout of its own (it runs here): not started near the end
+            print(f"fp8_features: not started, {self.budget.left():.0f} s left (< {FP8_FEATURES_S} s)", flush=True)
             return
         t0 = time.monotonic()
         try:   # GPU code in this process: an error is recorded (not a measurement: tried again) and the call goes on

@@ -23,7 +23,7 @@ _spec.loader.exec_module(qb)
 
 def bench(tmp_path, **kw):
     args = dict(out=str(tmp_path / "out"), config="config/quality.yaml", parts="table", until=None,
-                recipes="baseline,baseline-seed1,dpace,muon", seconds=150.0, temps="0,1", parallel=4, budget=60.0,
+                recipes="baseline,baseline-seed1,dpace,muon", seconds=150.0, temps="0,1", parallel=4, budget=600.0,
                 results_dir=str(tmp_path / "results"), cpu=False, steps=None)
     return qb.Bench(types.SimpleNamespace(**{**args, **kw}))
 
@@ -232,7 +232,7 @@ def test_a_part_that_raises_leaves_the_later_parts_their_turn(tmp_path, monkeypa
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
     monkeypatch.setattr(qb.Bench, "measure_fp8_features", boom)
     args = ["--out", str(out), "--config", cfg, "--results-dir", str(tmp_path / "results"), "--steps", "800",
-            "--budget", "60"]
+            "--budget", "600"]
     assert qb.main([*args, "--parts", "fp8_features,table"]) == 1
     state = json.loads((out / "quality-state.json").read_text())
     assert state["fp8_features"]["error"] == "RuntimeError: CUDA error: an illegal memory access was encountered"
@@ -250,3 +250,12 @@ def test_a_part_that_raises_leaves_the_later_parts_their_turn(tmp_path, monkeypa
     assert state["failed"]["eval"].startswith("RuntimeError: CUDA error") and (out / "quality.json").exists()
     monkeypatch.setattr(qb.Bench, "eval", lambda self: None)
     assert qb.main([*args, "--parts", "eval"]) == 0 and json.loads((out / "quality-state.json").read_text())["failed"] == {}
+
+
+def test_fp8_features_is_not_started_near_the_budgets_end(tmp_path, monkeypatch):
+    """It runs in the bench process with no timeout of its own: with less than FP8_FEATURES_S left it waits for the
+    next call (nothing recorded) rather than run past the device call's limit."""
+    b = bench(tmp_path, steps=800, config=target_and_holdout(tmp_path), budget=qb.FP8_FEATURES_S - 5)
+    monkeypatch.setattr(qb.Bench, "measure_fp8_features", lambda self: pytest.fail("started"))
+    b.fp8_features()
+    assert "fp8_features" not in b.state
