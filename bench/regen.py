@@ -333,13 +333,22 @@ def run_variant(model, tokenizer, prompts, new_tokens, var, device, profile_step
            "ms_per_decode_step": round(1000 * seconds / (batches * new_tokens), 2) if batches else None,
            "peak_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None}
     if clock is not None:
-        res["phases"] = clock.summary()
+        res["phases"] = _guarded(clock.summary)
     if profile_steps:
         if clock is None:
             res["profile"] = {"error": "--profile: only a static-N variant's decode steps are profiled"}
         else:
-            res["profile"] = profile_decode(go, prompts, bs, profile_steps, trace_out)
+            res["profile"] = _guarded(profile_decode, go, prompts, bs, profile_steps, trace_out)
     return res, seqs
+
+
+def _guarded(fn, *args):
+    """fn(*args), or {"error": ...}: what comes after a variant's timed pass does not cost it its result."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        traceback.print_exc()
+        return {"error": f"{type(e).__name__}: {str(e)[:500]}"}
 
 
 def main(argv=None):
@@ -404,6 +413,8 @@ def main(argv=None):
                 print(json.dumps({"profile": r["variant"], "steps": t["steps"], "step_ms": t["step"]["ms"],
                                   "step_groups_ms": {g: v["ms"] for g, v in t["step"]["groups"].items()},
                                   "outside_ms": t["outside"]["ms"]}), flush=True)
+            elif "error" in r.get("profile", {}):
+                print(json.dumps({"profile": r["variant"], "error": r["profile"]["error"]}), flush=True)
             out.write_text(json.dumps(report, indent=2) + "\n")
     ok = [r for r in report["results"] if "tokens_per_s" in r]
     if ok:

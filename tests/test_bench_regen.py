@@ -184,3 +184,21 @@ def test_step_table_gives_a_step_the_kernels_its_launches_made(tmp_path):
              "triton_poi_fused_add_cos_mul_neg_sin_0", "triton_tem_fused_flex_decoding_0", "Torch-Compiled Region: 0/0")
     assert [group(n) for n in names] == \
         ["gemm", "attention", "sampling", "elementwise+copies", "elementwise+copies", "attention", "other"]
+
+
+def test_a_failed_profile_keeps_the_variants_timed_pass(tmp_path, monkeypatch):
+    """The profile (torch.profiler on CUDA graphs, first run on the device) and the phases come after the timed pass:
+    their failure is recorded under their own key, and the variant keeps its tokens/s and its greedy sequences (the
+    reference of every other variant's greedy_vs)."""
+    def boom(*a, **kw):
+        raise RuntimeError("CUPTI_ERROR_NOT_INITIALIZED")
+    monkeypatch.setattr(regen, "profile_decode", boom)
+    monkeypatch.setattr(regen.PhaseClock, "summary", boom)
+    out = tmp_path / "regen.json"
+    assert regen.main(["--tiny", "--out", str(out), "--variants", "static-4-eager,generate-4",
+                       "--profile", "static-4-eager"]) == 0
+    res = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
+    ref = res["static-4-eager"]
+    assert ref["tokens_per_s"] > 0 and "error" not in ref
+    assert ref["profile"] == {"error": "RuntimeError: CUPTI_ERROR_NOT_INITIALIZED"} == ref["phases"]
+    assert res["generate-4"]["greedy_vs"]["identical_sequences"] == 16
