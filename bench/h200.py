@@ -36,7 +36,7 @@ from transformers import Qwen3Config  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from bench.traces import reduce_trace  # noqa: E402  (the profile section's reducer, shared with bench/regen.py)
+from bench.traces import KEEP_MB, reduce_trace  # noqa: E402  (the profile section's reducer, shared with bench/regen.py)
 
 S, A, BK, H, V = 3072, 512, 16, 4096, 151936
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -859,8 +859,9 @@ def profile(out_dir: Path, extra=()):
     (start_step,steps; default 10,5: every graph is compiled before step 0, by the warm-up), reduced by reduce_trace.
     The run goes 12 steps past the window: the target, which runs ahead by up to train.queue_size batches, is then
     still working in the window (with 2 steps past it, a compiled target had finished its batches before the window).
-    The gzipped chrome trace is copied to the output only under 20 MB. Recording the drafter thread's CPU ops slows
-    its host side a little: compare busy_fraction with the run's own GPU utilisation (summary.devices)."""
+    The gzipped chrome trace is copied to the output only under traces.KEEP_MB (15 MiB: the device returns files of up
+    to 16). Recording the drafter thread's CPU ops slows its host side a little: compare busy_fraction with the run's
+    own GPU utilisation (summary.devices)."""
     import shutil
     start, n = (int(x) for x in os.environ.get("BENCH_PROFILE_WINDOW", "10,5").split(","))
     run_name = os.environ.get("BENCH_PROFILE_RUN", "1t1d")
@@ -889,7 +890,7 @@ def profile(out_dir: Path, extra=()):
     t0 = time.perf_counter()
     res["trace"] = reduce_trace(trace)
     res["reduce_s"] = round(time.perf_counter() - t0, 1)
-    if trace.stat().st_size < 20 * 2**20:
+    if trace.stat().st_size < KEEP_MB * 2**20:
         shutil.copy(trace, out_dir / "profile-trace.json.gz")
         res["trace_file"] = "profile-trace.json.gz"
     return res

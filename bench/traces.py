@@ -15,6 +15,7 @@ import re
 from bisect import bisect_right
 from collections import defaultdict
 
+KEEP_MB = 15   # a gzipped trace is kept beside the results below this: the device returns files of at most 16 MiB
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 PHASES = ("queue_wait", "drafter_fwd_bwd", "optimizer")   # record_function ranges of the trainer loop
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy", "aten::item",

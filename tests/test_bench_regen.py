@@ -202,3 +202,17 @@ def test_a_failed_profile_keeps_the_variants_timed_pass(tmp_path, monkeypatch):
     assert ref["tokens_per_s"] > 0 and "error" not in ref
     assert ref["profile"] == {"error": "RuntimeError: CUPTI_ERROR_NOT_INITIALIZED"} == ref["phases"]
     assert res["generate-4"]["greedy_vs"]["identical_sequences"] == 16
+
+
+def test_a_profile_trace_is_kept_only_under_the_size_the_device_returns(tmp_path, monkeypatch):
+    """The device brings back files of at most 16 MiB: a gzipped trace at or over bench.traces.KEEP_MB stays out of
+    the output folder (its table and size are still reported)."""
+    import bench.traces
+    assert bench.traces.KEEP_MB <= 16
+    monkeypatch.setattr(bench.traces, "KEEP_MB", 0)
+    out = tmp_path / "regen.json"
+    assert regen.main(["--tiny", "--out", str(out), "--variants", "static-4-eager", "--profile", "static-4-eager",
+                       "--profile-steps", "2"]) == 0
+    prof = json.loads(out.read_text())["results"][0]["profile"]
+    assert prof["trace_mb"] > 0 and "trace_file" not in prof and prof["table"]["steps"] == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["regen.json"]
