@@ -41,8 +41,9 @@ prefill_ms per batch, decode_step_ms (the CUDA graph replay), between_steps_ms (
 check's sync), prefill_share of the pass, decode_tokens_per_s. `--profile V1,V2` (static variants) adds `profile`:
 torch.profiler over one batch with --profile-steps decode steps after the timed pass, reduced by
 `bench.traces.step_table` (per decode step: ms per group gemm / attention / elementwise+copies / sampling / other
-and the top kernels; outside the steps: the prefill and the loop's bookkeeping), the chrome trace kept gzipped
-beside the JSON (`<out>-profile-<variant>.json.gz`) when under 15 MiB (the device returns files up to 16).
+and the top kernels, over the steps whose kernels the trace holds: steps_with_work of steps; outside the steps: the
+prefill and the loop's bookkeeping), the chrome trace kept gzipped beside the JSON
+(`<out>-profile-<variant>.json.gz`) when under 15 MiB (the device returns files up to 16).
 
 Where a static-512 pass's 18.0 s go on the H200 (r6: 7,275 tok/s, "70.4 ms per decode step" with the prefill in
 it), estimated, not measured: the eager prefill of 512 x 512 tokens (37.5% of them padding) is ~5 s of GEMMs at
@@ -410,7 +411,8 @@ def main(argv=None):
             print(json.dumps({k: v for k, v in r.items() if k not in ("traceback", "profile")}), flush=True)
             if "table" in r.get("profile", {}):                 # the profile's headline: ms per decode step by group
                 t = r["profile"]["table"]
-                print(json.dumps({"profile": r["variant"], "steps": t["steps"], "step_ms": t["step"]["ms"],
+                print(json.dumps({"profile": r["variant"], "steps": t["steps"],
+                                  "steps_with_work": t.get("steps_with_work"), "step_ms": t["step"]["ms"],
                                   "step_groups_ms": {g: v["ms"] for g, v in t["step"]["groups"].items()},
                                   "outside_ms": t["outside"]["ms"]}), flush=True)
             elif "error" in r.get("profile", {}):

@@ -155,26 +155,31 @@ def step_table(path, annotation: str, top=15) -> dict:
     the loop's bookkeeping)}, each part as `_part`. The work is the GPU's kernels, memcpys and memsets when the trace
     has any: a kernel is a step's when the runtime call that launched it (matched by correlation id; a CUDA graph's
     kernels carry its launch's) lies in a range of its thread. Without GPU work (a CPU run) it is the CPU ops' self
-    times, a step's when the op lies in a range of its thread."""
+    times, a step's when the op lies in a range of its thread. `steps_with_work`: the ranges that got any work; the
+    per-step figures are over those (the profiler can drop a session's first kernel records: torch 2.10's kineto
+    discards records stamped before its window starts, pytorch#192021), so a step whose kernels were lost does not
+    halve the others' time."""
     ev = load_events(path)
     ranges = defaultdict(list)                             # thread -> sorted (start, end) of the annotated ranges
     for e in sorted(ev, key=lambda e: e["ts"]):
         if e.get("cat") == "user_annotation" and e["name"] == annotation:
             ranges[e["tid"]].append((e["ts"], e["ts"] + e["dur"]))
 
-    def inside(tid, ts) -> bool:
+    def inside(tid, ts):
+        """The range (thread, index) holding ts, or None."""
         r = ranges.get(tid, [])
         i = bisect_right(r, (ts, float("inf"))) - 1
-        return i >= 0 and r[i][0] <= ts < r[i][1]
+        return (tid, i) if i >= 0 and r[i][0] <= ts < r[i][1] else None
     gpu = [e for e in ev if e.get("cat") in DEVICE_CATS]
     if gpu:
         launch = {e["args"]["correlation"]: (e["tid"], e["ts"]) for e in ev
                   if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
-        work = [(e, inside(*launch[c]) if (c := e.get("args", {}).get("correlation")) in launch else False)
+        work = [(e, inside(*launch[c]) if (c := e.get("args", {}).get("correlation")) in launch else None)
                 for e in gpu]
     else:
         work = [(e, inside(e["tid"], e["ts"])) for e in _self_time_ops(ev)]
     steps = sum(len(r) for r in ranges.values())
-    return {"device": "gpu" if gpu else "cpu", "steps": steps,
-            "step": _part([e for e, s in work if s], max(steps, 1), top),
-            "outside": _part([e for e, s in work if not s], 1, top)}
+    seen = len({s for _, s in work if s is not None})
+    return {"device": "gpu" if gpu else "cpu", "steps": steps, "steps_with_work": seen,
+            "step": _part([e for e, s in work if s is not None], max(seen, 1), top),
+            "outside": _part([e for e, s in work if s is None], 1, top)}

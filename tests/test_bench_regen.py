@@ -216,3 +216,24 @@ def test_a_profile_trace_is_kept_only_under_the_size_the_device_returns(tmp_path
     prof = json.loads(out.read_text())["results"][0]["profile"]
     assert prof["trace_mb"] > 0 and "trace_file" not in prof and prof["table"]["steps"] == 2
     assert [p.name for p in tmp_path.iterdir()] == ["regen.json"]
+
+
+def test_step_table_averages_over_the_steps_whose_kernels_it_saw(tmp_path):
+    """A step whose kernel records the profiler dropped (torch 2.10's kineto discards those stamped before its window)
+    must not halve the per-step figures: they are over the ranges that got work, and the table says how many."""
+    import gzip
+
+    from bench.traces import step_table
+
+    def x(cat, name, ts, dur, corr, tid=1):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 1,
+                "args": {"correlation": corr}}
+    ev = [{"ph": "X", "cat": "user_annotation", "name": "decode_step", "ts": t, "dur": 100, "tid": 1, "pid": 1}
+          for t in (100, 300)]
+    ev += [x("cuda_runtime", "cudaGraphLaunch", 150, 10, 7), x("cuda_runtime", "cudaGraphLaunch", 350, 10, 8),
+           x("kernel", "nvjet_tst_128x256", 1000, 40, 8, tid=7)]       # the first launch's kernels: dropped
+    path = tmp_path / "t.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": ev}, f)
+    t = step_table(path, "decode_step")
+    assert (t["steps"], t["steps_with_work"]) == (2, 1) and t["step"]["ms"] == pytest.approx(0.04)
