@@ -16,7 +16,9 @@ CUDA graph capture and allocator growth happen there), then on all prompts with 
                                with the decoder's options (off in the `hf` engine; issue 28): -prefillR: the prefill
                                in chunks of R prompts of similar length, each only as wide as its longest prompt;
                                -flex: decode attention `grouped_flex` (flex_attention over only the 128-slot KV blocks
-                               holding slots a row sees: no block of left padding, none not yet written)
+                               holding slots a row sees: no block of left padding, none not yet written); its
+                               block lists are built inside the step (any/all/sum/argsort kernels: the profile
+                               groups them as elementwise, sampling or other, not attention: compare step totals)
   cb                           transformers continuous batching (`generate_batch`, paged attention; GPU only:
                                on CPU it did not finish 16 x 8 tokens in 8 minutes)
   hfstatic-N[-forward|-eager][-gqa]
