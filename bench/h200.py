@@ -36,7 +36,7 @@ from transformers import Qwen3Config  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from bench.traces import KEEP_MB, reduce_trace  # noqa: E402  (the profile section's reducer, shared with bench/regen.py)
+from bench.traces import KEEP_MB, reduce_trace  # noqa: E402  (the profile section's, shared with bench/regen.py)
 
 S, A, BK, H, V = 3072, 512, 16, 4096, 151936
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -326,8 +326,9 @@ class Bench:
         """The target as the pipeline built it, loaded by the train stage's code (dflash.target.load_target on
         train.targets[0], target.dtype) and captured as a run captures it (bench/fp8_features.py), on every held-out
         conversation (holdout.jsonl: the prompt and the source's reference answer, not the target's regenerated one
-        that training reads; cut at data.max_length), bf16 then FP8 weights. Skipped, with the reason, where train.fp8_target cannot run (dflash.train.precision.check: no
-        GPU of compute capability >= 8.9); the CPU dry run measures it with torch's CPU FP8 matmul."""
+        that training reads; cut at data.max_length), bf16 then FP8 weights. Skipped, with the reason, where
+        train.fp8_target cannot run (dflash.train.precision.check: no GPU of compute capability >= 8.9); the CPU dry
+        run measures it with torch's CPU FP8 matmul."""
         import torch
 
         from bench import fp8_features
