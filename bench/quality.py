@@ -44,7 +44,7 @@ FP8 against bf16 on one H200 (issue 28), the next session's device calls in this
 the repo root with the wheels in .whl/ carried, as bench/results/2026-12-01-h200-quality/README.md describes):
   1. `bash bench/quality_device.sh --parts pipeline,fp8_features --until warmup --budget 540`
      the code target, the data, the warm-up (395 s last time), then the feature error (seconds).
-  2. `bash bench/quality_device.sh --parts train --steps 800 --parallel 6 --budget 560`
+  2. `bash bench/quality_device.sh --parts train --steps 800 --parallel 6 --budget 540`
      baseline, baseline-seed1, baseline-seed2, fp8, fp8head, fp8target at 800 steps each, six at once. Estimate: the
      pipeline's run made 2173 steps in 120 s alone (55 ms a step), six sharing the GPU made 93% of it last time, so
      6 x 800 bf16 steps take about 285 s, plus about 60 s to start and compile (the FP8 graphs are not in the warm-up's
