@@ -94,12 +94,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.stage == "schema":
         return schema(args)
     handler = setup_logging(args)
+    _stack_dumps(handler)
     try:
         return _run(args)
     finally:
         if handler is not None:
             logging.getLogger().removeHandler(handler)
             handler.close()
+
+
+def _stack_dumps(handler: logging.Handler | None) -> None:
+    """`kill -USR1 <pid>` of a stage that seems stuck writes every thread's Python stack into its --log file (else to
+    stderr), and the stage runs on: no debugger or py-spy needed."""
+    import faulthandler
+    import signal
+    if hasattr(signal, "SIGUSR1"):
+        stream = handler.stream if isinstance(handler, logging.FileHandler) and handler.stream else sys.stderr
+        faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)
 
 
 def _run(args) -> int:

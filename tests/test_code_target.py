@@ -194,6 +194,38 @@ def test_parsing_workers_give_the_same_conversations(monkeypatch):
     assert pools == ["spawn"]                                        # the workers did the parsing
 
 
+EARLY_STOP = """
+import hashlib, json, sys
+from dflash.data import code_corpus
+lines = [[f"def f{j}(x):", f"    y = x + {j}", "    y = y * 2", "    y = y - 3", "    y = y ** 2", "    return y - 1", ""] for j in range(120)]
+body = chr(10).join(sum(lines, []))
+files = [code_corpus.CodeFile("stdlib", f"m{i}.py", f"# {i}" + chr(10) + body, hashlib.sha256(str(i).encode()).hexdigest())
+         for i in range(400)]
+got = code_corpus.conversations(files, max_count=300, processes=int(sys.argv[1]))
+print(json.dumps([c["id"] for c in got]))
+"""
+
+
+def test_parsing_workers_end_when_the_reader_stops_early(repo):
+    """The reader stops after 300 conversations while 8 workers still send large results: a multiprocessing.Pool
+    ended there hung in terminate() (3 of 8 tries on this 2-core machine, 1 of 1 with the code config on the H200's
+    16 cores); every try must end, with the serial answer."""
+    import json
+    import subprocess
+    import sys
+
+    def ids(processes):
+        out = subprocess.run([sys.executable, "-c", EARLY_STOP, str(processes)], cwd=repo, capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout
+
+    serial = ids(1)
+    assert len(json.loads(serial)) == 300
+    for _ in range(4):
+        assert ids(8) == serial
+
+
 def test_quality_config_runs_target_and_data_on_cpu(repo, tmp_path):
     from dflash.cli import main
     from dflash.data import shards

@@ -21,13 +21,16 @@ guard, as spawn re-imports the main module; `python -m dflash` is safe).
 from __future__ import annotations
 
 import ast
+import collections
 import dataclasses
 import hashlib
+import itertools
 import multiprocessing
 import os
 import random
 import sysconfig
 import textwrap
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from dflash.config_model import PretrainSection
@@ -188,15 +191,31 @@ def _order(key: str, seed: int) -> str:
     return hashlib.sha256(f"{seed}:{key}".encode()).hexdigest()
 
 
+def _parse_chunk(files: list[CodeFile]) -> list[list[dict]]:
+    return [file_completions(f) for f in files]
+
+
 def _parsed(files: list[CodeFile], processes: int):
-    """file_completions of each file, in order; parsed by `processes` spawned workers (0: every core) ahead of the
-    reader, who may stop early (the pool then ends)."""
+    """file_completions of each file, in order; parsed by `processes` spawned workers (0: every core), at most two
+    chunks per worker ahead of the reader, who may stop early. concurrent.futures, not multiprocessing.Pool: a Pool
+    ended while its workers still write results (the reader stopped early) could deadlock in terminate(), and it
+    never notices a worker that died; an executor's shutdown reads the running chunks to their end, and a dead
+    worker raises BrokenProcessPool."""
     processes = processes or os.cpu_count() or 1
     if processes <= 1 or len(files) < 4 * PARSE_CHUNK:
         yield from map(file_completions, files)
         return
-    with multiprocessing.get_context("spawn").Pool(processes) as pool:
-        yield from pool.imap(file_completions, files, chunksize=PARSE_CHUNK)
+    chunks = iter([files[i:i + PARSE_CHUNK] for i in range(0, len(files), PARSE_CHUNK)])
+    with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+        ahead = collections.deque(pool.submit(_parse_chunk, c) for c in itertools.islice(chunks, 2 * processes))
+        try:
+            while ahead:
+                done = ahead.popleft().result()
+                ahead.extend(pool.submit(_parse_chunk, c) for c in itertools.islice(chunks, 1))
+                yield from done
+        finally:
+            for future in ahead:
+                future.cancel()
 
 
 def conversations(files: list[CodeFile], seed: int = 0, max_count: int | None = None,
