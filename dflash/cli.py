@@ -104,13 +104,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _stack_dumps(handler: logging.Handler | None) -> None:
-    """`kill -USR1 <pid>` of a stage that seems stuck writes every thread's Python stack into its --log file (else to
-    stderr), and the stage runs on: no debugger or py-spy needed."""
+    """`kill -USR2 <pid>` of a stage that seems stuck writes every thread's Python stack into its --log file (else to
+    stderr), and the stage runs on: no debugger or py-spy needed (SIGUSR1 is `train`'s stop-and-checkpoint)."""
     import faulthandler
     import signal
-    if hasattr(signal, "SIGUSR1"):
+    if hasattr(signal, "SIGUSR2"):
         stream = handler.stream if isinstance(handler, logging.FileHandler) and handler.stream else sys.stderr
-        faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)
+        faulthandler.register(signal.SIGUSR2, file=stream, all_threads=True)
 
 
 def _run(args) -> int:
