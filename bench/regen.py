@@ -13,9 +13,10 @@ CUDA graph capture and allocator growth happen there), then on all prompts with 
                                step compiled and replayed as a CUDA graph (the `hf` engine's default on GPU)
   static-N-eager               the same decode loop without compiling
   static-N[-eager][-prefillR][-flex]
-                               with the decoder's options (off in the `hf` engine; issue 28): -prefillR: the prefill
-                               in chunks of R prompts of similar length, each only as wide as its longest prompt;
-                               -flex: decode attention `grouped_flex` (flex_attention over only the 128-slot KV blocks
+                               with the decoder's options (issue 28): -prefillR: the prefill in chunks of R prompts of
+                               similar length, each only as wide as its longest prompt (the default since r7: R 64;
+                               -prefill0: the whole batch at once, the decoder before r7); -flex (off; its kernel
+                               did not compile on the H200 in r7): decode attention `grouped_flex` (flex_attention over only the 128-slot KV blocks
                                holding slots a row sees: no block of left padding, none not yet written); its
                                block lists are built inside the step (any/all/sum/argsort kernels: the profile
                                groups them as elementwise, sampling or other, not attention: compare step totals)
@@ -130,7 +131,7 @@ def parse_variant(v: str) -> dict:
     for f in flags if parts[0] == "static" else ():
         if f == "flex":
             options["attention"] = FLEX
-        elif f.startswith("prefill") and f[len("prefill"):].isdigit() and int(f[len("prefill"):]) > 0:
+        elif f.startswith("prefill") and f[len("prefill"):].isdigit():
             options["prefill_rows"] = int(f[len("prefill"):])
     if parts[0] not in ("generate", "static") or len(parts) < 2 or not (parts[1].isdigit() or parts[1] == "auto") \
             or len(set(flags)) != len(flags) or len(flags) != ("eager" in flags) + len(options):

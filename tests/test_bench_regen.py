@@ -103,7 +103,8 @@ def test_static_variant_names():
     v = regen.parse_variant("static-auto-eager-flex")
     assert (v["batch"], v["compile"], v["options"]) == (0, False, {"attention": "grouped_flex"})
     assert regen.parse_variant("generate-4-eager")["options"] == {}
-    for bad in ("static-4-prefill0", "static-4-prefill", "static-4-flex-flex", "generate-4-flex", "static-x",
+    assert regen.parse_variant("static-512-prefill0")["options"] == {"prefill_rows": 0}    # the pre-r7 decoder
+    for bad in ("static-4-prefill", "static-4-flex-flex", "generate-4-flex", "static-x",
                 "static-4-prefill2-prefill3", "static"):
         with pytest.raises(SystemExit):
             regen.parse_variant(bad)

@@ -264,8 +264,14 @@ def test_static_decoder_cuda_graph_gives_the_greedy_turns_of_generate(talking_ta
     assert graph2 == ref2 and len(graph2[0]) == 6 and decode._LAST[id(model)] is dec
 
 
+FLEX_ON_CUDA = pytest.mark.xfail(strict=True, reason=(
+    "torch 2.11 on the H200 (bench/results/2026-12-01-h200-r7/pytest-gpu.log): Inductor fails to compile the fused "
+    "flex decode template (triton CompilationError, XBLOCK is not defined); strict, so a fix shows as XPASS"))
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("options", [{"attention": "grouped_flex"}, {"prefill_rows": 3}])
+@pytest.mark.parametrize("options", [pytest.param({"attention": "grouped_flex"}, marks=FLEX_ON_CUDA),
+                                     {"prefill_rows": 3}, {"prefill_rows": 0}, {}])
 def test_decoder_options_on_cuda_graphs_give_the_greedy_turns_of_generate(talking_target, options):
     """The options compiled and replayed as CUDA graphs (flex: the compiled kernel, which reads only the listed
     blocks) give `generate`'s turns."""
@@ -423,9 +429,9 @@ def test_visible_blocks_lists_only_the_kv_blocks_a_decode_step_sees():
 
 
 def test_decoder_options_give_the_default_decoders_greedy_turns(talking_target):
-    """The static decoder's options (flex decode attention, the prefill in row chunks, both) give the greedy turns
-    of the default decoder (fp32, CPU) for prompts of six lengths in batches of 3; a kept decoder is reused only
-    with the same options."""
+    """The static decoder's options (flex decode attention, the prefill in row chunks of other sizes or the whole
+    batch at once, flex with row chunks) give the greedy turns of the default decoder (fp32, CPU) for prompts of six
+    lengths in batches of 3; a kept decoder is reused only with the same options."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash.data import decode
@@ -435,7 +441,9 @@ def test_decoder_options_give_the_default_decoders_greedy_turns(talking_target):
     model = AutoModelForCausalLM.from_pretrained(str(talking_target)).eval()
     prompts = [prompt_ids(tok, r["messages"][:1])[k:] for k, r in zip([0, 3, 5, 0, 9, 2, 7], good_rows(7))]
     ref, _ = regenerate(model, tok, prompts, 12, batch_size=3, progress=False, decoder="static", ignore_eos=True)
-    for options in ({"prefill_rows": 2}, {"attention": decode.FLEX}, {"attention": decode.FLEX, "prefill_rows": 1}):
+    assert decode.OPTIONS["prefill_rows"] == decode.PREFILL_ROWS > 0
+    for options in ({"prefill_rows": 2}, {"prefill_rows": 0}, {"attention": decode.FLEX},
+                    {"attention": decode.FLEX, "prefill_rows": 1}):
         got, st = regenerate(model, tok, prompts, 12, batch_size=3, progress=False, decoder="static",
                              ignore_eos=True, static_options=options)
         assert got == ref, options
@@ -489,3 +497,25 @@ def test_static_decoder_is_reused_while_it_fits_and_its_cache_freed_when_replace
     assert d2 is not d1 and d2.L == 384 and d1.cache is None                  # the old cache freed at once
     assert decode.decoder_for(model, None, 10 ** 4, compile=False) is None    # nothing fits, no batch size given
     assert id(model) not in decode._LAST and d2.cache is None
+
+
+def test_default_decoder_on_a_sliding_window_target_prefills_the_whole_batch():
+    """A sliding-window cache layer keeps its own slots, so the default row-chunked prefill steps aside there: the
+    whole batch is prefilled at once and the greedy turns are `generate`'s (a random 2-layer Qwen3, one layer with a
+    6-token window, left padding)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from dflash.data import decode
+    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, layer_types=["sliding_attention", "full_attention"],
+                      sliding_window=6, use_sliding_window=True, max_window_layers=0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    dec = decode.StaticDecoder(model, 3, 64, compile=False)
+    assert dec.options["prefill_rows"] == decode.PREFILL_ROWS and dec.cache.layers[0].is_sliding
+    ids = torch.randint(1, 64, (3, 10))
+    att = torch.ones(3, 10, dtype=torch.long)
+    att[0, :4] = att[1, :2] = 0
+    ref = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    assert torch.equal(dec.generate(ids, att, 12), ref[:, 10:])

@@ -14,11 +14,17 @@ Attention: with a padding mask transformers' sdpa path repeats K and V for every
 cache read per step for Qwen3-8B: 100 ms per step at batch 256 on an H200); the decoder registers `grouped_sdpa`,
 which reads each KV head once for its group of query heads (same kernel, same math) and is sdpa elsewhere.
 
-Options, off by default, each a `bench/regen.py` variant until a measurement makes it the default (issue 28):
-- `attention=FLEX` ("grouped_flex"): decode steps through flex_attention over only the 128-slot KV blocks that hold a
-  slot the query sees (no block of left padding, none of the cache not yet written), each KV head read once.
-- `prefill_rows=R`: the prefill in chunks of R prompts of similar length, each only as wide as its longest prompt
-  (the whole-batch prefill computes every padding position of the batch's width), its K/V copied into the cache.
+Options, each a `bench/regen.py` variant, made the default once a measurement says so (issue 28):
+- `prefill_rows=R` (default 64; 0: the whole batch at once): the prefill in chunks of R prompts of similar length,
+  each only as wide as its longest prompt (the whole-batch prefill computes every padding position of the batch's
+  width), its K/V copied into the cache. On the H200 (bench/results/2026-12-01-h200-r7/): 512 x 256 tokens of the
+  8B-shaped target in 14.2 s against 17.7 s (prefill 5.2 s against 8.5 s), peak 81.7 GB against 95.6 GB; CUDA graphs
+  give `generate`'s greedy turns with it (tests/test_data_regen.py). A cache with sliding-window layers (which keep
+  other slots) prefills the whole batch at once.
+- `attention=FLEX` ("grouped_flex", off): decode steps through flex_attention over only the 128-slot KV blocks that
+  hold a slot the query sees (no block of left padding, none of the cache not yet written), each KV head read once.
+  Equal to the grouped attention eagerly (CPU tests), but Inductor fails to compile its kernel in torch 2.11 on the
+  H200 (a triton CompilationError in the fused flex template, r7): not usable until that is solved.
 """
 from __future__ import annotations
 
@@ -27,7 +33,8 @@ import torch
 GQA = "grouped_sdpa"       # (a name with "flash" in it would be taken for a flash-attention kernel)
 FLEX = "grouped_flex"
 KV_BLOCK = 128             # flex_attention's sparse block; every cache_len is a multiple of it
-OPTIONS = {"attention": GQA, "prefill_rows": 0}     # StaticDecoder's options, at their defaults (today's decoder)
+PREFILL_ROWS = 64
+OPTIONS = {"attention": GQA, "prefill_rows": PREFILL_ROWS}     # StaticDecoder's options, at their defaults
 
 
 def gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -147,7 +154,7 @@ class StaticDecoder:
         pos = (att.cumsum(-1) - 1).clamp_min(0)                          # left padding: first real token at 0
         pick = (lambda lg: lg.argmax(-1)) if temperature <= 0 else (
             lambda lg: torch.multinomial(torch.softmax(lg.float() / temperature, -1), 1, generator=generator)[:, 0])
-        if self.options["prefill_rows"]:
+        if self.options["prefill_rows"] and not any(getattr(c, "is_sliding", False) for c in self.cache.layers):
             nxt = pick(self._prefill_rows(ids, att, pos))
         else:
             nxt = pick(_forward(self.model, self.cache, ids, pos, mask))     # prefill: eager, any width
@@ -172,8 +179,6 @@ class StaticDecoder:
         longest prompt; each chunk's K/V (its own dynamic cache) go to the rows and slots a whole-batch prefill
         fills (prompts end at slot W). ids, att, pos (B, W) -> last logits (B, V)."""
         B, W = ids.shape
-        if any(getattr(layer, "is_sliding", False) for layer in self.cache.layers):
-            raise ValueError("StaticDecoder prefill_rows: a sliding-window cache layer keeps other slots")
         lens = att.sum(-1)
         last = None
         for rows in torch.argsort(lens, descending=True, stable=True).split(self.options["prefill_rows"]):
