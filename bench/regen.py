@@ -48,21 +48,16 @@ and the top kernels, over the steps whose kernels the trace holds: steps_with_wo
 prefill and the loop's bookkeeping), the chrome trace kept gzipped beside the JSON
 (`<out>-profile-<variant>.json.gz`) when under 15 MiB (the device returns files up to 16).
 
-Where a static-512 pass's 18.0 s go on the H200 (r6: 7,275 tok/s, "70.4 ms per decode step" with the prefill in
-it), estimated, not measured: the eager prefill of 512 x 512 tokens (37.5% of them padding) is ~5 s of GEMMs at
-the measured 739 TFLOP/s plus ~2 s of unfused fp32 RMSNorm, rotary and SiLU passes, so about 7 s; the 255 decode
-steps get the other ~11 s, ~43 ms each, against a floor of ~24 ms (7.7 TFLOP of GEMMs: 10.5 ms; the whole 58 GB
-static cache read: 12.1 ms at 4.8 TB/s; ~1.5 ms of the rest). `phases` and the profile measure this split.
+Where a static-512 pass goes on the H200 (r7, `bench/results/2026-12-01-h200-r7/`): with the whole-batch prefill
+(`-prefill0`) 7,413 tok/s, the prefill 8.5 s of the 17.7 s pass, 255 decode steps of 35.9 ms; a decode step is 22.6 ms
+of attention (one cuDNN flash kernel per layer reading the whole static cache) and 10.7 ms of GEMMs (near the bf16
+ceiling); the default 64-row prefill: 9,206 tok/s, prefill 5.2 s. The -flex variant's kernel failed to compile there.
 
-Next device call (issue 28; one call, timeout 600 s, carry `.whl`; ~11 s to build the target, ~80-100 s per
-variant, ~20 s per profile; the JSON is written after each variant, the riskiest, -flex, goes last; then the GPU
-tests of the decoder options: their greedy turns under CUDA graphs, the compiled flex kernel's included, against
-`generate`'s on the tiny target):
+Next device call (issue 28, toward 12K: the decode step's attention; one call, timeout 600 s, carry `.whl`):
 
     pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && \\
-      timeout 400 python3 bench/regen.py --out $OUT/regen.json \\
-        --variants static-512,static-512-prefill64,static-512-flex --profile static-512,static-512-flex \\
-        > $OUT/regen.log 2>&1; \\
+      timeout 400 python3 bench/regen.py --out $OUT/regen.json --variants static-512,static-512-flex \\
+        --profile static-512 > $OUT/regen.log 2>&1; \\
       timeout 150 python3 -m pytest -q -m gpu tests/test_data_regen.py -k decoder_options_on_cuda \\
         > $OUT/pytest-gpu.log 2>&1; tail -n 3 $OUT/regen.log $OUT/pytest-gpu.log
 
