@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
 import logging
+import signal
 import sys
 
 from dflash.config import ConfigError, load
@@ -94,23 +96,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.stage == "schema":
         return schema(args)
     handler = setup_logging(args)
-    _stack_dumps(handler)
+    dumps = _stack_dumps(handler)
     try:
         return _run(args)
     finally:
+        if dumps:
+            faulthandler.unregister(signal.SIGUSR2)
         if handler is not None:
             logging.getLogger().removeHandler(handler)
             handler.close()
 
 
-def _stack_dumps(handler: logging.Handler | None) -> None:
+def _stack_dumps(handler: logging.Handler | None) -> bool:
     """`kill -USR2 <pid>` of a stage that seems stuck writes every thread's Python stack into its --log file (else to
-    stderr), and the stage runs on: no debugger or py-spy needed (SIGUSR1 is `train`'s stop-and-checkpoint)."""
-    import faulthandler
-    import signal
-    if hasattr(signal, "SIGUSR2"):
-        stream = handler.stream if isinstance(handler, logging.FileHandler) and handler.stream else sys.stderr
-        faulthandler.register(signal.SIGUSR2, file=stream, all_threads=True)
+    stderr), and the stage runs on: no debugger or py-spy needed (SIGUSR1 is `train`'s stop-and-checkpoint). Returns
+    whether it is registered (main unregisters it when the stage ends)."""
+    if not hasattr(signal, "SIGUSR2"):
+        return False
+    file = handler.stream if isinstance(handler, logging.FileHandler) and handler.stream else sys.__stderr__
+    try:
+        file.fileno()                      # a replaced sys.stderr (pytest's capture, a notebook) has none
+    except (AttributeError, OSError, ValueError):
+        return False
+    faulthandler.register(signal.SIGUSR2, file=file, all_threads=True)
+    return True
 
 
 def _run(args) -> int:
