@@ -19,7 +19,9 @@ CUDA graph capture and allocator growth happen there), then on all prompts with 
                                did not compile on the H200 in r7): decode attention `grouped_flex` (flex_attention over only the 128-slot KV blocks
                                holding slots a row sees: no block of left padding, none not yet written); its
                                block lists are built inside the step (any/all/sum/argsort kernels: the profile
-                               groups them as elementwise, sampling or other, not attention: compare step totals)
+                               groups them as elementwise, sampling or other, not attention: compare step totals);
+                               -noprologue: compiled with Inductor's prologue fusion off (`prologue_fusion=False`:
+                               r7's flex failure was in a template with the step's RoPE and norm fused into it)
   cb                           transformers continuous batching (`generate_batch`, paged attention; GPU only:
                                on CPU it did not finish 16 x 8 tokens in 8 minutes)
   hfstatic-N[-forward|-eager][-gqa]
@@ -56,8 +58,9 @@ ceiling); the default 64-row prefill: 9,206 tok/s, prefill 5.2 s. The -flex vari
 Next device call (issue 28, toward 12K: the decode step's attention; one call, timeout 600 s, carry `.whl`):
 
     pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && \\
-      timeout 400 python3 bench/regen.py --out $OUT/regen.json --variants static-512,static-512-flex \\
-        --profile static-512 > $OUT/regen.log 2>&1; \\
+      timeout 400 python3 bench/regen.py --out $OUT/regen.json \\
+        --variants static-512,static-512-flex-noprologue,static-512-prefill0-flex-noprologue \\
+        --profile static-512,static-512-flex-noprologue > $OUT/regen.log 2>&1; \\
       timeout 150 python3 -m pytest -q -m gpu tests/test_data_regen.py -k decoder_options_on_cuda \\
         > $OUT/pytest-gpu.log 2>&1; tail -n 3 $OUT/regen.log $OUT/pytest-gpu.log
 
@@ -128,12 +131,13 @@ def parse_variant(v: str) -> dict:
             options["attention"] = FLEX
         elif f.startswith("prefill") and f[len("prefill"):].isdigit():
             options["prefill_rows"] = int(f[len("prefill"):])
+    inductor = {"prologue_fusion": False} if "noprologue" in flags and parts[0] == "static" else {}
     if parts[0] not in ("generate", "static") or len(parts) < 2 or not (parts[1].isdigit() or parts[1] == "auto") \
-            or len(set(flags)) != len(flags) or len(flags) != ("eager" in flags) + len(options):
+            or len(set(flags)) != len(flags) or len(flags) != ("eager" in flags) + len(options) + len(inductor):
         raise SystemExit(f"--variants: {v!r} is not generate-N, generate-auto, "
-                         "static-N|auto[-eager][-prefillR][-flex], hfstatic-N[-forward|-eager][-gqa] or cb")
+                         "static-N|auto[-eager][-prefillR][-flex][-noprologue], hfstatic-N[-forward|-eager][-gqa] or cb")
     return {"name": v, "kind": "generate", "decoder": parts[0], "batch": 0 if parts[1] == "auto" else int(parts[1]),
-            "compile": "eager" not in flags, "options": options}
+            "compile": "eager" not in flags, "options": options, "inductor": inductor}
 
 
 def hf_static(model, prompts, new_tokens, batch, pad, compile, cache_len, compile_config=None):
@@ -258,6 +262,13 @@ def profile_decode(go, prompts, batch, steps, trace_out: Path) -> dict:
 
 
 def run_variant(model, tokenizer, prompts, new_tokens, var, device, profile_steps=0, trace_out=None):
+    """The variant's warm-up, timed pass and profile, under its Inductor settings (-noprologue)."""
+    import torch._inductor.config
+    with torch._inductor.config.patch(var.get("inductor") or {}):
+        return _run_variant(model, tokenizer, prompts, new_tokens, var, device, profile_steps, trace_out)
+
+
+def _run_variant(model, tokenizer, prompts, new_tokens, var, device, profile_steps=0, trace_out=None):
     import torch
 
     from dflash.data.decode import decoder_for, release

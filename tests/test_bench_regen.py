@@ -97,15 +97,20 @@ def test_generates_own_compile_is_one_graph_with_a_static_cache(tmp_path, monkey
 
 def test_static_variant_names():
     assert regen.parse_variant("static-512") == {"name": "static-512", "kind": "generate", "decoder": "static",
-                                                 "batch": 512, "compile": True, "options": {}}
+                                                 "batch": 512, "compile": True, "options": {},
+                                                 "inductor": {}}
     v = regen.parse_variant("static-512-prefill64-flex")
     assert (v["batch"], v["compile"], v["options"]) == (512, True, {"prefill_rows": 64, "attention": "grouped_flex"})
     v = regen.parse_variant("static-auto-eager-flex")
     assert (v["batch"], v["compile"], v["options"]) == (0, False, {"attention": "grouped_flex"})
     assert regen.parse_variant("generate-4-eager")["options"] == {}
     assert regen.parse_variant("static-512-prefill0")["options"] == {"prefill_rows": 0}    # the pre-r7 decoder
+    v = regen.parse_variant("static-512-flex-noprologue")
+    assert v["inductor"] == {"prologue_fusion": False} and v["options"] == {"attention": "grouped_flex"}
+    assert regen.parse_variant("static-512")["inductor"] == {}
     for bad in ("static-4-prefill", "static-4-flex-flex", "generate-4-flex", "static-x",
-                "static-4-prefill2-prefill3", "static"):
+                "static-4-prefill2-prefill3", "static", "generate-4-noprologue",
+                "static-4-noprologue-noprologue"):
         with pytest.raises(SystemExit):
             regen.parse_variant(bad)
 
@@ -119,18 +124,18 @@ def test_phases_and_profile_of_the_static_decoder(tmp_path):
     with pytest.raises(SystemExit):                                         # not a listed variant
         regen.main(["--tiny", "--out", str(out), "--variants", "static-4-eager", "--profile", "static-8-eager"])
     assert regen.main(["--tiny", "--out", str(out), "--variants",
-                       "static-4-eager,static-4-eager-prefill2-flex,generate-4",
+                       "static-4-eager,static-4-eager-prefill2-flex-noprologue,generate-4",
                        "--profile", "static-4-eager,generate-4", "--profile-steps", "3"]) == 0
     res = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
-    for name in ("static-4-eager", "static-4-eager-prefill2-flex"):
+    for name in ("static-4-eager", "static-4-eager-prefill2-flex-noprologue"):
         ph = res[name]["phases"]
         assert (ph["calls"], ph["decode_steps"]) == (4, 4 * 7), name              # 16 prompts / 4, 8 tokens each
         assert ph["prefill_ms"] > 0 and ph["decode_step_ms"] > 0 and ph["between_steps_ms"] > 0
         assert 0 < ph["prefill_share"] < 1
         assert ph["decode_tokens_per_s"] == pytest.approx(4e3 / (ph["decode_step_ms"] + ph["between_steps_ms"]),
                                                           rel=1e-2)
-    assert res["static-4-eager-prefill2-flex"]["greedy_vs"]["identical_sequences"] == 16
-    assert res["static-4-eager-prefill2-flex"]["options"] == {"prefill_rows": 2, "attention": "grouped_flex"}
+    assert res["static-4-eager-prefill2-flex-noprologue"]["greedy_vs"]["identical_sequences"] == 16
+    assert res["static-4-eager-prefill2-flex-noprologue"]["options"] == {"prefill_rows": 2, "attention": "grouped_flex"}
     assert "phases" not in res["generate-4"] and "error" in res["generate-4"]["profile"]
     prof = res["static-4-eager"]["profile"]
     t = prof["table"]
