@@ -61,6 +61,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import tarfile
@@ -127,9 +128,32 @@ def write_config(src: str, changes: dict, dst: str) -> None:
     Path(dst).write_text(yaml.safe_dump(doc, sort_keys=False))
 
 
+def dflash_stages(pgid: int) -> list[int]:
+    """The `python -m dflash <stage>` processes of a process group (Linux /proc; [] elsewhere)."""
+    found = []
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            pgrp = int((d / "stat").read_text().rsplit(")", 1)[1].split()[2])
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if pgrp == pgid and b"-m" in argv and argv[argv.index(b"-m") + 1:argv.index(b"-m") + 2] == [b"dflash"]:
+            found.append(int(d.name))
+    return found
+
+
 def stop(*procs: subprocess.Popen, grace: float = 20.0) -> None:
-    """End jobs started in their own sessions, and everything they started: SIGTERM to all at once (a train run
-    checkpoints and stops after its step), then SIGKILL to those still running `grace` s later."""
+    """End jobs started in their own sessions, and everything they started: first SIGUSR2 to their dflash stages
+    (each writes every thread's stack into its log: where a part cut by the budget was), then SIGTERM to all at once
+    (a train run checkpoints and stops after its step), then SIGKILL to those still running `grace` s later."""
+    stages = [pid for p in procs for pid in dflash_stages(p.pid)]
+    for pid in stages:
+        try:
+            os.kill(pid, signal.SIGUSR2)
+        except ProcessLookupError:
+            pass
+    if stages:
+        time.sleep(1.0)
     for p in procs:
         os.killpg(p.pid, 15)
     deadline = time.monotonic() + grace

@@ -6,6 +6,7 @@ to end on a tiny target: the bf16 seeds train and are evaluated, the FP8 recipes
 needs an FP8 GPU), the feature error is measured with torch's CPU FP8 matmul."""
 import importlib.util
 import json
+import os
 import subprocess
 import time
 import types
@@ -183,6 +184,32 @@ def test_stop_signals_every_job_before_waiting_on_any(tmp_path):
     qb.stop(*deaf, grace=1.5)
     assert time.monotonic() - t0 < 2.9                               # one grace, not two
     assert [p.returncode for p in deaf] == [-9, -9]                  # SIGTERM ignored: killed after the grace
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_stop_asks_the_dflash_stages_for_their_stacks_first(tmp_path):
+    """A part cut by the budget leaves in each stage's log where it was: its `python -m dflash` processes (found in
+    the job's process group, a shell's child here) get SIGUSR2 before the SIGTERM; the shell around them does not."""
+    import sys
+    log = tmp_path / "stage.log"
+    hang = ("import faulthandler, signal, sys, time; faulthandler.register(signal.SIGUSR2, all_threads=True); "
+            "print('up', flush=True); time.sleep(60)")
+    stage = f"{sys.executable} -c {json.dumps(hang)} -m dflash target"      # argv: ... -m dflash target
+    job = subprocess.Popen(["sh", "-c", f"{stage} 2>{log} >{log}.out; echo shell-left >{tmp_path / 'shell'}"],
+                           start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "stage.log.out").exists() or "up" not in (tmp_path / "stage.log.out").read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert len(qb.dflash_stages(job.pid)) == 1
+    qb.stop(job, grace=5)
+    text = log.read_text()
+    assert "most recent call first" in text and "<string>" in text
+    deadline = time.monotonic() + 10                                 # the stage ends on the SIGTERM that followed
+    while qb.dflash_stages(job.pid):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert qb.dflash_stages(os.getpgid(0)) == []                     # this test's own group holds no stage
 
 
 def test_cpu_dry_run_at_equal_steps_end_to_end(tmp_path):
