@@ -134,10 +134,10 @@ def dflash_stages(pgid: int) -> list[int]:
     for d in Path("/proc").glob("[0-9]*"):
         try:
             pgrp = int((d / "stat").read_text().rsplit(")", 1)[1].split()[2])
-            argv = (d / "cmdline").read_bytes().split(b"\0")
+            argv = (d / "cmdline").read_bytes()                  # NUL-separated arguments
         except (OSError, ValueError, IndexError):
             continue
-        if pgrp == pgid and b"-m" in argv and argv[argv.index(b"-m") + 1:argv.index(b"-m") + 2] == [b"dflash"]:
+        if pgrp == pgid and b"\0-m\0dflash\0" in argv:
             found.append(int(d.name))
     return found
 

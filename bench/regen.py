@@ -16,10 +16,11 @@ CUDA graph capture and allocator growth happen there), then on all prompts with 
                                with the decoder's options (issue 28): -prefillR: the prefill in chunks of R prompts of
                                similar length, each only as wide as its longest prompt (the default since r7: R 64;
                                -prefill0: the whole batch at once, the decoder before r7); -flex (off; its kernel
-                               did not compile on the H200 in r7): decode attention `grouped_flex` (flex_attention over only the 128-slot KV blocks
-                               holding slots a row sees: no block of left padding, none not yet written); its
-                               block lists are built inside the step (any/all/sum/argsort kernels: the profile
-                               groups them as elementwise, sampling or other, not attention: compare step totals);
+                               did not compile on the H200 in r7): decode attention `grouped_flex` (flex_attention
+                               over only the 128-slot KV blocks holding slots a row sees: no block of left padding,
+                               none not yet written); its block lists are built inside the step (any/all/sum/argsort
+                               kernels: the profile groups them as elementwise, sampling or other, not attention:
+                               compare step totals);
                                -noprologue: compiled with Inductor's prologue fusion off (`prologue_fusion=False`:
                                r7's flex failure was in a template with the step's RoPE and norm fused into it)
   cb                           transformers continuous batching (`generate_batch`, paged attention; GPU only:
@@ -134,8 +135,8 @@ def parse_variant(v: str) -> dict:
     inductor = {"prologue_fusion": False} if "noprologue" in flags and parts[0] == "static" else {}
     if parts[0] not in ("generate", "static") or len(parts) < 2 or not (parts[1].isdigit() or parts[1] == "auto") \
             or len(set(flags)) != len(flags) or len(flags) != ("eager" in flags) + len(options) + len(inductor):
-        raise SystemExit(f"--variants: {v!r} is not generate-N, generate-auto, "
-                         "static-N|auto[-eager][-prefillR][-flex][-noprologue], hfstatic-N[-forward|-eager][-gqa] or cb")
+        raise SystemExit(f"--variants: {v!r} is not generate-N, generate-auto, static-N|auto[-eager][-prefillR][-flex]"
+                         "[-noprologue], hfstatic-N[-forward|-eager][-gqa] or cb")
     return {"name": v, "kind": "generate", "decoder": parts[0], "batch": 0 if parts[1] == "auto" else int(parts[1]),
             "compile": "eager" not in flags, "options": options, "inductor": inductor}
 

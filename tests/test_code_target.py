@@ -197,10 +197,11 @@ def test_parsing_workers_give_the_same_conversations(monkeypatch):
 EARLY_STOP = """
 import hashlib, json, sys
 from dflash.data import code_corpus
-lines = [[f"def f{j}(x):", f"    y = x + {j}", "    y = y * 2", "    y = y - 3", "    y = y ** 2", "    return y - 1", ""] for j in range(120)]
+lines = [[f"def f{j}(x):", f"    y = x + {j}", "    y = y * 2", "    y = y - 3", "    y = y ** 2", "    return y - 1",
+          ""] for j in range(120)]
 body = chr(10).join(sum(lines, []))
-files = [code_corpus.CodeFile("stdlib", f"m{i}.py", f"# {i}" + chr(10) + body, hashlib.sha256(str(i).encode()).hexdigest())
-         for i in range(400)]
+files = [code_corpus.CodeFile("stdlib", f"m{i}.py", f"# {i}" + chr(10) + body,
+                              hashlib.sha256(str(i).encode()).hexdigest()) for i in range(400)]
 got = code_corpus.conversations(files, max_count=300, processes=int(sys.argv[1]))
 print(json.dumps([c["id"] for c in got]))
 """
@@ -208,7 +209,7 @@ print(json.dumps([c["id"] for c in got]))
 
 def test_parsing_workers_end_when_the_reader_stops_early(repo):
     """The reader stops after 300 conversations while 8 workers still send large results: a multiprocessing.Pool
-    ended there hung in terminate() (3 of 8 tries on this 2-core machine, 1 of 1 with the code config on the H200's
+    ended there hung in terminate() (3 of 8 tries on this 2-core machine, 2 of 2 with the code config on the H200's
     16 cores); every try must end, with the serial answer."""
     import json
     import subprocess
