@@ -178,6 +178,49 @@ def test_fp8_target_quantizes_the_captured_layers_once(quantized):
     assert [m.weight.qdata.data_ptr() for m in linears(layers[:2])] == before
 
 
+@pytest.mark.parametrize("floor", [fp8.AMAX_FLOOR, None])
+def test_zero_rows_quantize_to_zeros(monkeypatch, floor):
+    """A zero row of an input or a weight (a token whose embedding is zero) gives zeros, not 0/0 = NaN; None is the
+    code before the floor, which the H200 run on the code target hit (loss nan at the first step)."""
+    monkeypatch.setattr(fp8, "AMAX_FLOOR", floor)
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(4, H, generator=g), torch.randn(48, H, generator=g)
+    x[1], w[5] = 0, 0
+    data, scale = fp8.quantize_rows(x)
+    y = nn.functional.linear(x, fp8._rowwise(w))
+    if floor is None:
+        assert torch.isnan(data.float()[1]).all() and torch.isnan(y[1]).all() and torch.isnan(y[:, 5]).all()
+        return
+    assert torch.isfinite(scale).all() and (data.float()[1] == 0).all() and torch.isfinite(y).all()
+    assert (y[1] == 0).all() and (y[:, 5] == 0).all()
+    keep = torch.ones_like(y, dtype=torch.bool)
+    keep[1], keep[:, 5] = False, False
+    want = x @ w.T
+    assert float((y - want)[keep].norm() / want[keep].norm()) < 6e-2
+
+
+def test_fp8_target_features_are_finite_with_a_zero_embedding_row():
+    """A target built with pad_token_id has that token's embedding zero (nn.Embedding's padding_idx; the code target's
+    <|endoftext|>): its FP8 capture stays finite and close to bf16 over a batch that holds the token."""
+    from types import SimpleNamespace
+
+    from dflash.train.features import run_capture
+    target = tiny_target()
+    pad = 3
+    with torch.no_grad():
+        target.model.embed_tokens.weight[pad] = 0
+    ids = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(1))
+    ids[0, 4], ids[1, 10:] = pad, pad
+    dcfg = tiny_cfg(hidden_size=H, target_layer_ids=[0, 1], num_target_layers=4)
+
+    def ctx(on):
+        return SimpleNamespace(drafter_config=dcfg, cfg=C.from_dict({"train": {"fp8_target": on}}).cfg)
+    want = run_capture(target, ctx(False))(ids).float()
+    got = run_capture(target, ctx(True))(ids).float()
+    assert torch.isfinite(got).all()
+    assert 1e-3 < float((got - want).norm() / want.norm()) < 0.1
+
+
 def test_fp8_drafter_saves_and_exports_as_the_bf16_one(tmp_path):
     """Checkpoints hold the fp32 masters (the reference format); export's bf16 is the masters cast; both load
     into a plain drafter."""

@@ -22,6 +22,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+# The smallest row maximum a scale is taken from, for weights and inputs alike: a row of zeros (the input of a token
+# whose embedding is zero, as the pad token's of a target built with padding_idx; a zero row of a tied LM head)
+# quantizes to zeros with this floor, to NaN (0 / 0) without it, and one NaN row of K or V makes every row of the
+# attention NaN (a weight of 0 times NaN). torchao's float8 training floors its amax the same way (1e-12).
+AMAX_FLOOR = 1e-12
+
+
 def convert_layers(drafter: nn.Module, recipe: str) -> int:
     """Swap every nn.Linear inside drafter.layers for torchao's Float8Linear (in place, before any compile);
     returns how many were converted."""
@@ -34,24 +41,27 @@ def convert_layers(drafter: nn.Module, recipe: str) -> int:
 
 def _rowwise(weight: torch.Tensor, quantize_inputs: bool = True):
     """weight [N, K] -> a torchao Float8Tensor (e4m3, one scale per row) for F.linear(x, it) (fast accumulation);
-    x [.., K] quantized rowwise inside that call (quantize_inputs), or passed in already quantized (as_input)."""
+    x [.., K] quantized rowwise inside that call (quantize_inputs, a zero row to zeros: AMAX_FLOOR), or passed in
+    already quantized (as_input)."""
     from torchao.float8.inference import Float8MMConfig
     from torchao.quantization import Float8Tensor, PerRow
     from torchao.quantization.quantize_.workflows.float8.float8_tensor import QuantizeTensorToFloat8Kwargs
-    return Float8Tensor.from_hp(weight.detach().contiguous(), granularity=PerRow(),
+    return Float8Tensor.from_hp(weight.detach().contiguous(), granularity=PerRow(), hp_value_lb=AMAX_FLOOR,
                                 mm_config=Float8MMConfig(use_fast_accum=True),
-                                act_quant_kwargs=QuantizeTensorToFloat8Kwargs(granularity=PerRow())
+                                act_quant_kwargs=QuantizeTensorToFloat8Kwargs(granularity=PerRow(),
+                                                                              hp_value_lb=AMAX_FLOOR)
                                 if quantize_inputs else None)
 
 
 def quantize_rows(x: torch.Tensor):
-    """x [n, K] -> (e4m3 data [n, K], float32 scales [n, 1]): torchao's rowwise quantization, as plain tensors so that
-    a compiled caller (train/precision.py) fuses it into one pass over x (eager, torchao makes float32 copies of x).
+    """x [n, K] -> (e4m3 data [n, K], float32 scales [n, 1]): torchao's rowwise quantization (a zero row to zeros:
+    AMAX_FLOOR), as plain tensors so that a compiled caller (train/precision.py) fuses it into one pass over x
+    (eager, torchao makes float32 copies of x).
     Its torch kernels, named: the automatic choice asks importlib for optional packages, which dynamo cannot trace
     (torch 2.11 on the H200: "find_spec ... should not be traced")."""
     from torchao.quantization import Float8Tensor, PerRow
     from torchao.quantization.quantize_.common import KernelPreference
-    q = Float8Tensor.from_hp(x, granularity=PerRow(), kernel_preference=KernelPreference.TORCH)
+    q = Float8Tensor.from_hp(x, granularity=PerRow(), kernel_preference=KernelPreference.TORCH, hp_value_lb=AMAX_FLOOR)
     return q.qdata, q.scale
 
 
