@@ -40,20 +40,17 @@ change only the seed: the spread (max - min) of the bf16 seeds' tau at T=0 is th
 beat before a default changes, and the one an FP8 recipe (`fp8`: train.precision fp8, `fp8head`: + train.fp8_lm_head,
 `fp8target`: + train.fp8_target; `fp8-seed1` on request) must stay within (|tau - bf16 mean| <= spread, issue 28).
 
-FP8 against bf16 on one H200 (issue 28), the next session's device calls in this order, back to back (each `run` from
-the repo root with the wheels in .whl/ carried, as bench/results/2026-12-01-h200-quality/README.md describes):
-  1. `bash bench/quality_device.sh --parts pipeline,fp8_features --until warmup --budget 540`
-     the code target, the data, the warm-up (395 s last time), then the feature error (seconds).
-  2. `bash bench/quality_device.sh --parts train --steps 800 --parallel 6 --budget 540`
-     baseline, baseline-seed1, baseline-seed2, fp8, fp8head, fp8target at 800 steps each, six at once. Estimate: the
-     pipeline's run made 2173 steps in 120 s alone (55 ms a step), six sharing the GPU made 93% of it last time, so
-     6 x 800 bf16 steps take about 285 s, plus about 60 s to start and compile (the FP8 graphs are not in the warm-up's
-     cache); FP8 steps are not measured at this width (hidden 768): at 1.5x a bf16 step, about 420 s in all.
-  3. `bash bench/quality_device.sh --parts train,fp8_features,eval,table --steps 800 --temps 0 --parallel 6 --budget 500`
-     what call 2 left (a run cut by its budget resumes from its checkpoint; fp8_features if call 1 had no time left),
-     the six evaluations at T=0 at once (150-200 s last time, seven at once), the table.
-About 420 + 420 + 220 s: 18 minutes of device time. quality.md then says, for each FP8 recipe, whether its tau is
-within the bf16 seeds' spread, and the FP8 target's feature error; the tau under the FP8 target is the fp8target row.
+FP8 against bf16 on one H200 (issue 28), two device calls back to back (each `run` from the repo root with the wheels
+in .whl/ carried; bench/results/2026-12-01-h200-quality-fp8/README.md has the figures of the first time):
+  1. `bash bench/quality_device.sh --parts pipeline,fp8_features,train --until warmup --steps 800 --parallel 6
+        --budget 570` (one line): the code target, the data and the warm-up (415 s), the feature error (19 s), then the
+     trainings start: a run cut by the budget checkpoints (SIGTERM) and resumes in call 2; the FP8 runs compile their
+     own graphs (not in the warm-up's cache: over 110 s six at once, 80 s again after a kill in the warm-up).
+  2. `bash bench/quality_device.sh --parts train,eval,table --steps 800 --temps 0 --parallel 6 --budget 570`
+     the rest of the training (the bf16 runs resumed at step 524 and ended in about 100 s, the FP8 ones in 210 s), the
+     evaluations at T=0 at once (136-139 s), the table: 362 s last time.
+The target does not outlive the machine and its step count follows a time cap, so the bf16 seeds are retrained with
+any FP8 recipe measured in another session: `--recipes baseline,baseline-seed1,baseline-seed2,fp8target`.
 """
 from __future__ import annotations
 
