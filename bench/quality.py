@@ -405,7 +405,8 @@ class Bench:
                "steps": s.get("steps"), "train_seconds": s.get("train_seconds"), "finished_by": s.get("finished_by"),
                "ktok_per_s": tp.get("ktok_per_s"), "loss": s.get("loss"), "acceptance_estimate": s.get("acceptance_estimate"),
                "replicas_identical": s.get("replicas_identical"), "time_budget_s": s.get("time_budget_s"),
-               "parallel": (self.state["commands"].get(f"train {run}") or {}).get("parallel")}
+               "parallel": (self.state["commands"].get(f"train {run}") or {}).get("parallel"),
+               "failure": (s.get("failure") or {}).get("message")}
         files = {f.stem.replace("acceptance-", ""): f for f in sorted(rd.glob("acceptance-t*.json"))}
         for temp in (0.0, 1.0):
             if f"t{temp:g}" not in files and pipeline_eval(rd, temp):
@@ -511,8 +512,12 @@ def markdown(doc: dict) -> str:
                  f"`{doc['config']}`'s target and data; `pipeline` is the snakemake run of that config, alone on the GPU. "
                  f"tau on the held-out prompts. Baseline tau (T=0) mean {_f(doc['baseline_tau_t0_mean'], 3)}, seed spread "
                  f"{_f(doc['baseline_seed_spread_t0'], 3)}.")
+    failed = [f"- {r['recipe']}: run {r.get('status')} at step {r.get('steps')}: {r.get('failure') or 'no message'}"
+              for r in doc["rows"] if r.get("status") not in ("completed", None)]
     return (f"# Quality{' at equal steps' if steps else ''}, {doc['date'][:10]}, {doc['device']}, torch {doc['torch']}, "
-            f"tree {doc['git']}\n\n{intro}\n\n" + head + "\n".join(lines) + "\n" + features_md(doc.get("fp8_features")))
+            f"tree {doc['git']}\n\n{intro}\n\n" + head + "\n".join(lines) + "\n"
+            + ("\nRuns that did not complete (no tau: they are out of the comparison):\n" + "\n".join(failed) + "\n"
+               if failed else "") + features_md(doc.get("fp8_features")))
 
 
 def features_md(f: dict | None) -> str:

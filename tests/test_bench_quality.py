@@ -50,11 +50,12 @@ def test_a_recipe_is_its_overrides_the_budget_and_its_own_run(tmp_path):
 
 
 def fake_run(results: Path, run: str, taus: dict, steps=400, ktok=7.0, pipeline_temp=None, finished=True,
-             time_budget_s=150):
+             time_budget_s=150, failure=None):
     rd = results / "runs" / run
     rd.mkdir(parents=True)
     rd.joinpath("summary.json").write_text(json.dumps({
-        "status": "completed", "steps": steps, "train_seconds": 150.0, "time_budget_s": time_budget_s,
+        "status": "failed" if failure else "completed", "failure": failure and {"kind": "non_finite", "message": failure},
+        "steps": steps, "train_seconds": 150.0, "time_budget_s": time_budget_s,
         "finished": finished, "finished_by": ("time_budget" if time_budget_s else "steps") if finished else None,
         "throughput": {"ktok_per_s": ktok}, "loss": 3.0, "acceptance_estimate": 1.0, "replicas_identical": True,
         "env": {"gpu": {"models": ["NVIDIA H200"]}, "packages": {"torch": "2.11.0+cu130"}}}))
@@ -143,6 +144,25 @@ def test_the_equal_steps_table_says_whether_each_fp8_recipe_is_within_the_bf16_s
            '  | True | -0.130 | False |' in md
     assert "| baseline-seed2 | `{\"seed\": 2}` | 800 |" in md and md.count("| True |\n") == 2   # fp8, fp8target
     assert "relative error **0.0312** (per layer 1: 0.0200, 9: 0.0410)" in md and "on `results/target/code`" in md
+
+
+def test_the_table_names_a_run_that_failed_and_why(tmp_path):
+    """The H200's fp8target run ended in NaN at step 10: the table says so, with the train stage's message, and keeps
+    it out of the comparison (no tau, no verdict)."""
+    b = bench(tmp_path, steps=800, recipes="baseline,baseline-seed1,fp8target")
+    res = tmp_path / "results"
+    fake_run(res, "q-s800-baseline", {0.0: 1.80}, steps=800, time_budget_s=None)
+    fake_run(res, "q-s800-baseline-seed1", {0.0: 1.86}, steps=800, time_budget_s=None)
+    fake_run(res, "q-s800-fp8target", {}, steps=10, time_budget_s=None, finished=False,
+             failure="step 10: loss nan, gradient norm nan is not finite; stopping")
+    b.table()
+    rows = {r["recipe"]: r for r in json.loads((b.out / "quality.json").read_text())["rows"]}
+    assert rows["fp8target"]["status"] == "failed" and "within_spread" not in rows["fp8target"]
+    assert rows["baseline"]["failure"] is None
+    md = (b.out / "quality.md").read_text()
+    assert "Runs that did not complete" in md
+    assert "- fp8target: run failed at step 10: step 10: loss nan, gradient norm nan is not finite; stopping" in md
+    assert "- baseline" not in md
 
 
 def target_and_holdout(tmp_path) -> str:
