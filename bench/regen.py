@@ -21,6 +21,9 @@ CUDA graph capture and allocator growth happen there), then on all prompts with 
                                none not yet written); its block lists are built inside the step (any/all/sum/argsort
                                kernels: the profile groups them as elementwise, sampling or other, not attention:
                                compare step totals);
+                               -fit: the cache sized to each batch (`fit_cache`), not to the first (longest) one:
+                               shows only with several batches of different widths, e.g. --prompts 2048 at batch 512
+                               (the warm-up then generates all --new-tokens, so every batch's length is compiled);
                                -noprologue: compiled with Inductor's prologue fusion off (`prologue_fusion=False`:
                                r7's flex failure was in a template with the step's RoPE and norm fused into it)
   cb                           transformers continuous batching (`generate_batch`, paged attention; GPU only:
@@ -56,13 +59,15 @@ Where a static-512 pass goes on the H200 (r7, `bench/results/2026-12-01-h200-r7/
 of attention (one cuDNN flash kernel per layer reading the whole static cache) and 10.7 ms of GEMMs (near the bf16
 ceiling); the default 64-row prefill: 9,206 tok/s, prefill 5.2 s. The -flex variant's kernel failed to compile there.
 
-Next device call (issue 28, toward 12K: the decode step's attention; one call, timeout 600 s, carry `.whl`):
+Next device call (issue 28, toward 12K: the decode step's attention; one call, timeout 600 s, carry `.whl`). Four
+batches of 512 prompts of one width each (2048 prompts cycling 128-512 tokens, sorted by `regenerate`), as a data
+stage sees them, and the flex decode with prologue fusion off:
 
     pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && \\
-      timeout 400 python3 bench/regen.py --out $OUT/regen.json \\
-        --variants static-512,static-512-flex-noprologue,static-512-prefill0-flex-noprologue \\
-        --profile static-512,static-512-flex-noprologue > $OUT/regen.log 2>&1; \\
-      timeout 150 python3 -m pytest -q -m gpu tests/test_data_regen.py -k decoder_options_on_cuda \\
+      timeout 420 python3 bench/regen.py --out $OUT/regen.json --prompts 2048 \\
+        --variants static-512,static-512-fit,static-512-flex-noprologue \\
+        --profile static-512-flex-noprologue > $OUT/regen.log 2>&1; \\
+      timeout 150 python3 -m pytest -q -m gpu tests/test_data_regen.py -k "decoder_options_on_cuda or fit_cache" \\
         > $OUT/pytest-gpu.log 2>&1; tail -n 3 $OUT/regen.log $OUT/pytest-gpu.log
 
 Each generate call of an hfstatic variant allocates a fresh StaticCache (transformers' behaviour without a passed
@@ -132,11 +137,13 @@ def parse_variant(v: str) -> dict:
             options["attention"] = FLEX
         elif f.startswith("prefill") and f[len("prefill"):].isdigit():
             options["prefill_rows"] = int(f[len("prefill"):])
+        elif f == "fit":
+            options["fit_cache"] = True
     inductor = {"prologue_fusion": False} if "noprologue" in flags and parts[0] == "static" else {}
     if parts[0] not in ("generate", "static") or len(parts) < 2 or not (parts[1].isdigit() or parts[1] == "auto") \
             or len(set(flags)) != len(flags) or len(flags) != ("eager" in flags) + len(options) + len(inductor):
         raise SystemExit(f"--variants: {v!r} is not generate-N, generate-auto, static-N|auto[-eager][-prefillR][-flex]"
-                         "[-noprologue], hfstatic-N[-forward|-eager][-gqa] or cb")
+                         "[-fit][-noprologue], hfstatic-N[-forward|-eager][-gqa] or cb")
     return {"name": v, "kind": "generate", "decoder": parts[0], "batch": 0 if parts[1] == "auto" else int(parts[1]),
             "compile": "eager" not in flags, "options": options, "inductor": inductor}
 
@@ -180,28 +187,35 @@ def greedy_vs(seqs, ref) -> dict:
 
 
 class PhaseClock:
-    """A StaticDecoder's time, split: per generate call the prefill (from the call to its first decode step: the
+    """The static decoders' time, split: per generate call the prefill (from the call to its first decode step: the
     mask and cache set-up and the prompt's forward), each decode step (the compiled step: a CUDA graph replay) and
     each gap between steps (the loop's bookkeeping, the stop check's host sync every check_every steps). CUDA events
     on a GPU (no sync until `summary`), the wall clock on the CPU. Each step is also a `decode_step` profiler range
-    (for `bench.traces.step_table`)."""
+    (for `bench.traces.step_table`). It hooks StaticDecoder.generate, so every decoder of the pass is timed (-fit
+    makes one per cache length), until `close`."""
 
-    def __init__(self, dec):
+    def __init__(self, cuda: bool, batch: int):
         import torch
-        self.cuda, self.calls, self.B = dec.device.type == "cuda", [], dec.B
-        generate, step = dec.generate, dec._greedy
 
-        def timed_generate(*a, **kw):
+        from dflash.data.decode import StaticDecoder
+        self.cuda, self.calls, self.B = cuda, [], batch
+        real = StaticDecoder.generate
+
+        def timed_generate(dec, *a, **kw):
+            if not getattr(dec, "_clocked", False):
+                step = dec._greedy
+
+                def timed_step(*sa, **skw):
+                    self.calls[-1].append(self._mark())
+                    with torch.profiler.record_function("decode_step"):
+                        out = step(*sa, **skw)
+                    self.calls[-1].append(self._mark())
+                    return out
+                dec._greedy, dec._clocked = timed_step, True
             self.calls.append([self._mark()])
-            return generate(*a, **kw)
-
-        def timed_step(*a, **kw):
-            self.calls[-1].append(self._mark())
-            with torch.profiler.record_function("decode_step"):
-                out = step(*a, **kw)
-            self.calls[-1].append(self._mark())
-            return out
-        dec.generate, dec._greedy = timed_generate, timed_step
+            return real(dec, *a, **kw)
+        StaticDecoder.generate = timed_generate
+        self.close = lambda: setattr(StaticDecoder, "generate", real)
 
     def _mark(self):
         import torch
@@ -330,12 +344,24 @@ def _run_variant(model, tokenizer, prompts, new_tokens, var, device, profile_ste
             attn[0] = st["attn_implementation"]
             return st["tokens"], time.time() - t, st["batch_size"], seqs
     static = var.get("decoder") == "static"
+    fit = static and var["options"].get("fit_cache", False)
     need = max(len(q) for q in prompts) + new_tokens
-    if static and var["batch"]:                 # the timed pass's length: the warm-up compiles what it runs
+    if static and var["batch"] and not fit:     # the timed pass's length: the warm-up compiles what it runs
         decoder_for(model, var["batch"], need, var["compile"], **var["options"])
-    _, warm_s, _, _ = go(prompts, min(16, new_tokens))     # warm-up: the same batches, fewer tokens
-    dec = decoder_for(model, None, need, var["compile"], **var["options"]) if static else None
-    clock = PhaseClock(dec) if dec is not None else None
+    # warm-up: the same batches, fewer tokens (-fit: all of them, so each batch's cache length is compiled)
+    _, warm_s, _, _ = go(prompts, new_tokens if fit else min(16, new_tokens))
+    dec = decoder_for(model, None, need, var["compile"], **var["options"]) if static and not fit else None
+    clock = PhaseClock(cuda, var["batch"] or dec.B) if static and (dec is not None or var["batch"]) else None
+    try:
+        return _timed(go, prompts, new_tokens, var, attn, clock, cuda, warm_s, profile_steps, trace_out)
+    finally:
+        if clock is not None:
+            clock.close()
+
+
+def _timed(go, prompts, new_tokens, var, attn, clock, cuda, warm_s, profile_steps, trace_out):
+    """The variant's timed pass, then its phases and profile (after: their failure does not cost it its result)."""
+    import torch
     tokens, seconds, bs, seqs = go(prompts, new_tokens)
     batches = -(-len(prompts) // bs) if bs else None
     res = {"variant": var["name"], "batch_size": bs, "tokens": tokens, "seconds": round(seconds, 3),

@@ -108,11 +108,25 @@ def test_static_variant_names():
     v = regen.parse_variant("static-512-flex-noprologue")
     assert v["inductor"] == {"prologue_fusion": False} and v["options"] == {"attention": "grouped_flex"}
     assert regen.parse_variant("static-512")["inductor"] == {}
+    assert regen.parse_variant("static-512-fit")["options"] == {"fit_cache": True}
     for bad in ("static-4-prefill", "static-4-flex-flex", "generate-4-flex", "static-x",
                 "static-4-prefill2-prefill3", "static", "generate-4-noprologue",
-                "static-4-noprologue-noprologue"):
+                "static-4-noprologue-noprologue", "static-4-fit-fit", "generate-4-fit"):
         with pytest.raises(SystemExit):
             regen.parse_variant(bad)
+
+
+def test_fit_variant_times_every_batchs_decoder(tmp_path):
+    """-fit: prompts of 250 and 8 tokens at batch 4 (sorted: two batches of each width) get caches of 384 and 256
+    slots, a decoder each; the phases count every batch of both decoders, and the greedy tokens are the reference's."""
+    out = tmp_path / "regen.json"
+    assert regen.main(["--tiny", "--out", str(out), "--variants", "static-4-eager,static-4-eager-fit",
+                       "--prompt-lengths", "250,8"]) == 0
+    res = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
+    fit = res["static-4-eager-fit"]
+    assert fit["options"] == {"fit_cache": True} and fit["greedy_vs"]["identical_sequences"] == 16
+    for r in res.values():
+        assert (r["phases"]["calls"], r["phases"]["decode_steps"]) == (4, 4 * 7) and r["tokens"] == 16 * 8
 
 
 def test_phases_and_profile_of_the_static_decoder(tmp_path):

@@ -290,6 +290,28 @@ def test_decoder_options_on_cuda_graphs_give_the_greedy_turns_of_generate(talkin
     decode.release(model)
 
 
+@pytest.mark.gpu
+def test_fit_cache_on_cuda_graphs_gives_the_default_decoders_turns(talking_target):
+    """fit_cache under CUDA graphs: a decoder (and graph) per cache length, 384 then 256 slots, the greedy turns of
+    the default decoder, which keeps the 384-slot cache for every batch."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash.data import decode
+    from dflash.data.generate import regenerate
+    tok = AutoTokenizer.from_pretrained(str(talking_target))
+    model = AutoModelForCausalLM.from_pretrained(str(talking_target)).cuda().eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, 300, (n,), generator=g).tolist() for n in (30, 250, 12, 260, 40, 245, 7, 233)]
+    ref, _ = regenerate(model, tok, prompts, 40, batch_size=4, progress=False, ignore_eos=True)
+    assert decode._LAST[id(model)].L == 384
+    got, st = regenerate(model, tok, prompts, 40, batch_size=4, progress=False, ignore_eos=True,
+                         static_options={"fit_cache": True})
+    assert st["decoder"] == "static" and decode._LAST[id(model)].graphs and decode._LAST[id(model)].L == 256
+    assert got == ref
+    decode.release(model)
+
+
 def test_bench_regen_runs_tiny(tmp_path):
     out = tmp_path / "regen.json"
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent), OMP_NUM_THREADS="1")
@@ -497,6 +519,36 @@ def test_static_decoder_is_reused_while_it_fits_and_its_cache_freed_when_replace
     assert d2 is not d1 and d2.L == 384 and d1.cache is None                  # the old cache freed at once
     assert decode.decoder_for(model, None, 10 ** 4, compile=False) is None    # nothing fits, no batch size given
     assert id(model) not in decode._LAST and d2.cache is None
+
+
+def test_fit_cache_sizes_the_cache_to_each_batch_and_keeps_the_greedy_turns(talking_target, monkeypatch):
+    """fit_cache: the prompts sorted longest first, the first batch gets a 384-slot cache, the shorter ones 256 (a new
+    decoder, the old cache freed), and the greedy turns are the default decoder's, which keeps 384 for every batch."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash.data import decode
+    from dflash.data.generate import regenerate
+    tok = AutoTokenizer.from_pretrained(str(talking_target))
+    model = AutoModelForCausalLM.from_pretrained(str(talking_target)).eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, 300, (n,), generator=g).tolist() for n in (30, 250, 12, 260, 40, 245)]
+    lengths = []
+    real = decode.StaticDecoder._generate
+    monkeypatch.setattr(decode.StaticDecoder, "_generate", lambda self, *a: lengths.append(self.L) or real(self, *a))
+    ref, _ = regenerate(model, tok, prompts, 12, batch_size=3, progress=False, decoder="static", ignore_eos=True)
+    assert lengths == [384, 384]                             # the default: the first batch's cache for every batch
+    lengths.clear()
+    got, _ = regenerate(model, tok, prompts, 12, batch_size=3, progress=False, decoder="static", ignore_eos=True,
+                        static_options={"fit_cache": True})
+    assert lengths == [384, 256] and got == ref              # 260 + 12 -> 384; 40 + 12 -> 256
+    last = decode._LAST[id(model)]
+    assert last.L == 256 and decode.decoder_for(model, 3, 250, compile=False, fit_cache=True) is last   # 256 fits
+    assert decode.decoder_for(model, 3, 40, compile=False, fit_cache=True) is last
+    assert decode.decoder_for(model, 3, 300, compile=False, fit_cache=True).L == 384 and last.cache is None
+    decode.release(model)
+    with pytest.raises(ValueError, match="fit_cache"):
+        decode.StaticDecoder(model, 3, 256, compile=False, fit_cache=1)
 
 
 def test_default_decoder_on_a_sliding_window_target_prefills_the_whole_batch():

@@ -21,6 +21,11 @@ Options, each a `bench/regen.py` variant, made the default once a measurement sa
   8B-shaped target in 14.2 s against 17.7 s (prefill 5.2 s against 8.5 s), peak 81.7 GB against 95.6 GB; CUDA graphs
   give `generate`'s greedy turns with it (tests/test_data_regen.py). A cache with sliding-window layers (which keep
   other slots) prefills the whole batch at once.
+- `fit_cache=True` (off): `regenerate` sizes the cache to each batch (`cache_len(width + max_new_tokens)`, a new
+  decoder when that differs from the kept one's) instead of keeping the first, longest batch's. Batches are sorted by
+  prompt length, longest first, and a decode step's attention reads the whole static cache (65% of the H200's step
+  in r7), so every later, shorter batch reads slots it never fills. Costs a new cache and CUDA graph per cache length
+  (few: the lengths of `cache_len` grow by 1.33-1.5x). Not measured on a GPU yet (bench/regen.py's -fit variant).
 - `attention=FLEX` ("grouped_flex", off): decode steps through flex_attention over only the 128-slot KV blocks that
   hold a slot the query sees (no block of left padding, none of the cache not yet written), each KV head read once.
   Equal to the grouped attention eagerly (CPU tests), but Inductor fails to compile its kernel in torch 2.11 on the
@@ -34,7 +39,7 @@ GQA = "grouped_sdpa"       # (a name with "flash" in it would be taken for a fla
 FLEX = "grouped_flex"
 KV_BLOCK = 128             # flex_attention's sparse block; every cache_len is a multiple of it
 PREFILL_ROWS = 64
-OPTIONS = {"attention": GQA, "prefill_rows": PREFILL_ROWS}     # StaticDecoder's options, at their defaults
+OPTIONS = {"attention": GQA, "prefill_rows": PREFILL_ROWS, "fit_cache": False}   # StaticDecoder's, at their defaults
 
 
 def gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -108,8 +113,9 @@ class StaticDecoder:
         from transformers import StaticCache
         self.options = {**OPTIONS, **options}
         if set(options) - set(OPTIONS) or self.options["attention"] not in (GQA, FLEX) \
-                or self.options["prefill_rows"] < 0:
-            raise ValueError(f"StaticDecoder: options {options} (known: attention {GQA} | {FLEX}, prefill_rows >= 0)")
+                or self.options["prefill_rows"] < 0 or not isinstance(self.options["fit_cache"], bool):
+            raise ValueError(f"StaticDecoder: options {options} (known: attention {GQA} | {FLEX}, prefill_rows >= 0, "
+                             "fit_cache true | false)")
         self.model, self.B, self.L, self.check_every = model, batch_size, max_len, check_every
         self.device = next(model.parameters()).device
         self.cache = StaticCache(config=model.config, max_cache_len=max_len)
@@ -222,11 +228,13 @@ def release(model) -> None:
 
 
 def decoder_for(model, batch_size: int | None, need_len: int, compile: bool = True, **options) -> StaticDecoder | None:
-    """The model's last decoder if it is long enough, has the asked batch size (None: any) and the same `options`
-    (StaticDecoder's attention, prefill_rows; unnamed: their defaults), else a new one (the old one's cache is freed
-    first); None when there is nothing to reuse and no batch size is given."""
+    """The model's last decoder if it is long enough (with `fit_cache`: exactly `cache_len(need_len)` long), has the
+    asked batch size (None: any) and the same `options` (StaticDecoder's attention, prefill_rows, fit_cache; unnamed:
+    their defaults), else a new one (the old one's cache is freed first); None when there is nothing to reuse and no
+    batch size is given."""
     last = _LAST.get(id(model))
-    if last is not None and last.L >= need_len and batch_size in (None, last.B) \
+    fits = last is not None and (last.L == cache_len(need_len) if last.options["fit_cache"] else last.L >= need_len)
+    if fits and batch_size in (None, last.B) \
             and last.graphs == (compile and last.device.type == "cuda") \
             and last.options == {**OPTIONS, **options}:
         return last

@@ -86,6 +86,7 @@ def regenerate(model, tokenizer, prompts, max_new_tokens, temperature=0.0, batch
     from tqdm import tqdm
     from transformers import GenerationConfig
 
+    from dflash.data.decode import decoder_for
     from dflash.target import stop_token_ids
 
     stop_ids = stop_token_ids(tokenizer, model) if stop_ids is None else list(stop_ids)
@@ -94,8 +95,9 @@ def regenerate(model, tokenizer, prompts, max_new_tokens, temperature=0.0, batch
     static = decoder == "static" or (decoder == "auto" and device.type == "cuda")
     order = sorted(range(len(prompts)), key=lambda i: (-len(prompts[i]), i))
     longest = len(prompts[order[0]]) if prompts else 1
+    static_options = static_options or {}
     batch_size, dec = _batching(model, prompts, longest, max_new_tokens, batch_size, static, compile, cpu_batch_size,
-                                static_options or {})
+                                static_options)
     if static:
         gen_g = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
     else:
@@ -113,6 +115,8 @@ def regenerate(model, tokenizer, prompts, max_new_tokens, temperature=0.0, batch
         for batch in bar:
             rows = batch + [batch[-1]] * (batch_size - len(batch)) if static else batch   # fixed batch shape
             ids, att = _left_padded(prompts, rows, pad)
+            if static and dec.options["fit_cache"]:   # a cache as long as this batch needs (see decode.py)
+                dec = decoder_for(model, batch_size, ids.shape[1] + max_new_tokens, compile, **static_options)
             if static:
                 gen = dec.generate(ids, att, max_new_tokens, stop, temperature, gen_g).cpu()
             else:
