@@ -450,7 +450,7 @@ class Bench:
             doc["target_build"].pop("loss_curve", None)
         (self.out / "quality.json").write_text(json.dumps(doc, indent=1) + "\n")
         (self.out / "quality.md").write_text(markdown(doc))
-        plot(rows, self.out / "quality.png")
+        plot(rows, self.out / "quality.png", by_step=bool(self.args.steps))
         self.archive()
         print((self.out / "quality.md").read_text(), flush=True)
 
@@ -536,26 +536,32 @@ def _f(x, nd):
     return "" if x is None else f"{x:.{nd}f}"
 
 
-def plot(rows: list[dict], path: Path):
-    """Left: tau of each run at temperature 0 and 1. Right: each run's training-time acceptance estimate (accepted
-    draft tokens per block from its argmax accuracy: the same measure for every weighting and objective, unlike the
-    logged loss) against seconds."""
+def plot(rows: list[dict], path: Path, by_step: bool = False):
+    """Left: tau of each run at temperature 0 and 1 (a run that did not complete marked so). Right: each run's
+    training-time acceptance estimate (accepted draft tokens per block from its argmax accuracy: the same measure for
+    every weighting and objective, unlike the logged loss) against seconds of training, or against steps at equal
+    steps (runs sharing a GPU make seconds meaningless there)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (bars, curves) = plt.subplots(1, 2, figsize=(12, 4.5))
     names = [r["recipe"] for r in rows]
     for i, (key, label) in enumerate((("tau_t0", "T=0"), ("tau_t1", "T=1"))):
+        if not any(r.get(key) is not None for r in rows):   # no run evaluated at this temperature
+            continue
         bars.bar([x + 0.4 * i for x in range(len(rows))], [r.get(key) or 0 for r in rows], width=0.4, label=label)
+    for x, r in enumerate(rows):
+        if r.get("status") not in ("completed", None):
+            bars.text(x + 0.2, 0.05, r["status"], rotation=90, ha="center", va="bottom", fontsize=8, color="red")
     bars.set_xticks([x + 0.2 for x in range(len(rows))], names, rotation=30, ha="right", fontsize=8)
     bars.set_ylabel("tau on held-out prompts")
-    bars.legend(fontsize=8)
+    if bars.containers:
+        bars.legend(fontsize=8)
     for r in rows:
-        pts = [(c["elapsed_s"], c["acceptance_estimate"]) for c in r["curve"]
-               if c.get("elapsed_s") is not None and c.get("acceptance_estimate") is not None]
+        pts = curve_points(r["curve"], by_step)
         if pts:
             curves.plot(*zip(*pts), label=r["recipe"])
-    curves.set_xlabel("seconds since the run started (metrics.jsonl elapsed_s)")
+    curves.set_xlabel("optimizer step" if by_step else "seconds of training (metrics.jsonl elapsed_s, over resumes)")
     curves.set_ylabel("training acceptance estimate (draft tokens per block)")
     curves.grid(alpha=0.3)
     if curves.lines:
@@ -563,6 +569,23 @@ def plot(rows: list[dict], path: Path):
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def curve_points(curve: list[dict], by_step: bool) -> list[tuple[float, float]]:
+    """(x, acceptance estimate) of a run's metrics rows, x the step, or the seconds of training summed over resumes:
+    a resumed run's elapsed_s starts from 0 again in the rows after its checkpoint."""
+    pts, offset, last = [], 0.0, None
+    for c in sorted(curve, key=lambda c: c.get("step") or 0):
+        if c.get("acceptance_estimate") is None or (c.get("step") if by_step else c.get("elapsed_s")) is None:
+            continue
+        if by_step:
+            x = c["step"]
+        else:
+            offset += last if last is not None and c["elapsed_s"] < last else 0.0
+            last = c["elapsed_s"]
+            x = last + offset
+        pts.append((x, c["acceptance_estimate"]))
+    return pts
 
 
 def git_rev() -> str:

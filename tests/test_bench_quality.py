@@ -165,6 +165,18 @@ def test_the_table_names_a_run_that_failed_and_why(tmp_path):
     assert "- baseline" not in md
 
 
+def test_training_curves_follow_steps_or_seconds_over_a_resume():
+    """A run resumed at step 30 (its elapsed_s starts from 0 again, as on the H200): against seconds the curve goes
+    on from where it stopped; against steps (equal steps) it is the steps."""
+    curve = [{"step": 10, "elapsed_s": 5.0, "acceptance_estimate": 0.1},
+             {"step": 30, "elapsed_s": 20.0, "acceptance_estimate": 0.3},
+             {"step": 40, "elapsed_s": 1.5, "acceptance_estimate": 0.4},
+             {"step": 50, "elapsed_s": 9.0, "acceptance_estimate": None},
+             {"step": 60, "elapsed_s": 12.0, "acceptance_estimate": 0.6}]
+    assert qb.curve_points(curve, by_step=False) == [(5.0, 0.1), (20.0, 0.3), (21.5, 0.4), (32.0, 0.6)]
+    assert qb.curve_points(curve, by_step=True) == [(10, 0.1), (30, 0.3), (40, 0.4), (60, 0.6)]
+
+
 def target_and_holdout(tmp_path) -> str:
     """config/quality.yaml with its target under tmp_path, that target's config.json and one held-out conversation."""
     cfg = tmp_path / "q.yaml"
