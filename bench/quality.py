@@ -406,7 +406,7 @@ class Bench:
                "ktok_per_s": tp.get("ktok_per_s"), "loss": s.get("loss"), "acceptance_estimate": s.get("acceptance_estimate"),
                "replicas_identical": s.get("replicas_identical"), "time_budget_s": s.get("time_budget_s"),
                "parallel": (self.state["commands"].get(f"train {run}") or {}).get("parallel"),
-               "failure": (s.get("failure") or {}).get("message")}
+               "failure": ((s.get("failure") or {}).get("message") or "").strip().split("\n")[0][:300] or None}
         files = {f.stem.replace("acceptance-", ""): f for f in sorted(rd.glob("acceptance-t*.json"))}
         for temp in (0.0, 1.0):
             if f"t{temp:g}" not in files and pipeline_eval(rd, temp):
@@ -423,12 +423,13 @@ class Bench:
 
     def table(self):
         rows = [r for r in (self.row(label, run) for label, run in self.runs()) if r]
-        seeds = [r for r in rows if bf16_seed(r["recipe"]) and r.get("tau_t0")]
+        seeds = [r for r in rows if bf16_seed(r["recipe"]) and r.get("tau_t0") and r["status"] == "completed"]
         base = [r["tau_t0"] for r in seeds]
         spread = (max(base) - min(base)) if len(base) >= 2 else None
         mean = sum(base) / len(base) if base else None
         for r in rows:
-            if mean is not None and r.get("tau_t0") is not None and r["recipe"] not in ("pipeline",):
+            if mean is not None and r.get("tau_t0") is not None and r["recipe"] not in ("pipeline",) \
+                    and r["status"] == "completed":
                 r["tau_t0_vs_baseline"] = r["tau_t0"] - mean
                 r["beats_spread"] = spread is not None and abs(r["tau_t0"] - mean) > spread
                 if fp8_recipe(r["recipe"]):   # issue 28: FP8 must not cost acceptance

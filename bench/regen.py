@@ -59,15 +59,16 @@ Where a static-512 pass goes on the H200 (r7, `bench/results/2026-12-01-h200-r7/
 of attention (one cuDNN flash kernel per layer reading the whole static cache) and 10.7 ms of GEMMs (near the bf16
 ceiling); the default 64-row prefill: 9,206 tok/s, prefill 5.2 s. The -flex variant's kernel failed to compile there.
 
-Next device call (issue 28, toward 12K: the decode step's attention; one call, timeout 600 s, carry `.whl`). Four
-batches of 512 prompts of one width each (2048 prompts cycling 128-512 tokens, sorted by `regenerate`), as a data
-stage sees them, and the flex decode with prologue fusion off:
+Next device call (issue 28, toward 12K: the decode step's attention; one call, timeout 600 s, carry `.whl`). Two
+batches of 512 prompts (1024 prompts cycling 128-512 tokens, sorted by `regenerate`: widths 512 and 256, caches of
+768 and 512 slots with -fit), as a data stage sees them, and the flex decode with prologue fusion off (each variant
+compiles afresh: `torch._dynamo.reset()` between variants):
 
     pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && \\
-      timeout 420 python3 bench/regen.py --out $OUT/regen.json --prompts 2048 \\
+      timeout 480 python3 bench/regen.py --out $OUT/regen.json --prompts 1024 \\
         --variants static-512,static-512-fit,static-512-flex-noprologue \\
         --profile static-512-flex-noprologue > $OUT/regen.log 2>&1; \\
-      timeout 150 python3 -m pytest -q -m gpu tests/test_data_regen.py -k "decoder_options_on_cuda or fit_cache" \\
+      timeout 100 python3 -m pytest -q -m gpu tests/test_data_regen.py -k "decoder_options_on_cuda or fit_cache" \\
         > $OUT/pytest-gpu.log 2>&1; tail -n 3 $OUT/regen.log $OUT/pytest-gpu.log
 
 Each generate call of an hfstatic variant allocates a fresh StaticCache (transformers' behaviour without a passed
@@ -198,12 +199,12 @@ class PhaseClock:
         import torch
 
         from dflash.data.decode import StaticDecoder
-        self.cuda, self.calls, self.B = cuda, [], batch
+        self.cuda, self.calls, self.B, self.wrapped = cuda, [], batch, {}   # wrapped: decoder -> its own step
         real = StaticDecoder.generate
 
         def timed_generate(dec, *a, **kw):
-            if not getattr(dec, "_clocked", False):
-                step = dec._greedy
+            if dec not in self.wrapped:
+                step = self.wrapped[dec] = dec._greedy
 
                 def timed_step(*sa, **skw):
                     self.calls[-1].append(self._mark())
@@ -211,11 +212,20 @@ class PhaseClock:
                         out = step(*sa, **skw)
                     self.calls[-1].append(self._mark())
                     return out
-                dec._greedy, dec._clocked = timed_step, True
+                dec._greedy = timed_step
             self.calls.append([self._mark()])
             return real(dec, *a, **kw)
         StaticDecoder.generate = timed_generate
-        self.close = lambda: setattr(StaticDecoder, "generate", real)
+        self._real = real
+
+    def close(self) -> None:
+        """StaticDecoder.generate and every timed decoder's step as they were."""
+        from dflash.data.decode import StaticDecoder
+        StaticDecoder.generate = self._real
+        for dec, step in self.wrapped.items():
+            if dec._greedy is not None:      # not closed meanwhile
+                dec._greedy = step
+        self.wrapped.clear()
 
     def _mark(self):
         import torch
@@ -286,10 +296,12 @@ def run_variant(model, tokenizer, prompts, new_tokens, var, device, profile_step
 def _run_variant(model, tokenizer, prompts, new_tokens, var, device, profile_steps=0, trace_out=None):
     import torch
 
-    from dflash.data.decode import decoder_for, release
+    from dflash.data.decode import decoder_for, kept, release
     from dflash.data.generate import regenerate
     cuda = device.startswith("cuda")
     release(model)                              # the previous variant's decoder: each variant sizes its own
+    torch._dynamo.reset()                       # and compiles its own: no graph (static or, after a second cache
+    #                                             length, dynamic) nor Inductor setting carried over from another
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -348,10 +360,11 @@ def _run_variant(model, tokenizer, prompts, new_tokens, var, device, profile_ste
     need = max(len(q) for q in prompts) + new_tokens
     if static and var["batch"] and not fit:     # the timed pass's length: the warm-up compiles what it runs
         decoder_for(model, var["batch"], need, var["compile"], **var["options"])
-    # warm-up: the same batches, fewer tokens (-fit: all of them, so each batch's cache length is compiled)
+    # warm-up: the same batches, fewer tokens (-fit: all of them, so each batch's cache length is compiled; the timed
+    # pass still records each length's CUDA graph again, on a new cache: in its mean step, not its median)
     _, warm_s, _, _ = go(prompts, new_tokens if fit else min(16, new_tokens))
-    dec = decoder_for(model, None, need, var["compile"], **var["options"]) if static and not fit else None
-    clock = PhaseClock(cuda, var["batch"] or dec.B) if static and (dec is not None or var["batch"]) else None
+    dec = kept(model) if static else None        # the warm-up's decoder (-fit: its last one): the batch size
+    clock = PhaseClock(cuda, dec.B) if dec is not None else None
     try:
         return _timed(go, prompts, new_tokens, var, attn, clock, cuda, warm_s, profile_steps, trace_out)
     finally:

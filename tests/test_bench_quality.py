@@ -54,7 +54,8 @@ def fake_run(results: Path, run: str, taus: dict, steps=400, ktok=7.0, pipeline_
     rd = results / "runs" / run
     rd.mkdir(parents=True)
     rd.joinpath("summary.json").write_text(json.dumps({
-        "status": "failed" if failure else "completed", "failure": failure and {"kind": "non_finite", "message": failure},
+        "status": "failed" if failure else "completed",
+        "failure": failure and {"kind": "non_finite", "message": failure},
         "steps": steps, "train_seconds": 150.0, "time_budget_s": time_budget_s,
         "finished": finished, "finished_by": ("time_budget" if time_budget_s else "steps") if finished else None,
         "throughput": {"ktok_per_s": ktok}, "loss": 3.0, "acceptance_estimate": 1.0, "replicas_identical": True,
@@ -153,16 +154,17 @@ def test_the_table_names_a_run_that_failed_and_why(tmp_path):
     res = tmp_path / "results"
     fake_run(res, "q-s800-baseline", {0.0: 1.80}, steps=800, time_budget_s=None)
     fake_run(res, "q-s800-baseline-seed1", {0.0: 1.86}, steps=800, time_budget_s=None)
-    fake_run(res, "q-s800-fp8target", {}, steps=10, time_budget_s=None, finished=False,
-             failure="step 10: loss nan, gradient norm nan is not finite; stopping")
+    fake_run(res, "q-s800-fp8target", {0.0: 1.0}, steps=10, time_budget_s=None, finished=False,   # a stale tau
+             failure="step 10: loss nan, gradient norm nan is not finite; stopping\n  a second line")
     b.table()
     rows = {r["recipe"]: r for r in json.loads((b.out / "quality.json").read_text())["rows"]}
     assert rows["fp8target"]["status"] == "failed" and "within_spread" not in rows["fp8target"]
+    assert "tau_t0_vs_baseline" not in rows["fp8target"]
     assert rows["baseline"]["failure"] is None
     md = (b.out / "quality.md").read_text()
     assert "Runs that did not complete" in md
     assert "- fp8target: run failed at step 10: step 10: loss nan, gradient norm nan is not finite; stopping" in md
-    assert "- baseline" not in md
+    assert "\n- baseline" not in md and "a second line" not in md
 
 
 def test_training_curves_follow_steps_or_seconds_over_a_resume():

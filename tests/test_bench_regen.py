@@ -119,9 +119,14 @@ def test_static_variant_names():
 def test_fit_variant_times_every_batchs_decoder(tmp_path):
     """-fit: prompts of 250 and 8 tokens at batch 4 (sorted: two batches of each width) get caches of 384 and 256
     slots, a decoder each; the phases count every batch of both decoders, and the greedy tokens are the reference's."""
+    from dflash.data import decode
+    generate = decode.StaticDecoder.generate
     out = tmp_path / "regen.json"
     assert regen.main(["--tiny", "--out", str(out), "--variants", "static-4-eager,static-4-eager-fit",
                        "--prompt-lengths", "250,8"]) == 0
+    assert decode.StaticDecoder.generate is generate                     # the clock's hook undone
+    kept = [d for d in decode._LAST.values() if d.cache is not None]
+    assert kept and all(d._greedy is decode._step_greedy for d in kept)  # ... and each decoder's step unwrapped
     res = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
     fit = res["static-4-eager-fit"]
     assert fit["options"] == {"fit_cache": True} and fit["greedy_vs"]["identical_sequences"] == 16

@@ -24,8 +24,11 @@ Options, each a `bench/regen.py` variant, made the default once a measurement sa
 - `fit_cache=True` (off): `regenerate` sizes the cache to each batch (`cache_len(width + max_new_tokens)`, a new
   decoder when that differs from the kept one's) instead of keeping the first, longest batch's. Batches are sorted by
   prompt length, longest first, and a decode step's attention reads the whole static cache (65% of the H200's step
-  in r7), so every later, shorter batch reads slots it never fills. Costs a new cache and CUDA graph per cache length
-  (few: the lengths of `cache_len` grow by 1.33-1.5x). Not measured on a GPU yet (bench/regen.py's -fit variant).
+  in r7), so every later, shorter batch reads slots it never fills. Costs, at each change of length (a few per call:
+  the lengths of `cache_len` grow by 1.33-1.5x; every call starts long again): a new cache and the recording of its
+  CUDA graph. The compiled step is one function for every decoder: its second cache length makes dynamo compile it
+  with the length symbolic (automatic dynamic shapes), which later lengths reuse. Not measured on a GPU yet
+  (bench/regen.py's -fit variant).
 - `attention=FLEX` ("grouped_flex", off): decode steps through flex_attention over only the 128-slot KV blocks that
   hold a slot the query sees (no block of left padding, none of the cache not yet written), each KV head read once.
   Equal to the grouped attention eagerly (CPU tests), but Inductor fails to compile its kernel in torch 2.11 on the
@@ -213,6 +216,11 @@ def cache_len(need: int) -> int:
     while n < need:
         n = n * 3 // 2 if n & (n - 1) == 0 else n * 4 // 3
     return n
+
+
+def kept(model) -> StaticDecoder | None:
+    """The model's kept decoder (the last `decoder_for` made or reused), or None."""
+    return _LAST.get(id(model))
 
 
 def release(model) -> None:

@@ -25,7 +25,8 @@ from torch import nn
 # The smallest row maximum a scale is taken from, for weights and inputs alike: a row of zeros (the input of a token
 # whose embedding is zero, as the pad token's of a target built with padding_idx; a zero row of a tied LM head)
 # quantizes to zeros with this floor, to NaN (0 / 0) without it, and one NaN row of K or V makes every row of the
-# attention NaN (a weight of 0 times NaN). torchao's float8 training floors its amax the same way (1e-12).
+# attention NaN (a weight of 0 times NaN). torchao's float8 training floors its amax the same way (1e-12). torchao
+# clamps in the input's dtype: right for bf16 and fp32 (the only ones here); 1e-12 would underflow to 0 in fp16.
 AMAX_FLOOR = 1e-12
 
 
@@ -97,7 +98,8 @@ class FrozenHead:
 def quantize_frozen(module: nn.Module) -> int:
     """Replace, once and in place, the weight of every nn.Linear inside `module` (frozen: inference only) by its
     rowwise FP8 copy (`_rowwise`: what torchao's quantize_ with Float8DynamicActivationFloat8WeightConfig(PerRow)
-    makes, without that config's refusal to run on the CPU); returns how many (a weight already FP8 is left)."""
+    makes, without that config's refusal to run on the CPU, and with weights and inputs floored at AMAX_FLOOR);
+    returns how many (a weight already FP8 is left)."""
     todo = [m for m in module.modules() if isinstance(m, nn.Linear) and not is_fp8(m.weight)]
     for m in todo:
         m.weight = nn.Parameter(_rowwise(m.weight), requires_grad=False)
