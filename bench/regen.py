@@ -16,7 +16,9 @@ CUDA graph capture and allocator growth happen there), then on all prompts with 
                                with the decoder's options (issue 28): -prefillR: the prefill in chunks of R prompts of
                                similar length, each only as wide as its longest prompt (the default since r7: R 64;
                                -prefill0: the whole batch at once, the decoder before r7); -flex (off; its kernel
-                               did not compile on the H200 in r7): decode attention `grouped_flex` (flex_attention
+                               did not compile on the H200 in r7, in a mask_mod into which the mask's computation
+                               was inlined; the decoder's mask is now a graph input, which Inductor compiles on
+                               the CPU): decode attention `grouped_flex` (flex_attention
                                over only the 128-slot KV blocks holding slots a row sees: no block of left padding,
                                none not yet written); its block lists are built inside the step (any/all/sum/argsort
                                kernels: the profile groups them as elementwise, sampling or other, not attention:
@@ -25,7 +27,8 @@ CUDA graph capture and allocator growth happen there), then on all prompts with 
                                shows only with several batches of different widths, e.g. --prompts 2048 at batch 512
                                (the warm-up then generates all --new-tokens, so every batch's length is compiled);
                                -noprologue: compiled with Inductor's prologue fusion off (`prologue_fusion=False`:
-                               r7's flex failure was in a template with the step's RoPE and norm fused into it)
+                               r7's flex failure was in a template with the step's RoPE and norm fused into it;
+                               kept in case the mask fix is not enough on the GPU)
   cb                           transformers continuous batching (`generate_batch`, paged attention; GPU only:
                                on CPU it did not finish 16 x 8 tokens in 8 minutes)
   hfstatic-N[-forward|-eager][-gqa]
@@ -61,13 +64,14 @@ ceiling); the default 64-row prefill: 9,206 tok/s, prefill 5.2 s. The -flex vari
 
 Next device call (issue 28, toward 12K: the decode step's attention; one call, timeout 600 s, carry `.whl`). Two
 batches of 512 prompts (1024 prompts cycling 128-512 tokens, sorted by `regenerate`: widths 512 and 256, caches of
-768 and 512 slots with -fit), as a data stage sees them, and the flex decode with prologue fusion off (each variant
-compiles afresh: `torch._dynamo.reset()` between variants):
+768 and 512 slots with -fit), as a data stage sees them, and the flex decode with the decoder's mask as a graph input
+(each variant compiles afresh: `torch._dynamo.reset()` between variants; if -flex fails to compile again, its
+-noprologue variant next):
 
     pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && \\
       timeout 480 python3 bench/regen.py --out $OUT/regen.json --prompts 1024 \\
-        --variants static-512,static-512-fit,static-512-flex-noprologue \\
-        --profile static-512-flex-noprologue > $OUT/regen.log 2>&1; \\
+        --variants static-512,static-512-fit,static-512-flex \\
+        --profile static-512-flex > $OUT/regen.log 2>&1; \\
       timeout 100 python3 -m pytest -q -m gpu tests/test_data_regen.py -k "decoder_options_on_cuda or fit_cache" \\
         > $OUT/pytest-gpu.log 2>&1; tail -n 3 $OUT/regen.log $OUT/pytest-gpu.log
 

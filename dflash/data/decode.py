@@ -31,8 +31,10 @@ Options, each a `bench/regen.py` variant, made the default once a measurement sa
   (bench/regen.py's -fit variant).
 - `attention=FLEX` ("grouped_flex", off): decode steps through flex_attention over only the 128-slot KV blocks that
   hold a slot the query sees (no block of left padding, none of the cache not yet written), each KV head read once.
-  Equal to the grouped attention eagerly (CPU tests), but Inductor fails to compile its kernel in torch 2.11 on the
-  H200 (a triton CompilationError in the fused flex template, r7): not usable until that is solved.
+  Equal to the grouped attention eagerly (CPU tests), but Inductor failed to compile its kernel in torch 2.11 on the
+  H200 (r7: `NameError: XBLOCK is not defined` in the mask_mod of the fused flex decode template, into which the
+  mask's computation had been inlined). Since then a decode step's mask is the decoder's own bool mask, read as a
+  graph input (`decoder_mask`: the decoder opens one slot a step); not yet compiled on a GPU.
 """
 from __future__ import annotations
 
@@ -88,12 +90,25 @@ def flex_decode_attention(module, query, key, value, attention_mask, dropout=0.0
     return out.transpose(1, 2).contiguous(), None
 
 
+def decoder_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None, **kwargs):
+    """transformers mask function of the flex decode: a decode step's mask is the decoder's own 2D mask, as it is
+    (B, 1, 1, L) bool, a view: every slot the step sees, the decoder opening one slot a step (no causal rule to
+    compute). flex_attention's mask_mod then reads a graph input; r7's Inductor failure was in a mask_mod into which
+    the mask's computation (cache position, arange, comparisons) had been inlined. Anything else: sdpa_mask."""
+    from transformers.masking_utils import sdpa_mask
+    if q_length == 1 and attention_mask is not None and attention_mask.dim() == 2 \
+            and attention_mask.dtype == torch.bool and attention_mask.shape[-1] == kv_length:
+        return attention_mask[:, None, None, :]
+    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                     kv_offset=kv_offset, attention_mask=attention_mask, **kwargs)
+
+
 def _register():
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-    for name, fn in ((GQA, gqa_attention), (FLEX, flex_decode_attention)):
+    for name, fn, mask in ((GQA, gqa_attention, sdpa_mask), (FLEX, flex_decode_attention, decoder_mask)):
         AttentionInterface.register(name, fn)
-        AttentionMaskInterface.register(name, sdpa_mask)
+        AttentionMaskInterface.register(name, mask)
 
 
 def _forward(model, cache, ids, pos, mask):          # ids, pos (B, T); mask (B, L) -> last logits (B, V)
@@ -158,7 +173,9 @@ class StaticDecoder:
         dev = self.device
         ids, att = ids.to(dev), attention_mask.to(dev, torch.long)
         self.cache.reset()
-        mask = torch.ones(B, self.L, dtype=torch.long, device=dev)     # future slots: the causal rule hides them
+        opens = self.attn == FLEX   # the flex decode reads this mask as it is (decoder_mask): each step opens its slot
+        mask = torch.zeros(B, self.L, dtype=torch.bool, device=dev) if opens \
+            else torch.ones(B, self.L, dtype=torch.long, device=dev)     # future slots: the causal rule hides them
         mask[:, :W] = att
         pos = (att.cumsum(-1) - 1).clamp_min(0)                          # left padding: first real token at 0
         pick = (lambda lg: lg.argmax(-1)) if temperature <= 0 else (
@@ -175,6 +192,8 @@ class StaticDecoder:
         for t in range(1, max_new_tokens):
             if t % self.check_every == 0 and bool(done.all()):
                 break
+            if opens:
+                mask[:, W + t - 1] = True                                 # the slot this step writes
             if self.graphs:
                 torch.compiler.cudagraph_mark_step_begin()
             args = (self.model, self.cache, out[:, t - 1:t].clone(), last + t, mask)
