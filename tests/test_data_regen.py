@@ -525,6 +525,7 @@ def test_flex_decode_step_is_one_graph_for_dynamo(talking_target):
     dec.close()
 
 
+@pytest.mark.slow
 def test_flex_decode_step_compiles_with_inductor_on_the_cpu(talking_target):
     """The flex decode step through Inductor (CPU codegen) gives the default decoder's turns. Before the decoder's own
     mask was read as a graph input (decoder_mask), Inductor refused it here ("All the buffers in the score and mask
