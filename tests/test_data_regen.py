@@ -614,3 +614,6 @@ def test_default_decoder_on_a_sliding_window_target_prefills_the_whole_batch():
     att[0, :4] = att[1, :2] = 0
     ref = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=12, min_new_tokens=12, do_sample=False)
     assert torch.equal(dec.generate(ids, att, 12), ref[:, 10:])
+    # the flex decode: its own mask for the full layer (128 slots, one KV block), sdpa_mask's window for the sliding one
+    flex = decode.StaticDecoder(model, 3, 128, compile=False, attention=decode.FLEX)
+    assert torch.equal(flex.generate(ids, att, 12), ref[:, 10:])

@@ -94,7 +94,8 @@ def decoder_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, atten
     """transformers mask function of the flex decode: a decode step's mask is the decoder's own 2D mask, as it is
     (B, 1, 1, L) bool, a view: every slot the step sees, the decoder opening one slot a step (no causal rule to
     compute). flex_attention's mask_mod then reads a graph input; r7's Inductor failure was in a mask_mod into which
-    the mask's computation (cache position, arange, comparisons) had been inlined. Anything else: sdpa_mask."""
+    the mask's computation (cache position, arange, comparisons) had been inlined. Anything else, a sliding-window
+    layer's shorter cache among it: sdpa_mask."""
     from transformers.masking_utils import sdpa_mask
     if q_length == 1 and attention_mask is not None and attention_mask.dim() == 2 \
             and attention_mask.dtype == torch.bool and attention_mask.shape[-1] == kv_length:
