@@ -423,13 +423,12 @@ class Bench:
 
     def table(self):
         rows = [r for r in (self.row(label, run) for label, run in self.runs()) if r]
-        seeds = [r for r in rows if bf16_seed(r["recipe"]) and r.get("tau_t0") and r["status"] == "completed"]
+        seeds = [r for r in rows if bf16_seed(r["recipe"]) and r.get("tau_t0") and completed(r)]
         base = [r["tau_t0"] for r in seeds]
         spread = (max(base) - min(base)) if len(base) >= 2 else None
         mean = sum(base) / len(base) if base else None
         for r in rows:
-            if mean is not None and r.get("tau_t0") is not None and r["recipe"] not in ("pipeline",) \
-                    and r["status"] == "completed":
+            if mean is not None and r.get("tau_t0") is not None and r["recipe"] not in ("pipeline",) and completed(r):
                 r["tau_t0_vs_baseline"] = r["tau_t0"] - mean
                 r["beats_spread"] = spread is not None and abs(r["tau_t0"] - mean) > spread
                 if fp8_recipe(r["recipe"]):   # issue 28: FP8 must not cost acceptance
@@ -470,6 +469,12 @@ class Bench:
                 if (self.results / sub).exists():
                     tar.add(self.results / sub, arcname=sub)
             tar.add(self.logs, arcname="bench-logs")
+
+
+def completed(row: dict) -> bool:
+    """Whether a table row's run completed (a summary without a status, from before the field, counts as completed):
+    one that did not is listed with its message and kept out of the seeds, the spread and the verdicts."""
+    return row.get("status") in ("completed", None)
 
 
 def bf16_seed(recipe: str) -> bool:
@@ -514,7 +519,7 @@ def markdown(doc: dict) -> str:
                  f"tau on the held-out prompts. Baseline tau (T=0) mean {_f(doc['baseline_tau_t0_mean'], 3)}, seed spread "
                  f"{_f(doc['baseline_seed_spread_t0'], 3)}.")
     failed = [f"- {r['recipe']}: run {r.get('status')} at step {r.get('steps')}: {r.get('failure') or 'no message'}"
-              for r in doc["rows"] if r.get("status") not in ("completed", None)]
+              for r in doc["rows"] if not completed(r)]
     return (f"# Quality{' at equal steps' if steps else ''}, {doc['date'][:10]}, {doc['device']}, torch {doc['torch']}, "
             f"tree {doc['git']}\n\n{intro}\n\n" + head + "\n".join(lines) + "\n"
             + ("\nRuns that did not complete (no tau: they are out of the comparison):\n" + "\n".join(failed) + "\n"
@@ -552,7 +557,7 @@ def plot(rows: list[dict], path: Path, by_step: bool = False):
             continue
         bars.bar([x + 0.4 * i for x in range(len(rows))], [r.get(key) or 0 for r in rows], width=0.4, label=label)
     for x, r in enumerate(rows):
-        if r.get("status") not in ("completed", None):
+        if not completed(r):
             bars.text(x + 0.2, 0.05, r["status"], rotation=90, ha="center", va="bottom", fontsize=8, color="red")
     bars.set_xticks([x + 0.2 for x in range(len(rows))], names, rotation=30, ha="right", fontsize=8)
     bars.set_ylabel("tau on held-out prompts")
