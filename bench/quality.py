@@ -579,7 +579,8 @@ def plot(rows: list[dict], path: Path, by_step: bool = False):
 
 def curve_points(curve: list[dict], by_step: bool) -> list[tuple[float, float]]:
     """(x, acceptance estimate) of a run's metrics rows, x the step, or the seconds of training summed over resumes:
-    a resumed run's elapsed_s starts from 0 again in the rows after its checkpoint."""
+    in records made before elapsed_s counted over resumes (dflash/train/metrics.py), a resumed run's elapsed_s starts
+    from 0 again in the rows after its checkpoint."""
     pts, offset, last = [], 0.0, None
     for c in sorted(curve, key=lambda c: c.get("step") or 0):
         if c.get("acceptance_estimate") is None or (c.get("step") if by_step else c.get("elapsed_s")) is None:

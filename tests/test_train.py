@@ -162,6 +162,8 @@ def test_kill9_then_resume_trains_exactly_the_same(tmp_path):
     train_ok(killed)
     rows = [json.loads(x) for x in (run_dir(killed) / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(2, steps + 1, 2))   # the steps before the kill are kept
+    elapsed = [r["elapsed_s"] for r in rows]
+    assert elapsed == sorted(elapsed) and elapsed[0] > 0   # seconds of training over the resume, never from 0 again
     s = json.loads((run_dir(killed) / "summary.json").read_text())
     assert s["resumed_from_step"] == int(done[-1].split("-")[1]) and s["status"] == "completed"
     a = load_file(str(run_dir(straight) / "checkpoints" / final / "model.safetensors"))

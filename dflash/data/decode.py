@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import torch
 
+from dflash.model.masks import block_lists
+
 GQA = "grouped_sdpa"       # (a name with "flash" in it would be taken for a flash-attention kernel)
 FLEX = "grouped_flex"
 KV_BLOCK = 128             # flex_attention's sparse block; every cache_len is a multiple of it
@@ -66,12 +68,11 @@ def visible_blocks(visible):
     them (per row, in order): the blocks all visible as full blocks, the others cut by `visible` itself."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    from dflash.model.masks import _ordered
     B, L = visible.shape
     blocks = visible.reshape(B, L // KV_BLOCK, KV_BLOCK)
     full = blocks.all(-1)                                                  # (B, L/128)
-    num, idx = _ordered((blocks.any(-1) & ~full)[:, None, None])         # (B,1,1), (B,1,1,L/128): partial blocks
-    full_num, full_idx = _ordered(full[:, None, None])
+    num, idx = block_lists((blocks.any(-1) & ~full)[:, None, None])         # (B,1,1), (B,1,1,L/128): partial blocks
+    full_num, full_idx = block_lists(full[:, None, None])
     return BlockMask.from_kv_blocks(num, idx, full_num, full_idx, BLOCK_SIZE=KV_BLOCK,
                                     mask_mod=lambda b, h, q, kv: visible[b, kv], seq_lengths=(1, L),
                                     compute_q_blocks=False)

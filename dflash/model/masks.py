@@ -159,7 +159,7 @@ def tile_masks(qb: QueryBounds, tile: int = TILE, window: int | None = None, con
     return anyv & ~full, full
 
 
-def _ordered(m: torch.Tensor):
+def block_lists(m: torch.Tensor):
     """Bool[..., R, C] -> (count Int32[..., R], indices Int32[..., R, C]) with the True columns first
     (contiguous int32, as the flex kernels index them)."""
     m8 = m.to(torch.int8, memory_format=torch.contiguous_format)
@@ -175,8 +175,8 @@ def block_mask(anchors: Anchors, S: int, window: int | None = None, tile: int = 
     qb = query_bounds(anchors, S, window, pad_to=tile)
     partial, full = tile_masks(qb, tile, window)
     pf = torch.stack([partial, full])[:, :, None]                              # [2, B, 1, QT, KT]
-    kv_num, kv_idx = _ordered(pf)
-    q_num, q_idx = _ordered(pf.transpose(-1, -2))             # the transposed lists, for the backward pass
+    kv_num, kv_idx = block_lists(pf)
+    q_num, q_idx = block_lists(pf.transpose(-1, -2))             # the transposed lists, for the backward pass
     (kv_num, fkv_num), (kv_idx, fkv_idx), (q_num, fq_num), (q_idx, fq_idx) = kv_num, kv_idx, q_num, q_idx
     mm = _mask_mod(qb)
     try:

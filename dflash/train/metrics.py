@@ -129,6 +129,7 @@ class RunMetrics:
         self.last: dict = {}
         self.t_measure = None
         self.step = self.start_step = 0
+        self.elapsed_base = 0.0   # a resumed run's elapsed_s before this process (start)
         self.graphs_after_warmup = None
         self.first_step_s = None
         self.train_s, self.finished_by = 0.0, None
@@ -153,6 +154,8 @@ class RunMetrics:
         so metrics.jsonl holds the whole run even when the file was deleted (Snakemake deletes a job's outputs)."""
         self.ctx.run_dir.mkdir(parents=True, exist_ok=True)
         self.rows = [r for r in (history or []) if r.get("step", 0) <= start_step] if start_step else []
+        # elapsed_s counts over resumes: a resumed run's rows continue from its checkpoint's last row
+        self.elapsed_base = float(self.rows[-1].get("elapsed_s") or 0.0) if self.rows else 0.0
         atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.rows))
         self.start_step = self.step = start_step
         self.started_at = datetime.now(timezone.utc)
@@ -218,7 +221,7 @@ class RunMetrics:
         self._t_last = now
         gnorm = float(pending[-1][2])
         row = {
-            "step": step, "elapsed_s": round(now - self.t_start, 3),
+            "step": step, "elapsed_s": round(self.elapsed_base + now - self.t_start, 3),
             "loss": _finite(loss), "lr": pending[-1][3], "grad_norm": _finite(gnorm),
             # the objective's parts, normalised as the loss: CE against the data, KL to the target (kl, ce+kl)
             "ce": _finite(st["ce_sum"] / st["weight_sum"]) if st["weight_sum"] else None,
