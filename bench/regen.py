@@ -12,17 +12,16 @@ CUDA graph capture and allocator growth happen there), then on all prompts with 
   static-N | static-auto       dflash.data.decode.StaticDecoder: static KV cache, one fixed batch shape, the decode
                                step compiled and replayed as a CUDA graph (the `hf` engine's default on GPU)
   static-N-eager               the same decode loop without compiling
-  static-N[-eager][-prefillR][-flex]
+  static-N[-eager][-prefillR][-flex|-sdpa]
                                with the decoder's options (issue 28): -prefillR: the prefill in chunks of R prompts of
                                similar length, each only as wide as its longest prompt (the default since r7: R 64;
-                               -prefill0: the whole batch at once, the decoder before r7); -flex (off; its kernel
-                               did not compile on the H200 in r7, in a mask_mod into which the mask's computation
-                               was inlined; the decoder's mask is now a graph input, which Inductor compiles on
-                               the CPU): decode attention `grouped_flex` (flex_attention
-                               over only the 128-slot KV blocks holding slots a row sees: no block of left padding,
-                               none not yet written); its block lists are built inside the step (any/all/sum/argsort
-                               kernels: the profile groups them as elementwise, sampling or other, not attention:
-                               compare step totals);
+                               -prefill0: the whole batch at once, the decoder before r7); -flex | -sdpa: decode
+                               attention `grouped_flex` (flex_attention over only the 128-slot KV blocks holding
+                               slots a row sees: no block of left padding, none not yet written; the default under
+                               CUDA graphs since 2026-12-02, when it ran at 1.24x -sdpa) | `grouped_sdpa` (one cuDNN
+                               kernel over the whole static cache; the default before, and on the CPU); flex's block
+                               lists are built inside the step (any/all/sum/argsort kernels: the profile groups them
+                               as elementwise, sampling or other, not attention: compare step totals);
                                -fit: the cache sized to each batch (`fit_cache`), not to the first (longest) one:
                                shows only with several batches of different widths, e.g. --prompts 2048 at batch 512
                                (the warm-up then generates all --new-tokens, so every batch's length is compiled);
@@ -62,18 +61,14 @@ Where a static-512 pass goes on the H200 (r7, `bench/results/2026-12-01-h200-r7/
 of attention (one cuDNN flash kernel per layer reading the whole static cache) and 10.7 ms of GEMMs (near the bf16
 ceiling); the default 64-row prefill: 9,206 tok/s, prefill 5.2 s. The -flex variant's kernel failed to compile there.
 
-Next device call (issue 28, toward 12K: the decode step's attention; one call, timeout 600 s, carry `.whl`). Two
-batches of 512 prompts (1024 prompts cycling 128-512 tokens, sorted by `regenerate`: widths 512 and 256, caches of
-768 and 512 slots with -fit), as a data stage sees them, and the flex decode with the decoder's mask as a graph input
-(each variant compiles afresh: `torch._dynamo.reset()` between variants; if -flex fails to compile again, its
--noprologue variant next):
+On 2026-12-02 (`bench/results/2026-12-02-h200-quality-regen/`), two batches of 512 (1024 prompts cycling 128-512
+tokens, sorted by `regenerate`: widths 512 and 256), 256 new tokens each: static-512 with grouped sdpa 9,275 tok/s
+(decode step 34.9 ms, prefill 5.18 s per batch), with flex 11,472 tok/s (decode step 24.3 ms, the same prefill, now
+46% of the pass). Next (toward 12K: the prefill, at 64 rows a chunk, is the larger share now), one call, carry `.whl`:
 
     pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && \\
       timeout 480 python3 bench/regen.py --out $OUT/regen.json --prompts 1024 \\
-        --variants static-512,static-512-fit,static-512-flex \\
-        --profile static-512-flex > $OUT/regen.log 2>&1; \\
-      timeout 100 python3 -m pytest -q -m gpu tests/test_data_regen.py -k "decoder_options_on_cuda or fit_cache" \\
-        > $OUT/pytest-gpu.log 2>&1; tail -n 3 $OUT/regen.log $OUT/pytest-gpu.log
+        --variants static-512,static-512-prefill128,static-512-sdpa-fit --profile static-512 > $OUT/regen.log 2>&1
 
 Each generate call of an hfstatic variant allocates a fresh StaticCache (transformers' behaviour without a passed
 `past_key_values`), so the timed pass may re-record the CUDA graph once; the warm-up pass uses the same cache length,
@@ -135,11 +130,11 @@ def parse_variant(v: str) -> dict:
             raise SystemExit(f"--variants: {v!r} is not hfstatic-N[-forward|-eager][-gqa]")
         return {"name": v, "kind": "hfstatic", "batch": int(parts[1]), "gqa": "gqa" in flags,
                 "compile": "forward" if "forward" in flags else "eager" if "eager" in flags else "generate"}
-    from dflash.data.decode import FLEX
+    from dflash.data.decode import FLEX, GQA
     flags, options = parts[2:], {}
     for f in flags if parts[0] == "static" else ():
-        if f == "flex":
-            options["attention"] = FLEX
+        if f in ("flex", "sdpa") and "attention" not in options:
+            options["attention"] = FLEX if f == "flex" else GQA
         elif f.startswith("prefill") and f[len("prefill"):].isdigit():
             options["prefill_rows"] = int(f[len("prefill"):])
         elif f == "fit":
@@ -147,8 +142,8 @@ def parse_variant(v: str) -> dict:
     inductor = {"prologue_fusion": False} if "noprologue" in flags and parts[0] == "static" else {}
     if parts[0] not in ("generate", "static") or len(parts) < 2 or not (parts[1].isdigit() or parts[1] == "auto") \
             or len(set(flags)) != len(flags) or len(flags) != ("eager" in flags) + len(options) + len(inductor):
-        raise SystemExit(f"--variants: {v!r} is not generate-N, generate-auto, static-N|auto[-eager][-prefillR][-flex]"
-                         "[-fit][-noprologue], hfstatic-N[-forward|-eager][-gqa] or cb")
+        raise SystemExit(f"--variants: {v!r} is not generate-N, generate-auto, static-N|auto[-eager][-prefillR]"
+                         "[-flex|-sdpa][-fit][-noprologue], hfstatic-N[-forward|-eager][-gqa] or cb")
     return {"name": v, "kind": "generate", "decoder": parts[0], "batch": 0 if parts[1] == "auto" else int(parts[1]),
             "compile": "eager" not in flags, "options": options, "inductor": inductor}
 

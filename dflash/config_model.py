@@ -152,6 +152,11 @@ class RegenerateSection(Section):
         "auto is static on GPU, generate on CPU."))
     compile: bool = Field(True, description=(
         "hf, static decoder on GPU: compile the decode step and replay it as a CUDA graph (false: eager)."))
+    attention: Literal["auto", "grouped_flex", "grouped_sdpa"] = Field("auto", description=(
+        "hf, static decoder: decode attention. grouped_flex: flex_attention over only the KV blocks a row sees "
+        "(1.24x grouped_sdpa's tokens/s for an 8B-shaped target on an H200); grouped_sdpa: one sdpa kernel over the "
+        "whole static cache; auto is grouped_flex under CUDA graphs (with a power-of-two head dim), else "
+        "grouped_sdpa."))
     device: str = Field("auto", description="hf: device for generation (auto, cpu, cuda:N).")
     servers: tuple[str, ...] = Field((), strict=False, description=(
         "openai: base URLs, e.g. http://127.0.0.1:8000/v1 (one per GPU or node; requests are spread over "

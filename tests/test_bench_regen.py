@@ -109,7 +109,9 @@ def test_static_variant_names():
     assert v["inductor"] == {"prologue_fusion": False} and v["options"] == {"attention": "grouped_flex"}
     assert regen.parse_variant("static-512")["inductor"] == {}
     assert regen.parse_variant("static-512-fit")["options"] == {"fit_cache": True}
-    for bad in ("static-4-prefill", "static-4-flex-flex", "generate-4-flex", "static-x",
+    assert regen.parse_variant("static-512-sdpa-fit")["options"] == {"attention": "grouped_sdpa", "fit_cache": True}
+    for bad in ("static-4-prefill", "static-4-flex-flex", "static-4-flex-sdpa", "generate-4-sdpa",
+                "generate-4-flex", "static-x",
                 "static-4-prefill2-prefill3", "static", "generate-4-noprologue",
                 "static-4-noprologue-noprologue", "static-4-fit-fit", "generate-4-fit"):
         with pytest.raises(SystemExit):

@@ -204,11 +204,12 @@ def test_hashes_of_todays_configs_unchanged(repo):
     """The config and result hashes of the shipped configs and of a config with integers in number keys are pinned.
     The typed models reproduced the schema-built config's hashes of commit 311df5a exactly (checked when they came in);
     a key added since with a default changes every hash by design (the resolved config holds it), so the pins are
-    updated in the commit that adds one (data.regenerate.cpu_batch_size, train.eval_*, train.precision and fp8_*)."""
-    pins = {"config.yaml": ("acca281787d3d0ee", "0fa96ee5e5e4645f"),
-            "h200.yaml": ("967ddb7c39ea05cf", "1126aba617d6ccd1"),
-            "8gpu.yaml": ("29caf375cae5ce53", "5c04ae43a1ae0269"),
-            "quality.yaml": ("6e186779a171fa08", "7d45abbe92d65427")}
+    updated in the commit that adds one (data.regenerate.cpu_batch_size, train.eval_*, train.precision and fp8_*,
+    data.regenerate.attention)."""
+    pins = {"config.yaml": ("ae6284d73f928055", "377adb0a68e98474"),
+            "h200.yaml": ("505a8c28a593710e", "a7244972314434bc"),
+            "8gpu.yaml": ("017c57b083a08b80", "5490ad9020f1664c"),
+            "quality.yaml": ("df64b9ecbb4fdf42", "62ae06a228277b99")}
     for name, (h, rh) in pins.items():
         loaded = C.load(repo / "config" / name)
         assert (loaded.hash, loaded.result_hash) == (h, rh), name
@@ -216,7 +217,7 @@ def test_hashes_of_todays_configs_unchanged(repo):
                           "data": {"sources": [{"name": "x", "path": "a.jsonl", "weight": 2}],
                                    "regenerate": {"timeout_s": 30}},
                           "report": {"min_utilisation": 50}, "drafter": {"target_layer_ids": [0, 2]}})
-    assert (inline.hash, inline.result_hash) == ("78a05ff958f02cf6", "34f7313bf66c91f5")
+    assert (inline.hash, inline.result_hash) == ("5f6d3fa057cb7962", "d24d96bd80a73707")
     assert json.dumps(inline.raw["train"]["betas"]) == "[0.9, 1]" and inline.cfg.train.betas == (0.9, 1)
     assert type(inline.cfg.train.time_budget_s) is int and type(inline.cfg.train.stall_timeout_s) is int   # as written
     assert type(C.from_dict({"train": {"lr": 0.001}}).cfg.train.lr) is float

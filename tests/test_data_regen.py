@@ -264,15 +264,8 @@ def test_static_decoder_cuda_graph_gives_the_greedy_turns_of_generate(talking_ta
     assert graph2 == ref2 and len(graph2[0]) == 6 and decode._LAST[id(model)] is dec
 
 
-FLEX_ON_CUDA = pytest.mark.xfail(strict=False, reason=(
-    "torch 2.11 on the H200 (bench/results/2026-12-01-h200-r7/pytest-gpu.log): Inductor failed to compile the fused "
-    "flex decode template (triton CompilationError, XBLOCK is not defined, in the mask_mod); the decoder's mask is "
-    "now a graph input (decoder_mask), which Inductor compiles on the CPU and which has not run on a GPU yet: an "
-    "XPASS there means fixed, and this mark goes"))
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("options", [pytest.param({"attention": "grouped_flex"}, marks=FLEX_ON_CUDA),
+@pytest.mark.parametrize("options", [{"attention": "grouped_flex"}, {"attention": "grouped_sdpa"},
                                      {"prefill_rows": 3}, {"prefill_rows": 0}, {}])
 def test_decoder_options_on_cuda_graphs_give_the_greedy_turns_of_generate(talking_target, options):
     """The options compiled and replayed as CUDA graphs (flex: the compiled kernel, which reads only the listed
@@ -497,6 +490,43 @@ def test_decoder_options_give_the_default_decoders_greedy_turns(talking_target):
     decode.release(model)
     with pytest.raises(ValueError, match="options"):
         decode.StaticDecoder(model, 3, 256, compile=False, prefill=2)
+
+
+def test_regenerate_attention_key_reaches_the_static_decoder(talking_target):
+    """data.regenerate.attention (the data stage's hf engine) picks the static decoder's decode attention: the flex
+    and the grouped sdpa decoders give the same greedy turns (fp32, CPU)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash.config import from_dict
+    from dflash.data import decode
+    from dflash.data.regen import HFEngine
+    from dflash.data.tokenise import prompt_ids
+    tok = AutoTokenizer.from_pretrained(str(talking_target))
+    model = AutoModelForCausalLM.from_pretrained(str(talking_target)).eval()
+    prompts = [(i, prompt_ids(tok, r["messages"][:1])) for i, r in enumerate(good_rows(5))]
+    out = {}
+    for attention in ("grouped_flex", "grouped_sdpa"):
+        rcfg = from_dict({"data": {"regenerate": {"decoder": "static", "compile": False, "batch_size": 3,
+                                                  "max_new_tokens": 10, "attention": attention}}}).cfg.data.regenerate
+        out[attention] = HFEngine(model, tok, rcfg).generate(prompts, seed=0)
+        assert decode._LAST[id(model)].attn == attention
+        decode.release(model)
+    assert out["grouped_flex"] == out["grouped_sdpa"] and any(out["grouped_flex"])
+
+
+def test_auto_attention_is_flex_under_cuda_graphs_with_a_power_of_two_head_dim():
+    from types import SimpleNamespace
+
+    from dflash.data import decode
+    pick = decode.StaticDecoder.attention_for
+    qwen = SimpleNamespace(head_dim=128, hidden_size=4096, num_attention_heads=32)
+    odd = SimpleNamespace(head_dim=None, hidden_size=96, num_attention_heads=1)          # head dim 96
+    assert decode.OPTIONS["attention"] == decode.AUTO
+    assert pick(qwen, decode.AUTO, graphs=True) == decode.FLEX
+    assert pick(qwen, decode.AUTO, graphs=False) == decode.GQA                           # CPU or eager
+    assert pick(odd, decode.AUTO, graphs=True) == decode.GQA
+    assert pick(qwen, decode.GQA, graphs=True) == decode.GQA                             # asked for: kept
+    assert pick(odd, decode.FLEX, graphs=False) == decode.FLEX
 
 
 def test_flex_decode_step_is_one_graph_for_dynamo(talking_target):

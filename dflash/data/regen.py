@@ -84,7 +84,8 @@ class HFEngine:
         r = self.r
         resp, st = regenerate(self.model, self.tokenizer, [ids for _, ids in prompts], r.max_new_tokens,
                               r.temperature, r.batch_size, seed=seed, progress=False,
-                              decoder=r.decoder, compile=r.compile, cpu_batch_size=r.cpu_batch_size)
+                              decoder=r.decoder, compile=r.compile, cpu_batch_size=r.cpu_batch_size,
+                              static_options={"attention": r.attention})
         return [self.tokenizer.decode(x, skip_special_tokens=True) for x in resp], st["tokens"]
 
 
