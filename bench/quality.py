@@ -49,8 +49,12 @@ in .whl/ carried; bench/results/2026-12-01-h200-quality-fp8/README.md has the fi
   2. `bash bench/quality_device.sh --parts train,eval,table --steps 800 --temps 0 --parallel 6 --budget 570`
      the rest of the training (the bf16 runs resumed at step 524 and ended in about 100 s, the FP8 ones in 210 s), the
      evaluations at T=0 at once (136-139 s), the table: 362 s last time.
-The target does not outlive the machine and its step count follows a time cap, so the bf16 seeds are retrained with
-any FP8 recipe measured in another session: `--recipes baseline,baseline-seed1,baseline-seed2,fp8target`.
+The target does not outlive the machine, so the bf16 seeds are retrained with any FP8 recipe measured in another
+session: `--recipes baseline,baseline-seed1,baseline-seed2,fp8target --parallel 4` (2026-12-02,
+bench/results/2026-12-02-h200-quality-regen/: call 1 569 s, the pipeline 396 s, the bf16 runs cut at steps 561-565;
+call 2's parts about 355 s, which left 190 s of the call for other work). Compare tau only with seeds of the same session:
+two sessions' bf16 seeds reached 2.01-2.27 and 1.57-1.73 on targets pre-trained 1127 and 1160 steps under a time
+cap (config/quality.yaml has fixed the step count since).
 """
 from __future__ import annotations
 
