@@ -12,7 +12,7 @@ CUDA graph capture and allocator growth happen there), then on all prompts with 
   static-N | static-auto       dflash.data.decode.StaticDecoder: static KV cache, one fixed batch shape, the decode
                                step compiled and replayed as a CUDA graph (the `hf` engine's default on GPU)
   static-N-eager               the same decode loop without compiling
-  static-N[-eager][-prefillR][-flex|-sdpa]
+  static-N[-eager][-prefillR][-flex|-sdpa][-fit][-cprefill][-noprologue]
                                with the decoder's options (issue 28): -prefillR: the prefill in chunks of R prompts of
                                similar length, each only as wide as its longest prompt (the default since r7: R 64;
                                -prefill0: the whole batch at once, the decoder before r7); -flex | -sdpa: decode
@@ -25,6 +25,8 @@ CUDA graph capture and allocator growth happen there), then on all prompts with 
                                -fit: the cache sized to each batch (`fit_cache`), not to the first (longest) one:
                                shows only with several batches of different widths, e.g. --prompts 2048 at batch 512
                                (the warm-up then generates all --new-tokens, so every batch's length is compiled);
+                               -cprefill: the row-chunk prefill compiled (`compile_prefill`: one dynamic-shape
+                               graph for every chunk; the warm-up compiles it, so the timed pass does not);
                                -noprologue: compiled with Inductor's prologue fusion off (`prologue_fusion=False`:
                                r7's flex failure was in a template with the step's RoPE and norm fused into it;
                                kept in case the mask fix is not enough on the GPU)
@@ -68,7 +70,7 @@ tokens, sorted by `regenerate`: widths 512 and 256), 256 new tokens each: static
 
     pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && \\
       timeout 480 python3 bench/regen.py --out $OUT/regen.json --prompts 1024 \\
-        --variants static-512,static-512-prefill128,static-512-sdpa-fit --profile static-512 > $OUT/regen.log 2>&1
+        --variants static-512,static-512-cprefill,static-512-prefill128 --profile static-512 > $OUT/regen.log 2>&1
 
 Each generate call of an hfstatic variant allocates a fresh StaticCache (transformers' behaviour without a passed
 `past_key_values`), so the timed pass may re-record the CUDA graph once; the warm-up pass uses the same cache length,
@@ -139,11 +141,13 @@ def parse_variant(v: str) -> dict:
             options["prefill_rows"] = int(f[len("prefill"):])
         elif f == "fit":
             options["fit_cache"] = True
+        elif f == "cprefill":
+            options["compile_prefill"] = True
     inductor = {"prologue_fusion": False} if "noprologue" in flags and parts[0] == "static" else {}
     if parts[0] not in ("generate", "static") or len(parts) < 2 or not (parts[1].isdigit() or parts[1] == "auto") \
             or len(set(flags)) != len(flags) or len(flags) != ("eager" in flags) + len(options) + len(inductor):
         raise SystemExit(f"--variants: {v!r} is not generate-N, generate-auto, static-N|auto[-eager][-prefillR]"
-                         "[-flex|-sdpa][-fit][-noprologue], hfstatic-N[-forward|-eager][-gqa] or cb")
+                         "[-flex|-sdpa][-fit][-cprefill][-noprologue], hfstatic-N[-forward|-eager][-gqa] or cb")
     return {"name": v, "kind": "generate", "decoder": parts[0], "batch": 0 if parts[1] == "auto" else int(parts[1]),
             "compile": "eager" not in flags, "options": options, "inductor": inductor}
 

@@ -492,6 +492,33 @@ def test_decoder_options_give_the_default_decoders_greedy_turns(talking_target):
         decode.StaticDecoder(model, 3, 256, compile=False, prefill=2)
 
 
+@pytest.mark.slow
+def test_compiled_prefill_is_one_dynamic_graph_with_the_eager_prefills_turns(talking_target):
+    """compile_prefill: every row chunk (2 rows, four widths) runs one Inductor graph compiled with dynamic shapes,
+    and the greedy turns are the eager prefill's (fp32, CPU). (A chunk of one row would add a graph: dynamo
+    specialises sizes 0 and 1.)"""
+    import torch
+    import torch._dynamo.utils as dynamo_utils
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash.data import decode
+    from dflash.data.generate import regenerate
+    tok = AutoTokenizer.from_pretrained(str(talking_target))
+    model = AutoModelForCausalLM.from_pretrained(str(talking_target)).eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, 300, (n,), generator=g).tolist() for n in (41, 17, 33, 29, 52, 8, 23, 60)]
+    ref, _ = regenerate(model, tok, prompts, 10, batch_size=4, progress=False, decoder="static", ignore_eos=True,
+                        static_options={"prefill_rows": 2})
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    got, _ = regenerate(model, tok, prompts, 10, batch_size=4, progress=False, decoder="static", ignore_eos=True,
+                        static_options={"prefill_rows": 2, "compile_prefill": True})
+    assert got == ref
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 1 and not dynamo_utils.counters["graph_break"]
+    decode.release(model)
+    torch._dynamo.reset()
+
+
 def test_regenerate_attention_key_reaches_the_static_decoder(talking_target):
     """data.regenerate.attention (the data stage's hf engine) picks the static decoder's decode attention: the flex
     and the grouped sdpa decoders give the same greedy turns (fp32, CPU)."""

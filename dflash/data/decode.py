@@ -29,6 +29,10 @@ Options, each a `bench/regen.py` variant, made the default once a measurement sa
   CUDA graph. The compiled step is one function for every decoder: its second cache length makes dynamo compile it
   with the length symbolic (automatic dynamic shapes), which later lengths reuse. Not measured on a GPU yet
   (bench/regen.py's -fit variant).
+- `compile_prefill=True` (off): the row-chunk prefill compiled by Inductor, one graph with dynamic shapes for every
+  chunk (rows and width; a chunk of one row adds a second), no CUDA graphs: its norms, RoPE and activations fused. Eager, the prefill of the 8B-shaped
+  target ran at about 56% of the bf16 ceiling on the H200 (2026-12-02) and was 46% of a regeneration pass. Not
+  measured on a GPU yet (bench/regen.py's -cprefill variant).
 - `attention`: `auto` (default): FLEX where the step is compiled and replayed as a CUDA graph (and the head dim is a
   power of two, as flex_attention's kernels take it), GQA otherwise (the CPU, eager). FLEX ("grouped_flex"): decode
   steps through flex_attention over only the 128-slot KV blocks that hold a slot the query sees (no block of left
@@ -50,7 +54,8 @@ FLEX = "grouped_flex"
 KV_BLOCK = 128             # flex_attention's sparse block; every cache_len is a multiple of it
 PREFILL_ROWS = 64
 AUTO = "auto"              # FLEX when compiled for CUDA graphs, else GQA (StaticDecoder.attention_for)
-OPTIONS = {"attention": AUTO, "prefill_rows": PREFILL_ROWS, "fit_cache": False}   # StaticDecoder's, at their defaults
+OPTIONS = {"attention": AUTO, "prefill_rows": PREFILL_ROWS, "fit_cache": False,   # StaticDecoder's, at their defaults
+           "compile_prefill": False}
 
 
 def gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -123,6 +128,13 @@ def _forward(model, cache, ids, pos, mask):          # ids, pos (B, T); mask (B,
     return out.logits[:, -1]
 
 
+def _prefill_chunk(model, ids, pos, att):
+    """A chunk's prefill in its own dynamic cache: ids, pos, att (R, w) -> (last logits (R, V), [(K, V) (R, Hkv, w, D)
+    per layer])."""
+    out = model(input_ids=ids, position_ids=pos, attention_mask=att, use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1], [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+
+
 def _step_greedy(model, cache, ids, pos, mask):
     return _forward(model, cache, ids, pos, mask).argmax(-1)
 
@@ -137,9 +149,10 @@ class StaticDecoder:
         from transformers import StaticCache
         self.options = {**OPTIONS, **options}
         if set(options) - set(OPTIONS) or self.options["attention"] not in (AUTO, GQA, FLEX) \
-                or self.options["prefill_rows"] < 0 or not isinstance(self.options["fit_cache"], bool):
+                or self.options["prefill_rows"] < 0 \
+                or not all(isinstance(self.options[k], bool) for k in ("fit_cache", "compile_prefill")):
             raise ValueError(f"StaticDecoder: options {options} (known: attention {AUTO} | {GQA} | {FLEX}, "
-                             "prefill_rows >= 0, fit_cache true | false)")
+                             "prefill_rows >= 0, fit_cache and compile_prefill true | false)")
         self.model, self.B, self.L, self.check_every = model, batch_size, max_len, check_every
         self.device = next(model.parameters()).device
         self.cache = StaticCache(config=model.config, max_cache_len=max_len)
@@ -152,6 +165,9 @@ class StaticDecoder:
             else _step_greedy
         self._logits = torch.compile(_step_logits, mode="reduce-overhead", fullgraph=True) if self.graphs \
             else _step_logits
+        # the row-chunk prefill compiled once for every chunk shape (dynamic), without CUDA graphs (any device)
+        self._prefill = torch.compile(_prefill_chunk, dynamic=True, fullgraph=True) \
+            if compile and self.options["compile_prefill"] else _prefill_chunk
 
     @staticmethod
     def attention_for(config, attention: str, graphs: bool) -> str:
@@ -164,7 +180,7 @@ class StaticDecoder:
 
     def close(self) -> None:
         """Free the KV cache now (not whenever the garbage collector gets to it)."""
-        self.cache = self._greedy = self._logits = None
+        self.cache = self._greedy = self._logits = self._prefill = None
 
     def generate(self, ids, attention_mask, max_new_tokens: int, stop_ids=(), temperature: float = 0.0,
                  generator=None):
@@ -227,15 +243,14 @@ class StaticDecoder:
         last = None
         for rows in torch.argsort(lens, descending=True, stable=True).split(self.options["prefill_rows"]):
             w = int(lens[rows[0]])
-            out = self.model(input_ids=ids[rows, W - w:], position_ids=pos[rows, W - w:],
-                             attention_mask=att[rows, W - w:], use_cache=True, logits_to_keep=1)
-            for static, chunk in zip(self.cache.layers, out.past_key_values.layers):   # chunk K/V (R, Hkv, w, D)
+            logits, kv = self._prefill(self.model, ids[rows, W - w:], pos[rows, W - w:], att[rows, W - w:])
+            for static, (k, v) in zip(self.cache.layers, kv):                         # chunk K/V (R, Hkv, w, D)
                 if not static.is_initialized:                                          # shapes, dtype, device
-                    static.lazy_initialization(*(t[:1].expand(B, -1, -1, -1) for t in (chunk.keys, chunk.values)))
-                static.keys[rows, :, W - w:W] = chunk.keys
-                static.values[rows, :, W - w:W] = chunk.values
-            last = out.logits.new_empty(B, out.logits.shape[-1]) if last is None else last
-            last[rows] = out.logits[:, -1]
+                    static.lazy_initialization(*(t[:1].expand(B, -1, -1, -1) for t in (k, v)))
+                static.keys[rows, :, W - w:W] = k
+                static.values[rows, :, W - w:W] = v
+            last = logits.new_empty(B, logits.shape[-1]) if last is None else last
+            last[rows] = logits
         for static in self.cache.layers:
             static.cumulative_length.fill_(W)
         return last
