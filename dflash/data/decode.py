@@ -30,9 +30,9 @@ Options, each a `bench/regen.py` variant, made the default once a measurement sa
   with the length symbolic (automatic dynamic shapes), which later lengths reuse. Not measured on a GPU yet
   (bench/regen.py's -fit variant).
 - `compile_prefill=True` (off): the row-chunk prefill compiled by Inductor, one graph with dynamic shapes for every
-  chunk (rows and width; a chunk of one row adds a second), no CUDA graphs: its norms, RoPE and activations fused. Eager, the prefill of the 8B-shaped
-  target ran at about 56% of the bf16 ceiling on the H200 (2026-12-02) and was 46% of a regeneration pass. Not
-  measured on a GPU yet (bench/regen.py's -cprefill variant).
+  chunk (rows and width; a chunk of one row adds a second), no CUDA graphs: its norms, RoPE and activations fused.
+  Eager, the prefill of the 8B-shaped target ran at about 56% of the bf16 ceiling on the H200 (2026-12-02) and was
+  46% of a regeneration pass. Not measured on a GPU yet (bench/regen.py's -cprefill variant).
 - `attention`: `auto` (default): FLEX where the step is compiled and replayed as a CUDA graph (and the head dim is a
   power of two, as flex_attention's kernels take it), GQA otherwise (the CPU, eager). FLEX ("grouped_flex"): decode
   steps through flex_attention over only the 128-slot KV blocks that hold a slot the query sees (no block of left
