@@ -52,9 +52,9 @@ in .whl/ carried; bench/results/2026-12-01-h200-quality-fp8/README.md has the fi
 The target does not outlive the machine, so the bf16 seeds are retrained with any FP8 recipe measured in another
 session: `--recipes baseline,baseline-seed1,baseline-seed2,fp8target --parallel 4` (2026-12-02,
 bench/results/2026-12-02-h200-quality-regen/: call 1 569 s, the pipeline 396 s, the bf16 runs cut at steps 561-565;
-call 2's parts about 355 s, which left 190 s of the call for other work). Compare tau only with seeds of the same session:
-two sessions' bf16 seeds reached 2.01-2.27 and 1.57-1.73 on targets pre-trained 1127 and 1160 steps under a time
-cap (config/quality.yaml has fixed the step count since).
+call 2's parts about 355 s, which left 190 s of the call for other work). Compare tau only with seeds of the same
+session: two sessions' bf16 seeds reached 2.01-2.27 and 1.57-1.73 on targets pre-trained 1127 and 1160 steps under
+a time cap (config/quality.yaml has fixed the step count since).
 """
 from __future__ import annotations
 

@@ -26,10 +26,11 @@ CUDA graph capture and allocator growth happen there), then on all prompts with 
                                shows only with several batches of different widths, e.g. --prompts 2048 at batch 512
                                (the warm-up then generates all --new-tokens, so every batch's length is compiled);
                                -cprefill: the row-chunk prefill compiled (`compile_prefill`: one dynamic-shape
-                               graph for every chunk; the warm-up compiles it, so the timed pass does not);
+                               graph for every chunk; the warm-up compiles it, so the timed pass does not; refused
+                               with -eager or -prefill0, where there is no compiled row-chunk prefill);
                                -noprologue: compiled with Inductor's prologue fusion off (`prologue_fusion=False`:
                                r7's flex failure was in a template with the step's RoPE and norm fused into it;
-                               kept in case the mask fix is not enough on the GPU)
+                               the flex decode compiled with it on the H200 on 2026-12-02)
   cb                           transformers continuous batching (`generate_batch`, paged attention; GPU only:
                                on CPU it did not finish 16 x 8 tokens in 8 minutes)
   hfstatic-N[-forward|-eager][-gqa]
@@ -143,6 +144,9 @@ def parse_variant(v: str) -> dict:
             options["fit_cache"] = True
         elif f == "cprefill":
             options["compile_prefill"] = True
+    if options.get("compile_prefill") and ("eager" in flags or options.get("prefill_rows") == 0):
+        raise SystemExit(f"--variants: {v!r}: -cprefill compiles the row-chunk prefill, which -eager and -prefill0 "
+                         "do not run")
     inductor = {"prologue_fusion": False} if "noprologue" in flags and parts[0] == "static" else {}
     if parts[0] not in ("generate", "static") or len(parts) < 2 or not (parts[1].isdigit() or parts[1] == "auto") \
             or len(set(flags)) != len(flags) or len(flags) != ("eager" in flags) + len(options) + len(inductor):

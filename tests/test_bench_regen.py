@@ -112,7 +112,8 @@ def test_static_variant_names():
     assert regen.parse_variant("static-512-sdpa-fit")["options"] == {"attention": "grouped_sdpa", "fit_cache": True}
     assert regen.parse_variant("static-512-cprefill")["options"] == {"compile_prefill": True}
     for bad in ("static-4-prefill", "static-4-flex-flex", "static-4-flex-sdpa", "generate-4-sdpa",
-                "generate-4-cprefill",
+                "generate-4-cprefill", "static-4-eager-cprefill",
+                "static-4-prefill0-cprefill",
                 "generate-4-flex", "static-x",
                 "static-4-prefill2-prefill3", "static", "generate-4-noprologue",
                 "static-4-noprologue-noprologue", "static-4-fit-fit", "generate-4-fit"):

@@ -511,12 +511,14 @@ def test_compiled_prefill_is_one_dynamic_graph_with_the_eager_prefills_turns(tal
                         static_options={"prefill_rows": 2})
     torch._dynamo.reset()
     dynamo_utils.counters.clear()
-    got, _ = regenerate(model, tok, prompts, 10, batch_size=4, progress=False, decoder="static", ignore_eos=True,
-                        static_options={"prefill_rows": 2, "compile_prefill": True})
-    assert got == ref
-    assert dynamo_utils.counters["stats"]["unique_graphs"] == 1 and not dynamo_utils.counters["graph_break"]
-    decode.release(model)
-    torch._dynamo.reset()
+    try:
+        got, _ = regenerate(model, tok, prompts, 10, batch_size=4, progress=False, decoder="static", ignore_eos=True,
+                            static_options={"prefill_rows": 2, "compile_prefill": True})
+        assert got == ref
+        assert dynamo_utils.counters["stats"]["unique_graphs"] == 1 and not dynamo_utils.counters["graph_break"]
+    finally:
+        decode.release(model)
+        torch._dynamo.reset()
 
 
 def test_regenerate_attention_key_reaches_the_static_decoder(talking_target):

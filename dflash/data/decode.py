@@ -5,8 +5,9 @@ launches on an 8B target (88 ms per step at batch 32, 113 ms at batch 128 on an 
     dec = StaticDecoder(model, batch_size=256, max_len=1024, compile=True)
     out = dec.generate(ids, attention_mask, max_new_tokens=256, stop_ids={2}, temperature=0.0)   # (B, new)
 
-Prompts are left-padded (B, W) with W + max_new_tokens <= max_len; W may change from call to call (prefill runs
-eagerly), B may not. Greedy picks inside the graph; sampling (temperature > 0) draws from the graph's logits.
+Prompts are left-padded (B, W) with W + max_new_tokens <= max_len; W may change from call to call (the prefill runs
+eagerly, or compiled with dynamic shapes: `compile_prefill`), B may not. Greedy picks inside the graph; sampling
+(temperature > 0) draws from the graph's logits.
 `decoder_for(model, batch_size, need_len, compile)` keeps the last decoder of a model (its KV cache and compiled
 graph) for the next call that fits it, so a stage compiles once, not once per chunk; `release(model)` frees it.
 
@@ -29,19 +30,20 @@ Options, each a `bench/regen.py` variant, made the default once a measurement sa
   CUDA graph. The compiled step is one function for every decoder: its second cache length makes dynamo compile it
   with the length symbolic (automatic dynamic shapes), which later lengths reuse. Not measured on a GPU yet
   (bench/regen.py's -fit variant).
-- `compile_prefill=True` (off): the row-chunk prefill compiled by Inductor, one graph with dynamic shapes for every
-  chunk (rows and width; a chunk of one row adds a second), no CUDA graphs: its norms, RoPE and activations fused.
+- `compile_prefill=True` (off): the row-chunk prefill (so with `prefill_rows` > 0, and a compiling decoder) compiled
+  by Inductor, one graph with dynamic shapes for every chunk (rows and width; a chunk of one row adds a second), no
+  CUDA graphs: its norms, RoPE and activations fused.
   Eager, the prefill of the 8B-shaped target ran at about 56% of the bf16 ceiling on the H200 (2026-12-02) and was
   46% of a regeneration pass. Not measured on a GPU yet (bench/regen.py's -cprefill variant).
 - `attention`: `auto` (default): FLEX where the step is compiled and replayed as a CUDA graph (and the head dim is a
-  power of two, as flex_attention's kernels take it), GQA otherwise (the CPU, eager). FLEX ("grouped_flex"): decode
-  steps through flex_attention over only the 128-slot KV blocks that hold a slot the query sees (no block of left
-  padding, none of the cache not yet written), each KV head read once; a decode step's mask is the decoder's own bool
-  mask, read as a graph input (`decoder_mask`: the decoder opens one slot a step). On the H200
-  (bench/results/2026-12-02-h200-quality-regen/): 2 x 512 prompts x 256 tokens of the 8B-shaped target at
-  11,472 tok/s against 9,275 with GQA (decode step 24.3 ms against 34.9), the GPU test's greedy turns those of
-  `generate`. r7's compile failure (`XBLOCK is not defined`) was in a mask_mod into which the mask's computation
-  had been inlined. With FLEX, `fit_cache` saves nothing in attention (no unwritten slot is read).
+  power of two of at least 16, as flex_attention's kernels take it), GQA otherwise (the CPU, eager). FLEX
+  ("grouped_flex"): decode steps through flex_attention over only the 128-slot KV blocks that hold a slot the query sees
+  (no block of left padding, none of the cache not yet written), each KV head read once; a decode step's mask is the
+  decoder's own bool mask, read as a graph input (`decoder_mask`: the decoder opens one slot a step). On the H200
+  (bench/results/2026-12-02-h200-quality-regen/): 2 x 512 prompts x 256 tokens of the 8B-shaped target at 11,472 tok/s
+  against 9,275 with GQA (decode step 24.3 ms against 34.9), the GPU test's greedy turns those of `generate`. r7's
+  compile failure (`XBLOCK is not defined`) was in a mask_mod into which the mask's computation had been inlined. With
+  FLEX, `fit_cache` saves nothing in attention (no unwritten slot is read).
 """
 from __future__ import annotations
 
@@ -156,6 +158,7 @@ class StaticDecoder:
         self.model, self.B, self.L, self.check_every = model, batch_size, max_len, check_every
         self.device = next(model.parameters()).device
         self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+        self.compile = compile
         self.graphs = compile and self.device.type == "cuda"
         # grouped decode attention while this decoder runs (the caller's model keeps its own setting otherwise)
         impl = model.config._attn_implementation
@@ -287,13 +290,13 @@ def release(model) -> None:
 
 def decoder_for(model, batch_size: int | None, need_len: int, compile: bool = True, **options) -> StaticDecoder | None:
     """The model's last decoder if it is long enough (with `fit_cache`: exactly `cache_len(need_len)` long), has the
-    asked batch size (None: any) and the same `options` (StaticDecoder's attention, prefill_rows, fit_cache; unnamed:
-    their defaults), else a new one (the old one's cache is freed first); None when there is nothing to reuse and no
+    asked batch size (None: any), the same `compile` and the same `options` (StaticDecoder's OPTIONS; unnamed: their
+    defaults), else a new one (the old one's cache is freed first); None when there is nothing to reuse and no
     batch size is given."""
     last = _LAST.get(id(model))
     fits = last is not None and (last.L == cache_len(need_len) if last.options["fit_cache"] else last.L >= need_len)
     if fits and batch_size in (None, last.B) \
-            and last.graphs == (compile and last.device.type == "cuda") \
+            and last.compile == compile \
             and last.options == {**OPTIONS, **options}:
         return last
     del last

@@ -154,7 +154,8 @@ class RunMetrics:
         so metrics.jsonl holds the whole run even when the file was deleted (Snakemake deletes a job's outputs)."""
         self.ctx.run_dir.mkdir(parents=True, exist_ok=True)
         self.rows = [r for r in (history or []) if r.get("step", 0) <= start_step] if start_step else []
-        # elapsed_s counts over resumes: a resumed run's rows continue from its checkpoint's last row
+        # elapsed_s counts over resumes: a resumed run's rows continue from the last row kept (the last logged step
+        # at or before the checkpoint's; the seconds of steps after that row and before the checkpoint are not counted)
         self.elapsed_base = float(self.rows[-1].get("elapsed_s") or 0.0) if self.rows else 0.0
         atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.rows))
         self.start_step = self.step = start_step
