@@ -155,8 +155,9 @@ class RegenerateSection(Section):
     attention: Literal["auto", "grouped_flex", "grouped_sdpa"] = Field("auto", description=(
         "hf, static decoder: decode attention. grouped_flex: flex_attention over only the KV blocks a row sees "
         "(1.24x grouped_sdpa's tokens/s for an 8B-shaped target on an H200); grouped_sdpa: one sdpa kernel over the "
-        "whole static cache; auto is grouped_flex under CUDA graphs (with a power-of-two head dim of at least 16), "
-        "else grouped_sdpa."))
+        "whole static cache; auto is grouped_flex under CUDA graphs (with a power-of-two head dim of at least 16 and a "
+        "power-of-two count of query heads per KV head, which Inductor's flex decoding kernel needs), else "
+        "grouped_sdpa."))
     device: str = Field("auto", description="hf: device for generation (auto, cpu, cuda:N).")
     servers: tuple[str, ...] = Field((), strict=False, description=(
         "openai: base URLs, e.g. http://127.0.0.1:8000/v1 (one per GPU or node; requests are spread over "

@@ -548,14 +548,18 @@ def test_auto_attention_is_flex_under_cuda_graphs_with_a_power_of_two_head_dim()
 
     from dflash.data import decode
     pick = decode.StaticDecoder.attention_for
-    qwen = SimpleNamespace(head_dim=128, hidden_size=4096, num_attention_heads=32)
+    qwen = SimpleNamespace(head_dim=128, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8)
     odd = SimpleNamespace(head_dim=None, hidden_size=96, num_attention_heads=1)          # head dim 96
+    code = SimpleNamespace(head_dim=64, hidden_size=768, num_attention_heads=12, num_key_value_heads=4)  # 3 a group
     assert decode.OPTIONS["attention"] == decode.AUTO
     assert pick(qwen, decode.AUTO, graphs=True) == decode.FLEX
     assert pick(qwen, decode.AUTO, graphs=False) == decode.GQA                           # CPU or eager
     assert pick(odd, decode.AUTO, graphs=True) == decode.GQA
+    assert pick(code, decode.AUTO, graphs=True) == decode.GQA     # Inductor's flex decoding: groups of 2^k only
     assert pick(qwen, decode.GQA, graphs=True) == decode.GQA                             # asked for: kept
-    assert pick(odd, decode.FLEX, graphs=False) == decode.FLEX
+    assert pick(odd, decode.FLEX, graphs=False) == decode.FLEX                           # eager: any shape
+    with pytest.raises(ValueError, match="head dim 64, 3 query heads per KV head: use grouped_sdpa"):
+        pick(code, decode.FLEX, graphs=True)
 
 
 def test_flex_decode_step_is_one_graph_for_dynamo(talking_target):

@@ -36,7 +36,8 @@ Options, each a `bench/regen.py` variant, made the default once a measurement sa
   Eager, the prefill of the 8B-shaped target ran at about 56% of the bf16 ceiling on the H200 (2026-12-02) and was
   46% of a regeneration pass. Not measured on a GPU yet (bench/regen.py's -cprefill variant).
 - `attention`: `auto` (default): FLEX where the step is compiled and replayed as a CUDA graph (and the head dim is a
-  power of two of at least 16, as flex_attention's kernels take it), GQA otherwise (the CPU, eager). FLEX
+  power of two of at least 16 and the query heads per KV head a power of two, as Inductor's flex decoding kernel
+  takes them), GQA otherwise (the CPU, eager). FLEX
   ("grouped_flex"): decode steps through flex_attention over only the 128-slot KV blocks that hold a slot the query sees
   (no block of left padding, none of the cache not yet written), each KV head read once; a decode step's mask is the
   decoder's own bool mask, read as a graph input (`decoder_mask`: the decoder opens one slot a step). On the H200
@@ -145,6 +146,21 @@ def _step_logits(model, cache, ids, pos, mask):
     return _forward(model, cache, ids, pos, mask).float()
 
 
+def heads(config) -> tuple[int, int]:
+    """(head dim, query heads per KV head) of a transformers config."""
+    d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return d, config.num_attention_heads // kv
+
+
+def flex_decodable(config) -> bool:
+    """Whether Inductor's flex decoding kernel takes the model's heads: a power-of-two head dim of at least 16 and a
+    power-of-two count of query heads per KV head (it raises on any other group: 3 for the code target of
+    config/quality.yaml, 5 for Qwen3-14B)."""
+    d, group = heads(config)
+    return d >= 16 and d & (d - 1) == 0 and group >= 1 and group & (group - 1) == 0
+
+
 class StaticDecoder:
     def __init__(self, model, batch_size: int, max_len: int, compile: bool = True, check_every: int = 32,
                  **options):
@@ -174,12 +190,18 @@ class StaticDecoder:
 
     @staticmethod
     def attention_for(config, attention: str, graphs: bool) -> str:
-        """The decode attention an `attention` option means: AUTO is FLEX under CUDA graphs with a power-of-two
-        head dim (>= 16), GQA otherwise."""
-        if attention != AUTO:
-            return attention
-        d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return FLEX if graphs and d >= 16 and d & (d - 1) == 0 else GQA
+        """The decode attention an `attention` option means: AUTO is FLEX under CUDA graphs where Inductor's flex
+        decoding kernel takes the shapes (`flex_decodable`), GQA otherwise. FLEX asked for under CUDA graphs where it
+        does not: a ValueError that says so (Inductor's own error comes at the first decode step)."""
+        if attention == AUTO:
+            return FLEX if graphs and flex_decodable(config) else GQA
+        if attention == FLEX and graphs and not flex_decodable(config):
+            d, group = heads(config)
+            raise ValueError(f"decode attention {FLEX} under CUDA graphs needs a power-of-two head dim >= 16 and a "
+                             "power-of-two count of query heads per KV head (Inductor's flex decoding kernel); this "
+                             f"target has head dim {d}, {group} query heads per KV head: use {GQA} or {AUTO} "
+                             "(data.regenerate.attention)")
+        return attention
 
     def close(self) -> None:
         """Free the KV cache now (not whenever the garbage collector gets to it)."""
