@@ -487,6 +487,10 @@ def test_decoder_options_give_the_default_decoders_greedy_turns(talking_target):
     d = decode.decoder_for(model, 3, 40, compile=False, prefill_rows=2)
     assert decode.decoder_for(model, 3, 40, compile=False, prefill_rows=2) is d
     assert decode.decoder_for(model, 3, 40, compile=False) is not d and d.cache is None
+    d = decode.decoder_for(model, 3, 40, compile=False, compile_prefill=True)            # eager: nothing compiled
+    assert decode.decoder_for(model, 3, 40, compile=True, compile_prefill=True) is not d  # its prefill compiled
+    d = decode.decoder_for(model, 3, 40, compile=True)                                     # on the CPU: as eager
+    assert decode.decoder_for(model, 3, 40, compile=False) is d
     decode.release(model)
     with pytest.raises(ValueError, match="options"):
         decode.StaticDecoder(model, 3, 256, compile=False, prefill=2)

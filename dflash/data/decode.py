@@ -174,7 +174,6 @@ class StaticDecoder:
         self.model, self.B, self.L, self.check_every = model, batch_size, max_len, check_every
         self.device = next(model.parameters()).device
         self.cache = StaticCache(config=model.config, max_cache_len=max_len)
-        self.compile = compile
         self.graphs = compile and self.device.type == "cuda"
         # grouped decode attention while this decoder runs (the caller's model keeps its own setting otherwise)
         impl = model.config._attn_implementation
@@ -185,8 +184,14 @@ class StaticDecoder:
         self._logits = torch.compile(_step_logits, mode="reduce-overhead", fullgraph=True) if self.graphs \
             else _step_logits
         # the row-chunk prefill compiled once for every chunk shape (dynamic), without CUDA graphs (any device)
-        self._prefill = torch.compile(_prefill_chunk, dynamic=True, fullgraph=True) \
-            if compile and self.options["compile_prefill"] else _prefill_chunk
+        self.prefill_compiled = self.compiles_prefill(compile, self.options)
+        self._prefill = torch.compile(_prefill_chunk, dynamic=True, fullgraph=True) if self.prefill_compiled \
+            else _prefill_chunk
+
+    @staticmethod
+    def compiles_prefill(compile: bool, options: dict) -> bool:
+        """Whether a decoder made with `compile` and `options` compiles its row-chunk prefill."""
+        return bool(compile and options["compile_prefill"])
 
     @staticmethod
     def attention_for(config, attention: str, graphs: bool) -> str:
@@ -312,13 +317,14 @@ def release(model) -> None:
 
 def decoder_for(model, batch_size: int | None, need_len: int, compile: bool = True, **options) -> StaticDecoder | None:
     """The model's last decoder if it is long enough (with `fit_cache`: exactly `cache_len(need_len)` long), has the
-    asked batch size (None: any), the same `compile` and the same `options` (StaticDecoder's OPTIONS; unnamed: their
-    defaults), else a new one (the old one's cache is freed first); None when there is nothing to reuse and no
-    batch size is given."""
+    asked batch size (None: any), what `compile` compiles (the CUDA-graph step, `compile_prefill`'s prefill) and the
+    same `options` (StaticDecoder's OPTIONS; unnamed: their defaults), else a new one (the old one's cache is freed
+    first); None when there is nothing to reuse and no batch size is given."""
     last = _LAST.get(id(model))
     fits = last is not None and (last.L == cache_len(need_len) if last.options["fit_cache"] else last.L >= need_len)
     if fits and batch_size in (None, last.B) \
-            and last.compile == compile \
+            and last.graphs == (compile and last.device.type == "cuda") \
+            and last.prefill_compiled == StaticDecoder.compiles_prefill(compile, last.options) \
             and last.options == {**OPTIONS, **options}:
         return last
     del last
