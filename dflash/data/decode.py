@@ -30,21 +30,21 @@ Options, each a `bench/regen.py` variant, made the default once a measurement sa
   CUDA graph. The compiled step is one function for every decoder: its second cache length makes dynamo compile it
   with the length symbolic (automatic dynamic shapes), which later lengths reuse. Not measured on a GPU yet
   (bench/regen.py's -fit variant).
-- `compile_prefill=True` (off): the row-chunk prefill (so with `prefill_rows` > 0, and a compiling decoder) compiled
-  by Inductor, one graph with dynamic shapes for every chunk (rows and width; a chunk of one row adds a second), no
-  CUDA graphs: its norms, RoPE and activations fused.
-  Eager, the prefill of the 8B-shaped target ran at about 56% of the bf16 ceiling on the H200 (2026-12-02) and was
-  46% of a regeneration pass. Not measured on a GPU yet (bench/regen.py's -cprefill variant).
+- `compile_prefill=True` (off): the row-chunk prefill (so with `prefill_rows` > 0, and a compiling decoder) compiled by
+  Inductor, one graph with dynamic shapes for every chunk (rows and width; a chunk of one row adds a second), no CUDA
+  graphs: its norms, RoPE and activations fused. Eager, the prefill of the 8B-shaped target ran at about 56% of the bf16
+  ceiling on the H200 (2026-12-02) and was 46% of a regeneration pass. Not measured on a GPU yet (bench/regen.py's
+  -cprefill variant).
 - `attention`: `auto` (default): FLEX where the step is compiled and replayed as a CUDA graph (and the head dim is a
-  power of two of at least 16 and the query heads per KV head a power of two, as Inductor's flex decoding kernel
-  takes them), GQA otherwise (the CPU, eager). FLEX
-  ("grouped_flex"): decode steps through flex_attention over only the 128-slot KV blocks that hold a slot the query sees
-  (no block of left padding, none of the cache not yet written), each KV head read once; a decode step's mask is the
-  decoder's own bool mask, read as a graph input (`decoder_mask`: the decoder opens one slot a step). On the H200
-  (bench/results/2026-12-02-h200-quality-regen/): 2 x 512 prompts x 256 tokens of the 8B-shaped target at 11,472 tok/s
-  against 9,275 with GQA (decode step 24.3 ms against 34.9), the GPU test's greedy turns those of `generate`. r7's
-  compile failure (`XBLOCK is not defined`) was in a mask_mod into which the mask's computation had been inlined. With
-  FLEX, `fit_cache` saves nothing in attention (no unwritten slot is read).
+  power of two of at least 16 and the query heads per KV head a power of two, as Inductor's flex decoding kernel takes
+  them), GQA otherwise (the CPU, eager). FLEX ("grouped_flex"): decode steps through flex_attention over only the
+  128-slot KV blocks that hold a slot the query sees (no block of left padding, none of the cache not yet written), each
+  KV head read once; a decode step's mask is the decoder's own bool mask, read as a graph input (`decoder_mask`: the
+  decoder opens one slot a step). On the H200 (bench/results/2026-12-02-h200-quality-regen/): 2 x 512 prompts x 256
+  tokens of the 8B-shaped target at 11,472 tok/s against 9,275 with GQA (decode step 24.3 ms against 34.9), the GPU
+  test's greedy turns those of `generate`. r7's compile failure (`XBLOCK is not defined`) was in a mask_mod into which
+  the mask's computation had been inlined. With FLEX, `fit_cache` saves nothing in attention (no unwritten slot is
+  read).
 """
 from __future__ import annotations
 
@@ -146,18 +146,18 @@ def _step_logits(model, cache, ids, pos, mask):
     return _forward(model, cache, ids, pos, mask).float()
 
 
-def heads(config) -> tuple[int, int]:
-    """(head dim, query heads per KV head) of a transformers config."""
+def kv_heads(config) -> tuple[int, int]:
+    """(head dim, KV heads) of a transformers config."""
     d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return d, config.num_attention_heads // kv
+    return d, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
 def flex_decodable(config) -> bool:
     """Whether Inductor's flex decoding kernel takes the model's heads: a power-of-two head dim of at least 16 and a
     power-of-two count of query heads per KV head (it raises on any other group: 3 for the code target of
     config/quality.yaml, 5 for Qwen3-14B)."""
-    d, group = heads(config)
+    d, kv = kv_heads(config)
+    group = config.num_attention_heads // kv
     return d >= 16 and d & (d - 1) == 0 and group >= 1 and group & (group - 1) == 0
 
 
@@ -201,11 +201,11 @@ class StaticDecoder:
         if attention == AUTO:
             return FLEX if graphs and flex_decodable(config) else GQA
         if attention == FLEX and graphs and not flex_decodable(config):
-            d, group = heads(config)
+            d, kv = kv_heads(config)
             raise ValueError(f"decode attention {FLEX} under CUDA graphs needs a power-of-two head dim >= 16 and a "
                              "power-of-two count of query heads per KV head (Inductor's flex decoding kernel); this "
-                             f"target has head dim {d}, {group} query heads per KV head: use {GQA} or {AUTO} "
-                             "(data.regenerate.attention)")
+                             f"target has head dim {d}, {config.num_attention_heads // kv} query heads per KV head: "
+                             f"use {GQA} or {AUTO} (data.regenerate.attention)")
         return attention
 
     def close(self) -> None:

@@ -31,9 +31,9 @@ def auto_batch_size(model, width: int, max_new_tokens: int, cpu_batch_size: int 
     device = next(model.parameters()).device
     if device.type != "cuda":
         return cpu_batch_size or _default_cpu_batch_size()
+    from dflash.data.decode import kv_heads
     c = model.config
-    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    head_dim, heads = kv_heads(c)
     elem = next(model.parameters()).element_size()
     per_seq = 2 * c.num_hidden_layers * heads * head_dim * elem * (width + max_new_tokens) + 8 * c.vocab_size
     free, _ = torch.cuda.mem_get_info(device)
