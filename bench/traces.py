@@ -1,10 +1,10 @@
 """torch.profiler chrome traces (.json or .json.gz) reduced to where the time goes.
 
 - `reduce_trace(path)`: the train stage's profile window (bench/h200.py `profile`): per GPU its busy fraction, busy
-  time per stream, top kernels, idle gaps with what the CPU was doing, host syncs and the trainer's phases.
+  time per stream and its kernels' time per step in groups (`group`), top kernels, idle gaps with what the CPU was doing, host syncs and the trainer's phases.
 - `step_table(path, annotation)`: a window of annotated steps (bench/regen.py `--profile`: decode steps): the work
   launched inside the annotated ranges, per step, and the rest, each in groups (`group`: gemm, attention,
-  elementwise+copies, sampling, other) and top names.
+  fp8 scale+cast, elementwise+copies, sampling, other) and top names.
 Times in ms. CPU ops are those of the profiling thread only (torch.profiler records the thread that opens it).
 """
 from __future__ import annotations
@@ -24,6 +24,9 @@ SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize
 # kernel is a cutlass kernel: attention is tried before gemm)
 GROUPS = (("attention", r"attention|attn|fmha|flash|sdpa|flex|decoding"),
           ("gemm", r"gemm|nvjet|xmma|cublas|cutlass|splitk|^aten::(mm|addmm|bmm|baddbmm|matmul|linear)$"),
+          # torchao float8's scales and casts: Inductor kernels taking an abs-max or scaling for _scaled_mm (often
+          # fused with a norm or an activation, whose time they then hold too)
+          ("fp8 scale+cast", r"^triton_.*(amax|_abs_|_abs$|abs_max|_scaled_mm|reciprocal)"),
           ("sampling", r"(^|[_:.])(argmax|argmin|softmax|multinomial|topk|sort|isin)"),
           ("elementwise+copies", r"^triton_|elementwise|vectorized|copy|memcpy|memset|fill|index|cat|gather|scatter"
                                  r"|reduce|^aten::"))
@@ -93,8 +96,14 @@ def reduce_trace(path, top=15, gap_ms=1.0, gaps_listed=15) -> dict:
         streams = {}
         for tid in {e["tid"] for e in g}:
             u = _union((e["ts"], e["ts"] + e["dur"]) for e in g if e["tid"] == tid)
+            mine = [e for e in g if e["tid"] == tid]
+            per_group = defaultdict(float)
+            for e in mine:
+                per_group[group(e["name"])] += e["dur"]
             streams[str(tid)] = {"busy_ms": round(sum(e - a for a, e in u) / 1e3, 2),
-                                 "kernels": sum(1 for e in g if e["tid"] == tid),
+                                 "kernels": len(mine),
+                                 "group_ms_per_step": {k: round(t / 1e3 / max(out["steps"], 1), 2) for k, t in
+                                                       sorted(per_group.items(), key=lambda kv: -kv[1])},
                                  "role": "drafter" if (dev, tid) in drafter_streams else "other (target)"}
         names = _totals(g)
         total = sum(t for _, t in names.values()) or 1.0
@@ -183,3 +192,8 @@ def step_table(path, annotation: str, top=15) -> dict:
     return {"device": "gpu" if gpu else "cpu", "steps": steps, "steps_with_work": seen,
             "step": _part([e for e, s in work if s is not None], max(seen, 1), top),
             "outside": _part([e for e, s in work if s is None], 1, top)}
+
+
+if __name__ == "__main__":   # python bench/traces.py TRACE.json.gz: a train profile's trace reduced again, as JSON
+    import sys
+    print(json.dumps(reduce_trace(sys.argv[1]), indent=1))

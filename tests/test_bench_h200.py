@@ -70,6 +70,8 @@ def test_reduce_trace_finds_busy_time_gaps_and_syncs(tmp_path):
     g = r["gpus"]["0"]
     assert g["window_ms"] == 5.2 and g["busy_ms"] == 2.1 and g["busy_fraction"] == pytest.approx(2.1 / 5.2, abs=1e-4)
     assert g["streams"]["7"]["role"] == "drafter" and g["streams"]["9"]["role"] == "other (target)"
+    assert g["streams"]["7"]["group_ms_per_step"] == {"gemm": 1.0, "sampling": 0.5}     # one step (one optimizer)
+    assert g["streams"]["9"]["group_ms_per_step"] == {"gemm": 1.0, "other": 0.1}
     assert g["idle_gaps_over_ms"]["count"] == 1 and g["idle_gaps_over_ms"]["longest"][0]["ms"] == 3.0
     assert g["idle_gaps_over_ms"]["longest"][0]["cpu"] == ["optimizer", "aten::item", "cudaStreamSynchronize"]
     assert g["top_kernels"][0] == {"name": "gemm", "count": 2, "ms": 2.0, "share": pytest.approx(2 / 2.6, abs=1e-4)}
