@@ -12,7 +12,7 @@ CUDA graph capture and allocator growth happen there), then on all prompts with 
   static-N | static-auto       dflash.data.decode.StaticDecoder: static KV cache, one fixed batch shape, the decode
                                step compiled and replayed as a CUDA graph (the `hf` engine's default on GPU)
   static-N-eager               the same decode loop without compiling
-  static-N[-eager][-prefillR][-flex|-sdpa][-fit][-cprefill][-noprologue]
+  static-N[-eager][-prefillR][-flex|-sdpa][-fit][-cprefill|-eprefill][-noprologue]
                                with the decoder's options (issue 28): -prefillR: the prefill in chunks of R prompts of
                                similar length, each only as wide as its longest prompt (the default since r7: R 64;
                                -prefill0: the whole batch at once, the decoder before r7); -flex | -sdpa: decode
@@ -27,7 +27,9 @@ CUDA graph capture and allocator growth happen there), then on all prompts with 
                                (the warm-up then generates all --new-tokens, so every batch's length is compiled);
                                -cprefill: the row-chunk prefill compiled (`compile_prefill`: one dynamic-shape
                                graph for every chunk; the warm-up compiles it, so the timed pass does not; refused
-                               with -eager or -prefill0, where there is no compiled row-chunk prefill);
+                               with -eager or -prefill0, where there is no compiled row-chunk prefill; the default
+                               on GPU since 2026-12-03, when it ran at 1.105x the eager one) | -eprefill: eager (the
+                               default before);
                                -noprologue: compiled with Inductor's prologue fusion off (`prologue_fusion=False`:
                                r7's flex failure was in a template with the step's RoPE and norm fused into it;
                                the flex decode compiled with it on the H200 on 2026-12-02)
@@ -67,11 +69,18 @@ ceiling); the default 64-row prefill: 9,206 tok/s, prefill 5.2 s. The -flex vari
 On 2026-12-02 (`bench/results/2026-12-02-h200-quality-regen/`), two batches of 512 (1024 prompts cycling 128-512
 tokens, sorted by `regenerate`: widths 512 and 256), 256 new tokens each: static-512 with grouped sdpa 9,275 tok/s
 (decode step 34.9 ms, prefill 5.18 s per batch), with flex 11,472 tok/s (decode step 24.3 ms, the same prefill, now
-46% of the pass). Next (toward 12K: the prefill, at 64 rows a chunk, is the larger share now), one call, carry `.whl`:
+46% of the pass).
 
+On 2026-12-03 (`bench/results/2026-12-03-h200-r8/`), the same 2 x 512 prompts, the command:
+
+    bash bench/device_wheels.sh   # here, once: .whl/ for the device's carry
     pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && \\
-      timeout 480 python3 bench/regen.py --out $OUT/regen.json --prompts 1024 \\
+      timeout 500 python3 bench/regen.py --out $OUT/regen.json --prompts 1024 \\
         --variants static-512,static-512-cprefill,static-512-prefill128 --profile static-512 > $OUT/regen.log 2>&1
+
+static-512 (flex, the eager prefill then: now `-eprefill`) 11,156 tok/s (prefill 5.29 s per batch, decode step
+25.1 ms); -cprefill **12,332** (prefill 4.17 s; warm-up 180 s against 77 s), now the default on GPU; -prefill128
+11,179 (no gain over 64 rows). The decode step (profile): 23.0 ms = GEMMs 11.2 + attention 9.9 + elementwise 1.7.
 
 Each generate call of an hfstatic variant allocates a fresh StaticCache (transformers' behaviour without a passed
 `past_key_values`), so the timed pass may re-record the CUDA graph once; the warm-up pass uses the same cache length,
@@ -142,8 +151,8 @@ def parse_variant(v: str) -> dict:
             options["prefill_rows"] = int(f[len("prefill"):])
         elif f == "fit":
             options["fit_cache"] = True
-        elif f == "cprefill":
-            options["compile_prefill"] = True
+        elif f in ("cprefill", "eprefill") and "compile_prefill" not in options:
+            options["compile_prefill"] = f == "cprefill"
     if options.get("compile_prefill") and ("eager" in flags or options.get("prefill_rows") == 0):
         raise SystemExit(f"--variants: {v!r}: -cprefill compiles the row-chunk prefill, which -eager and -prefill0 "
                          "do not run")
@@ -151,7 +160,7 @@ def parse_variant(v: str) -> dict:
     if parts[0] not in ("generate", "static") or len(parts) < 2 or not (parts[1].isdigit() or parts[1] == "auto") \
             or len(set(flags)) != len(flags) or len(flags) != ("eager" in flags) + len(options) + len(inductor):
         raise SystemExit(f"--variants: {v!r} is not generate-N, generate-auto, static-N|auto[-eager][-prefillR]"
-                         "[-flex|-sdpa][-fit][-cprefill][-noprologue], hfstatic-N[-forward|-eager][-gqa] or cb")
+                         "[-flex|-sdpa][-fit][-cprefill|-eprefill][-noprologue], hfstatic-N[-forward|-eager][-gqa] or cb")
     return {"name": v, "kind": "generate", "decoder": parts[0], "batch": 0 if parts[1] == "auto" else int(parts[1]),
             "compile": "eager" not in flags, "options": options, "inductor": inductor}
 

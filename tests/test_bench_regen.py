@@ -111,9 +111,10 @@ def test_static_variant_names():
     assert regen.parse_variant("static-512-fit")["options"] == {"fit_cache": True}
     assert regen.parse_variant("static-512-sdpa-fit")["options"] == {"attention": "grouped_sdpa", "fit_cache": True}
     assert regen.parse_variant("static-512-cprefill")["options"] == {"compile_prefill": True}
+    assert regen.parse_variant("static-512-eprefill")["options"] == {"compile_prefill": False}   # before 2026-12-03
     for bad in ("static-4-prefill", "static-4-flex-flex", "static-4-flex-sdpa", "generate-4-sdpa",
                 "generate-4-cprefill", "static-4-eager-cprefill",
-                "static-4-prefill0-cprefill",
+                "static-4-prefill0-cprefill", "static-4-cprefill-eprefill", "static-4-eprefill-eprefill",
                 "generate-4-flex", "static-x",
                 "static-4-prefill2-prefill3", "static", "generate-4-noprologue",
                 "static-4-noprologue-noprologue", "static-4-fit-fit", "generate-4-fit"):
@@ -214,6 +215,11 @@ def test_step_table_gives_a_step_the_kernels_its_launches_made(tmp_path):
              "triton_poi_fused_add_cos_mul_neg_sin_0", "triton_tem_fused_flex_decoding_0", "Torch-Compiled Region: 0/0")
     assert [group(n) for n in names] == \
         ["gemm", "attention", "sampling", "elementwise+copies", "elementwise+copies", "attention", "other"]
+    fp8 = ("triton_red_fused__to_copy_abs_amax_clamp_div_0",          # kernel names of the H200's fp8all profile
+           "triton_red_fused_abs_max_mul_silu_silu_backward_view_4",
+           "triton_poi_fused__scaled_mm__to_copy_clamp_clone_mul_reciprocal_silu_silu_backward_t_view_6",
+           "nvjet_sm90_qqtst_128x128_128x6_2x1_v_bz_ovscale_TNT", "triton_poi_fused__to_copy_t_12")
+    assert [group(n) for n in fp8] == ["fp8 scale+cast"] * 3 + ["gemm", "elementwise+copies"]
 
 
 def test_a_failed_profile_keeps_the_variants_timed_pass(tmp_path, monkeypatch):

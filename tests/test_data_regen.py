@@ -266,7 +266,8 @@ def test_static_decoder_cuda_graph_gives_the_greedy_turns_of_generate(talking_ta
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("options", [{"attention": "grouped_flex"}, {"attention": "grouped_sdpa"},
-                                     {"prefill_rows": 3}, {"prefill_rows": 0}, {}])
+                                     {"prefill_rows": 3}, {"prefill_rows": 0},
+                                     {"prefill_rows": 3, "compile_prefill": True}, {}])
 def test_decoder_options_on_cuda_graphs_give_the_greedy_turns_of_generate(talking_target, options):
     """The options compiled and replayed as CUDA graphs (flex: the compiled kernel, which reads only the listed
     blocks) give `generate`'s turns."""
@@ -466,6 +467,7 @@ def test_decoder_options_give_the_default_decoders_greedy_turns(talking_target):
     """The static decoder's options (flex decode attention, the prefill in row chunks of other sizes or the whole
     batch at once, flex with row chunks) give the greedy turns of the default decoder (fp32, CPU) for prompts of six
     lengths in batches of 3; a kept decoder is reused only with the same options."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash.data import decode
@@ -491,9 +493,16 @@ def test_decoder_options_give_the_default_decoders_greedy_turns(talking_target):
     assert decode.decoder_for(model, 3, 40, compile=True, compile_prefill=True) is not d  # its prefill compiled
     d = decode.decoder_for(model, 3, 40, compile=True)                                     # on the CPU: as eager
     assert decode.decoder_for(model, 3, 40, compile=False) is d
+    assert not d.prefill_compiled and decode.OPTIONS["compile_prefill"] == decode.AUTO    # auto: eager on the CPU
     decode.release(model)
-    with pytest.raises(ValueError, match="options"):
-        decode.StaticDecoder(model, 3, 256, compile=False, prefill=2)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda:0")
+    auto, on, off = ({**decode.OPTIONS, "compile_prefill": v} for v in (decode.AUTO, True, False))
+    assert [decode.StaticDecoder.compiles_prefill(c, dev, o) for c, dev, o in
+            ((True, cuda, auto), (True, cpu, auto), (False, cuda, auto), (True, cpu, on), (False, cpu, on),
+             (True, cuda, off))] == [True, False, False, True, False, False]
+    for bad in ({"prefill": 2}, {"compile_prefill": "yes"}, {"fit_cache": None}):
+        with pytest.raises(ValueError, match="options"):
+            decode.StaticDecoder(model, 3, 256, compile=False, **bad)
 
 
 @pytest.mark.slow
@@ -543,8 +552,14 @@ def test_regenerate_attention_key_reaches_the_static_decoder(talking_target):
                                                   "max_new_tokens": 10, "attention": attention}}}).cfg.data.regenerate
         out[attention] = HFEngine(model, tok, rcfg).generate(prompts, seed=0)
         assert decode._LAST[id(model)].attn == attention
+        assert decode._LAST[id(model)].options["compile_prefill"] == decode.AUTO     # the key left null
         decode.release(model)
     assert out["grouped_flex"] == out["grouped_sdpa"] and any(out["grouped_flex"])
+    rcfg = from_dict({"data": {"regenerate": {"decoder": "static", "compile": False, "batch_size": 3,
+                                              "max_new_tokens": 10, "compile_prefill": False}}}).cfg.data.regenerate
+    assert HFEngine(model, tok, rcfg).generate(prompts, seed=0) == out["grouped_sdpa"]
+    assert decode._LAST[id(model)].options["compile_prefill"] is False                # data.regenerate.compile_prefill
+    decode.release(model)
 
 
 def test_auto_attention_is_flex_under_cuda_graphs_with_a_power_of_two_head_dim():

@@ -30,11 +30,13 @@ Options, each a `bench/regen.py` variant, made the default once a measurement sa
   CUDA graph. The compiled step is one function for every decoder: its second cache length makes dynamo compile it
   with the length symbolic (automatic dynamic shapes), which later lengths reuse. Not measured on a GPU yet
   (bench/regen.py's -fit variant).
-- `compile_prefill=True` (off): the row-chunk prefill (so with `prefill_rows` > 0, and a compiling decoder) compiled by
-  Inductor, one graph with dynamic shapes for every chunk (rows and width; a chunk of one row adds a second), no CUDA
-  graphs: its norms, RoPE and activations fused. Eager, the prefill of the 8B-shaped target ran at about 56% of the bf16
-  ceiling on the H200 (2026-12-02) and was 46% of a regeneration pass. Not measured on a GPU yet (bench/regen.py's
-  -cprefill variant).
+- `compile_prefill` (default AUTO: on where the decode step is compiled for CUDA graphs; True: wherever the decoder
+  compiles, the CPU too; False: eager): the row-chunk prefill (so with `prefill_rows` > 0) compiled by Inductor, one
+  graph with dynamic shapes for every chunk (rows and width; a chunk of one row adds a second), no CUDA graphs: its
+  norms, RoPE and activations fused. On the H200 (bench/results/2026-12-03-h200-r8/): 2 x 512 prompts x 256 tokens of
+  the 8B-shaped target at 12,332 tok/s against 11,156 eager (prefill 4.17 s against 5.29 s per batch), for a warm-up
+  of 180 s against 77 s (the dynamic-shape compile, once per process); CUDA graphs give `generate`'s greedy turns
+  with it (tests/test_data_regen.py). The CPU's Inductor compiles slowly, so AUTO leaves it eager there.
 - `attention`: `auto` (default): FLEX where the step is compiled and replayed as a CUDA graph (and the head dim is a
   power of two of at least 16 and the query heads per KV head a power of two, as Inductor's flex decoding kernel takes
   them), GQA otherwise (the CPU, eager). FLEX ("grouped_flex"): decode steps through flex_attention over only the
@@ -58,7 +60,7 @@ KV_BLOCK = 128             # flex_attention's sparse block; every cache_len is a
 PREFILL_ROWS = 64
 AUTO = "auto"              # FLEX when compiled for CUDA graphs, else GQA (StaticDecoder.attention_for)
 OPTIONS = {"attention": AUTO, "prefill_rows": PREFILL_ROWS, "fit_cache": False,   # StaticDecoder's, at their defaults
-           "compile_prefill": False}
+           "compile_prefill": AUTO}
 
 
 def gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -168,9 +170,10 @@ class StaticDecoder:
         self.options = {**OPTIONS, **options}
         if set(options) - set(OPTIONS) or self.options["attention"] not in (AUTO, GQA, FLEX) \
                 or self.options["prefill_rows"] < 0 \
-                or not all(isinstance(self.options[k], bool) for k in ("fit_cache", "compile_prefill")):
+                or not isinstance(self.options["fit_cache"], bool) \
+                or not (isinstance(self.options["compile_prefill"], bool) or self.options["compile_prefill"] == AUTO):
             raise ValueError(f"StaticDecoder: options {options} (known: attention {AUTO} | {GQA} | {FLEX}, "
-                             "prefill_rows >= 0, fit_cache and compile_prefill true | false)")
+                             f"prefill_rows >= 0, fit_cache true | false, compile_prefill {AUTO} | true | false)")
         self.model, self.B, self.L, self.check_every = model, batch_size, max_len, check_every
         self.device = next(model.parameters()).device
         self.cache = StaticCache(config=model.config, max_cache_len=max_len)
@@ -183,15 +186,17 @@ class StaticDecoder:
             else _step_greedy
         self._logits = torch.compile(_step_logits, mode="reduce-overhead", fullgraph=True) if self.graphs \
             else _step_logits
-        # the row-chunk prefill compiled once for every chunk shape (dynamic), without CUDA graphs (any device)
-        self.prefill_compiled = self.compiles_prefill(compile, self.options)
+        # the row-chunk prefill compiled once for every chunk shape (dynamic), without CUDA graphs
+        self.prefill_compiled = self.compiles_prefill(compile, self.device, self.options)
         self._prefill = torch.compile(_prefill_chunk, dynamic=True, fullgraph=True) if self.prefill_compiled \
             else _prefill_chunk
 
     @staticmethod
-    def compiles_prefill(compile: bool, options: dict) -> bool:
-        """Whether a decoder made with `compile` and `options` compiles its row-chunk prefill."""
-        return bool(compile and options["compile_prefill"])
+    def compiles_prefill(compile: bool, device: torch.device, options: dict) -> bool:
+        """Whether a decoder made with `compile` and `options` on `device` compiles its row-chunk prefill (AUTO: where
+        its decode step is compiled for CUDA graphs)."""
+        want = options["compile_prefill"]
+        return bool(compile and (device.type == "cuda" if want == AUTO else want))
 
     @staticmethod
     def attention_for(config, attention: str, graphs: bool) -> str:
@@ -324,7 +329,7 @@ def decoder_for(model, batch_size: int | None, need_len: int, compile: bool = Tr
     fits = last is not None and (last.L == cache_len(need_len) if last.options["fit_cache"] else last.L >= need_len)
     if fits and batch_size in (None, last.B) \
             and last.graphs == (compile and last.device.type == "cuda") \
-            and last.prefill_compiled == StaticDecoder.compiles_prefill(compile, last.options) \
+            and last.prefill_compiled == StaticDecoder.compiles_prefill(compile, last.device, last.options) \
             and last.options == {**OPTIONS, **options}:
         return last
     del last

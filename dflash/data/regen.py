@@ -85,7 +85,9 @@ class HFEngine:
         resp, st = regenerate(self.model, self.tokenizer, [ids for _, ids in prompts], r.max_new_tokens,
                               r.temperature, r.batch_size, seed=seed, progress=False,
                               decoder=r.decoder, compile=r.compile, cpu_batch_size=r.cpu_batch_size,
-                              static_options={"attention": r.attention})
+                              static_options={"attention": r.attention,   # compile_prefill null: the decoder's auto
+                                              **({} if r.compile_prefill is None else
+                                                 {"compile_prefill": r.compile_prefill})})
         return [self.tokenizer.decode(x, skip_special_tokens=True) for x in resp], st["tokens"]
 
 
