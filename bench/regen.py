@@ -160,7 +160,8 @@ def parse_variant(v: str) -> dict:
     if parts[0] not in ("generate", "static") or len(parts) < 2 or not (parts[1].isdigit() or parts[1] == "auto") \
             or len(set(flags)) != len(flags) or len(flags) != ("eager" in flags) + len(options) + len(inductor):
         raise SystemExit(f"--variants: {v!r} is not generate-N, generate-auto, static-N|auto[-eager][-prefillR]"
-                         "[-flex|-sdpa][-fit][-cprefill|-eprefill][-noprologue], hfstatic-N[-forward|-eager][-gqa] or cb")
+                         "[-flex|-sdpa][-fit][-cprefill|-eprefill][-noprologue], hfstatic-N[-forward|-eager][-gqa]"
+                         " or cb")
     return {"name": v, "kind": "generate", "decoder": parts[0], "batch": 0 if parts[1] == "auto" else int(parts[1]),
             "compile": "eager" not in flags, "options": options, "inductor": inductor}
 

@@ -1,7 +1,8 @@
 """torch.profiler chrome traces (.json or .json.gz) reduced to where the time goes.
 
 - `reduce_trace(path)`: the train stage's profile window (bench/h200.py `profile`): per GPU its busy fraction, busy
-  time per stream and its kernels' time per step in groups (`group`), top kernels, idle gaps with what the CPU was doing, host syncs and the trainer's phases.
+  time per stream and its kernels' time per step in groups (`group`), top kernels, idle gaps with what the CPU was
+  doing, host syncs and the trainer's phases.
 - `step_table(path, annotation)`: a window of annotated steps (bench/regen.py `--profile`: decode steps): the work
   launched inside the annotated ranges, per step, and the rest, each in groups (`group`: gemm, attention,
   fp8 scale+cast, elementwise+copies, sampling, other) and top names.
