@@ -541,6 +541,88 @@ def specforge():
     return out
 
 
+
+def _hbm(fn, gb: float, reps: int = 10) -> dict:
+    """fn's median ms and its bandwidth: `gb` GB read + written per call."""
+    ms = bench(fn, warmup=2, reps=reps)
+    return {"ms": round(ms, 3), "gb": round(gb, 3), "tb_per_s": round(gb / ms, 3)}
+
+
+def step_parts(h=H, v=V, inter=12288, copy_gib=4, rows=4096, compiled=True):
+    """The bf16 drafter step's memory-bound parts (config/h200.yaml's 5-layer drafter, fp32 trainable weights under
+    bf16 autocast, as train runs it), each alone at its real size against the HBM copy bandwidth: how much of the
+    step's non-GEMM time a faster kernel could still take off. `copy`: one 4 GiB fp32 copy (the practical
+    bandwidth). `adamw_fused`: the optimizer step train runs (fused AdamW, the clip folded into grad_scale);
+    `adamw_foreach`, `adamw_foreach_compiled` (torch.compile of the step) for comparison; `grad_norm`: the clip's
+    norm (get_total_norm, foreach). `casts_fwd`: autocast's fp32 -> bf16 copy of every weight; `casts_grad`: the
+    bf16 gradients back to fp32. `loss_kernel`: training's compiled per-chunk loss kernel on [4096, V] bf16 logits
+    (logsumexp, argmax, the gradient written over the logits) and `loss_reduction` its reductions alone; the floor
+    of both is one read of the logits plus one read and one write. `floor_ms`: GB / copy bandwidth. The arguments
+    shrink it for the CPU test (`compiled` False: the eager loss kernel, no compiled AdamW)."""
+    from dflash import config as C
+    from dflash.model import DFlashDrafter, DrafterConfig
+    from dflash.train.step import loss_kernel
+    loaded = C.load(REPO / "config" / "h200.yaml")
+    tconf = Qwen3Config(hidden_size=h, num_attention_heads=32, num_key_value_heads=8, head_dim=h // 32,
+                        intermediate_size=inter, num_hidden_layers=36, vocab_size=v, rms_norm_eps=1e-6,
+                        rope_theta=1e6, max_position_embeddings=40960)
+    dcfg = DrafterConfig.from_target(tconf, loaded.cfg.drafter, v - 1)
+    embed = head = torch.zeros(1, h, device=DEV, dtype=torch.bfloat16)   # frozen, not stepped: stand-ins
+    with torch.device(DEV):
+        drafter = DFlashDrafter(dcfg, embed, head)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    n = sum(p.numel() for p in params)
+    out = {"trainable_params": n}
+    x = torch.empty(int(copy_gib * 2**28), device=DEV)
+    y = torch.empty_like(x)
+    out["copy"] = _hbm(lambda: y.copy_(x), 2 * x.numel() * 4 / 1e9)
+    x = y = None
+    bw = out["copy"]["tb_per_s"]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    grad_scale = torch.tensor(1.0, device=DEV)
+    t = loaded.cfg.train
+    kw = dict(lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+    opts = {"adamw_fused": torch.optim.AdamW(params, fused=True, **kw),
+            "adamw_foreach": torch.optim.AdamW(params, foreach=True, **kw)}
+    opts["adamw_fused"].grad_scale = grad_scale
+    adam_gb = n * 4 * 7 / 1e9   # read p, g, m, v; write p, m, v (fp32)
+    for name, opt in opts.items():
+        out[name] = _hbm(opt.step, adam_gb)
+        opt.state.clear()
+    if compiled:
+        comp = torch.optim.AdamW(params, foreach=True, **kw)
+        try:
+            out["adamw_foreach_compiled"] = _hbm(torch.compile(comp.step), adam_gb)
+        except Exception as e:
+            out["adamw_foreach_compiled"] = {"error": f"{type(e).__name__}: {e}"[:500]}
+        comp = None
+    opts = None
+    grads = [p.grad for p in params]
+    out["grad_norm"] = _hbm(lambda: torch.nn.utils.get_total_norm(grads, 2.0, foreach=True), n * 4 / 1e9)
+    out["casts_fwd"] = _hbm(lambda: [p.to(torch.bfloat16) for p in params], n * 6 / 1e9)
+    g16 = [g.to(torch.bfloat16) for g in grads]
+    out["casts_grad"] = _hbm(lambda: [g.to(torch.float32) for g in g16], n * 6 / 1e9)
+    for p in params:
+        p.grad = None
+    g16 = grads = None
+    if DEV.type == "cuda":
+        torch.cuda.empty_cache()
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    logits = torch.randn(rows, v, device=DEV, dtype=torch.bfloat16, generator=gen) * 3
+    labels = torch.randint(0, v, (rows,), device=DEV, generator=gen)
+    one = rows * v * 2 / 1e9
+    kernel = loss_kernel(compiled, "ce")
+    out["loss_kernel"] = _hbm(lambda: kernel(logits, labels), 3 * one)
+    def reduction(lg):
+        return torch.logsumexp(lg.float(), -1), lg.argmax(-1)
+    out["loss_reduction"] = _hbm(functools.partial(torch.compile(reduction, fullgraph=True) if compiled else
+                                                   reduction, logits), one)
+    for k, v in out.items():
+        if isinstance(v, dict) and "gb" in v:
+            v["floor_ms"] = round(v["gb"] / bw, 3)
+    return out
+
 # flex kernel options tried by flex_tune: forward (BLOCK_M, BLOCK_N, num_warps, num_stages) and backward
 # (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages); {} = torch's own choice for the device
 FLEX_FWD = [(128, 64, 8, 3), (128, 128, 8, 2), (64, 128, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3)]
@@ -897,7 +979,7 @@ def profile(out_dir: Path, extra=()):
 
 
 SECTIONS = ("ceilings", "mask", "attention", "flex_tune", "loss", "drafter_variants", "specforge", "fp8", "target",
-            "profile", "e2e")
+            "step_parts", "profile", "e2e")
 
 
 def parse_args(argv=None):

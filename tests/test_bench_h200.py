@@ -154,3 +154,17 @@ def test_profile_takes_its_run_from_the_e2e_table(tmp_path, monkeypatch):
     assert res["run"] == "1t1d-fp8all" and res["exit"] == 1
     args = calls[0]
     assert "train.fp8_target=true" in args and "train.eval_every=0" in args and args[2] == "config/h200.yaml"
+
+
+def test_step_parts_measures_every_part_against_its_floor():
+    out = h200.step_parts(h=64, v=512, inter=128, copy_gib=0.01, rows=64, compiled=False)
+    n = out["trainable_params"]
+    # 5 layers (q, o 64x64; k, v 64x16: 8 KV heads of dim 2; gate, up, down 64x128; q/k norms 2 each; two norms
+    # 64 each), fc 5*64 -> 64, the context and final norms
+    assert n == 5 * (2 * 64 * 64 + 2 * 64 * 16 + 3 * 64 * 128 + 2 * 2 + 2 * 64) + 5 * 64 * 64 + 2 * 64
+    assert out["adamw_fused"]["gb"] == round(n * 28 / 1e9, 3) and "adamw_foreach_compiled" not in out
+    for part in ("copy", "adamw_fused", "adamw_foreach", "grad_norm", "casts_fwd", "casts_grad", "loss_kernel",
+                 "loss_reduction"):
+        r = out[part]
+        assert r["ms"] > 0 and r["tb_per_s"] == pytest.approx(r["gb"] / r["ms"], rel=0.05, abs=2e-3), part
+        assert r["floor_ms"] == pytest.approx(r["gb"] / out["copy"]["tb_per_s"], rel=0.05, abs=2e-3), part
