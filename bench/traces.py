@@ -1,7 +1,8 @@
 """torch.profiler chrome traces (.json or .json.gz) reduced to where the time goes.
 
 - `reduce_trace(path)`: the train stage's profile window (bench/h200.py `profile`): per GPU its busy fraction, busy
-  time per stream and its kernels' time per step in groups (`group`), top kernels, idle gaps with what the CPU was
+  time per stream and its kernels' time per step in groups (`group`), with how much of it overlapped another
+  stream's kernels, top kernels, idle gaps with what the CPU was
   doing, host syncs and the trainer's phases.
 - `step_table(path, annotation)`: a window of annotated steps (bench/regen.py `--profile`: decode steps): the work
   launched inside the annotated ranges, per step, and the rest, each in groups (`group`: gemm, attention,
@@ -54,6 +55,15 @@ def _union(intervals):
     return out
 
 
+def _covered(union, a, e) -> float:
+    """How much of [a, e) the merged intervals `union` cover."""
+    i, t = max(bisect_right(union, [a, float("inf")]) - 1, 0), 0.0
+    while i < len(union) and union[i][0] < e:
+        t += max(0.0, min(e, union[i][1]) - max(a, union[i][0]))
+        i += 1
+    return t
+
+
 def _totals(events) -> dict:
     """name (first 140 characters) -> [count, microseconds]."""
     names = defaultdict(lambda: [0, 0.0])
@@ -95,16 +105,21 @@ def reduce_trace(path, top=15, gap_ms=1.0, gaps_listed=15) -> dict:
         t0, t1 = busy[0][0], busy[-1][1]
         busy_us = sum(e - a for a, e in busy)
         streams = {}
+        per_step = max(out["steps"], 1) * 1e3
         for tid in {e["tid"] for e in g}:
             u = _union((e["ts"], e["ts"] + e["dur"]) for e in g if e["tid"] == tid)
+            others = _union((e["ts"], e["ts"] + e["dur"]) for e in g if e["tid"] != tid)
             mine = [e for e in g if e["tid"] == tid]
-            per_group = defaultdict(float)
+            per_group, shared = defaultdict(float), defaultdict(float)
             for e in mine:
                 per_group[group(e["name"])] += e["dur"]
+                shared[group(e["name"])] += _covered(others, e["ts"], e["ts"] + e["dur"])
+            order = sorted(per_group, key=lambda k: -per_group[k])
             streams[str(tid)] = {"busy_ms": round(sum(e - a for a, e in u) / 1e3, 2),
                                  "kernels": len(mine),
-                                 "group_ms_per_step": {k: round(t / 1e3 / max(out["steps"], 1), 2) for k, t in
-                                                       sorted(per_group.items(), key=lambda kv: -kv[1])},
+                                 "group_ms_per_step": {k: round(per_group[k] / per_step, 2) for k in order},
+                                 # of that, the time another stream of this GPU ran kernels too
+                                 "group_overlapped_ms_per_step": {k: round(shared[k] / per_step, 2) for k in order},
                                  "role": "drafter" if (dev, tid) in drafter_streams else "other (target)"}
         names = _totals(g)
         total = sum(t for _, t in names.values()) or 1.0

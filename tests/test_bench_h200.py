@@ -72,6 +72,9 @@ def test_reduce_trace_finds_busy_time_gaps_and_syncs(tmp_path):
     assert g["streams"]["7"]["role"] == "drafter" and g["streams"]["9"]["role"] == "other (target)"
     assert g["streams"]["7"]["group_ms_per_step"] == {"gemm": 1.0, "sampling": 0.5}     # one step (one optimizer)
     assert g["streams"]["9"]["group_ms_per_step"] == {"gemm": 1.0, "other": 0.1}
+    # the two gemms share 0.5 ms; the softmax and the tiny kernel run alone
+    assert g["streams"]["7"]["group_overlapped_ms_per_step"] == {"gemm": 0.5, "sampling": 0.0}
+    assert g["streams"]["9"]["group_overlapped_ms_per_step"] == {"gemm": 0.5, "other": 0.0}
     assert g["idle_gaps_over_ms"]["count"] == 1 and g["idle_gaps_over_ms"]["longest"][0]["ms"] == 3.0
     assert g["idle_gaps_over_ms"]["longest"][0]["cpu"] == ["optimizer", "aten::item", "cudaStreamSynchronize"]
     assert g["top_kernels"][0] == {"name": "gemm", "count": 2, "ms": 2.0, "share": pytest.approx(2 / 2.6, abs=1e-4)}
