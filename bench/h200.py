@@ -1,14 +1,15 @@
 """H200 benchmark: ceilings, micro-benchmarks and the real `train` stage on config/h200.yaml.
 
     python bench/h200.py --out bench/out [--sections ceilings,mask,attention,flex_tune,loss,drafter_variants,specforge,
-                                                     fp8,target,profile,e2e] [--steps N]
+                                                     fp8,target,step_parts,profile,e2e] [--steps N]
 
 flex_tune: the drafter's attention with each flex kernel option set (block sizes, warps, stages, flags), fwd and bwd ms.
 specforge: the drafter step at 3072/512, 8192/1024, 16384/2048 (context/anchors), this project's (per precision
 variant: BENCH_SF_VARIANTS, e.g. bf16,fp8,fp8head,fp8-rowwise) and SpecForge's (`OnlineDFlashModel`, flex; its wheel
 carried) in one process. fp8: the LM head's two GEMMs and the fused loss with the FP8 head copies against bf16, and
 the target's captured forward with FP8 weights against bf16 (ms, relative error of the features). loss: training's fused loss beside torch's and Liger's,
-with agreement checks. profile: the train stage under torch.profiler (train.profile), reduced to where GPU time goes.
+with agreement checks. step_parts: the bf16 drafter step's memory-bound parts alone (AdamW fused, foreach and compiled,
+the clip's norm, the weight and gradient casts, the loss kernel) against the HBM copy bandwidth. profile: the train stage under torch.profiler (train.profile), reduced to where GPU time goes.
 e2e: train runs (BENCH_E2E_RUNS: 1t1d, restart, 1t3d, x2-*, long = config/h200-long.yaml, 1t1d-eager = 1t1d with
      the target eager, train.compile_target false; 1t1d-fp8 = FP8 drafter layers, 1t1d-fp8head = + the FP8 LM head,
      1t1d-fp8all = + the FP8 target; long, 1t1d-eager and the fp8 runs only when named).
