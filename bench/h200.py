@@ -79,6 +79,16 @@ def peak_gb(fn):
     return round((torch.cuda.max_memory_allocated() - base) / 2**30, 3)
 
 
+def configs_8b(loaded, h=H, v=V, inter=12288, mask_id=151669):
+    """The Qwen3-8B-shaped target's config (36 layers, 32 / 8 heads of dim h / 32) and the drafter's of `loaded`
+    (config/h200.yaml and its overrides) over it; a smaller h, v and inter for the CPU tests."""
+    from dflash.model import DrafterConfig
+    tconf = Qwen3Config(hidden_size=h, num_attention_heads=32, num_key_value_heads=8, head_dim=h // 32,
+                        intermediate_size=inter, num_hidden_layers=36, vocab_size=v, rms_norm_eps=1e-6,
+                        rope_theta=1e6, max_position_embeddings=40960)
+    return tconf, DrafterConfig.from_target(tconf, loaded.cfg.drafter, mask_id)
+
+
 def random_anchors(b=1, s=S, a=A, bk=BK, seed=0):
     from dflash.model import Anchors
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -301,7 +311,6 @@ def _drafter_step(tree: str, spec: str, shape: str, profile: str = ""):
     
     from dflash import config as C
     from dflash.fingerprint import collect, compile_cache_dir
-    from dflash.model import DrafterConfig
     from dflash.train import optim
     from dflash.train.compile_guard import use_compile_cache
     from dflash.train.context import RunContext
@@ -315,10 +324,7 @@ def _drafter_step(tree: str, spec: str, shape: str, profile: str = ""):
         sets[{"chunk": "train.loss_chunk", "casts": "train.recompute_weight_casts"}[k]] = (
             v == "recompute" if k == "casts" else int(v))
     loaded = C.load(REPO / "config" / "h200.yaml", sets)
-    tconf = Qwen3Config(hidden_size=H, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                            intermediate_size=12288, num_hidden_layers=36, vocab_size=V, rms_norm_eps=1e-6,
-                            rope_theta=1e6, max_position_embeddings=40960)
-    dcfg = DrafterConfig.from_target(tconf, loaded.cfg.drafter, 151669)
+    tconf, dcfg = configs_8b(loaded)
     feats = torch.randn(1, s, 5 * H, device=DEV, dtype=torch.bfloat16)
     ids = torch.randint(0, V, (1, s), device=DEV)
     mask = torch.ones(1, s, dtype=torch.bool, device=DEV)
@@ -428,16 +434,12 @@ def our_step(num_anchors, feats, ids, loss_mask, sets=None):
     num_anchors and the config keys `sets` (e.g. FP8_VARIANTS[name])."""
     
     from dflash import config as C
-    from dflash.model import DrafterConfig
     from dflash.train.context import RunContext
     from dflash.train.runtime.threads import GradSync
     from dflash.train.step import build_drafter, random_head
     from dflash.train.trainer import Micro, Replica
     loaded = C.load(REPO / "config" / "h200.yaml", {"train.num_anchors": num_anchors, **(sets or {})})
-    tconf = Qwen3Config(hidden_size=H, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                            intermediate_size=12288, num_hidden_layers=36, vocab_size=V, rms_norm_eps=1e-6,
-                            rope_theta=1e6, max_position_embeddings=40960)
-    dcfg = DrafterConfig.from_target(tconf, loaded.cfg.drafter, 151669)
+    tconf, dcfg = configs_8b(loaded)
     setup = RunContext(loaded, None, "flex", Path("/tmp"), Path("/tmp"), tconf, dcfg, 7.0, {}, True)
     setup.shapes = [tuple(ids.shape)]
     embed, head = random_head(setup, feats.device, torch.bfloat16)
@@ -561,13 +563,10 @@ def step_parts(h=H, v=V, inter=12288, copy_gib=4, rows=4096, compiled=True):
     of both is one read of the logits plus one read and one write. `floor_ms`: GB / copy bandwidth. The arguments
     shrink it for the CPU test (`compiled` False: the eager loss kernel, no compiled AdamW)."""
     from dflash import config as C
-    from dflash.model import DFlashDrafter, DrafterConfig
+    from dflash.model import DFlashDrafter
     from dflash.train.step import loss_kernel
     loaded = C.load(REPO / "config" / "h200.yaml")
-    tconf = Qwen3Config(hidden_size=h, num_attention_heads=32, num_key_value_heads=8, head_dim=h // 32,
-                        intermediate_size=inter, num_hidden_layers=36, vocab_size=v, rms_norm_eps=1e-6,
-                        rope_theta=1e6, max_position_embeddings=40960)
-    dcfg = DrafterConfig.from_target(tconf, loaded.cfg.drafter, v - 1)
+    _, dcfg = configs_8b(loaded, h, v, inter, mask_id=min(151669, v - 1))
     embed = head = torch.zeros(1, h, device=DEV, dtype=torch.bfloat16)   # frozen, not stepped: stand-ins
     with torch.device(DEV):
         drafter = DFlashDrafter(dcfg, embed, head)
