@@ -171,3 +171,28 @@ def test_step_parts_measures_every_part_against_its_floor():
         r = out[part]
         assert r["ms"] > 0 and r["tb_per_s"] == pytest.approx(r["gb"] / r["ms"], rel=0.05, abs=2e-3), part
         assert r["floor_ms"] == pytest.approx(r["gb"] / out["copy"]["tb_per_s"], rel=0.05, abs=2e-3), part
+
+
+def test_base_tree_writes_another_commits_tree(tmp_path):
+    """bench/base_tree.sh REV: REV's tracked files (not the working tree's) into .base/, its hash in BASE_REV; a
+    revision that is not a commit is refused, naming it."""
+    import shutil
+    import subprocess
+    repo = tmp_path / "r"
+    (repo / "bench").mkdir(parents=True)
+    shutil.copy(REPO / "bench" / "base_tree.sh", repo / "bench")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / "a.txt").write_text("one\n")
+    subprocess.run(git + ["add", "-A"], check=True)
+    subprocess.run(git + ["commit", "-qm", "one"], check=True)
+    first = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    (repo / "a.txt").write_text("two\n")
+    subprocess.run(git + ["commit", "-qam", "two"], check=True)
+    (repo / "a.txt").write_text("uncommitted\n")
+    r = subprocess.run(["bash", str(repo / "bench" / "base_tree.sh"), first[:8]], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert (repo / ".base" / "a.txt").read_text() == "one\n"
+    assert (repo / ".base" / "BASE_REV").read_text().strip() == first
+    r = subprocess.run(["bash", str(repo / "bench" / "base_tree.sh"), "nosuchrev"], capture_output=True, text=True)
+    assert r.returncode == 2 and "nosuchrev is not a commit" in r.stderr
