@@ -9,7 +9,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rev="${1:?usage: bash bench/base_tree.sh REV}"
-full=$(git rev-parse --verify -q "$rev^{commit}") || { echo "base_tree: $rev is not a commit of this repository" >&2; exit 2; }
+full=$(git rev-parse --verify -q "$rev^{commit}") ||
+    { echo "base_tree: $rev is not a commit of this repository" >&2; exit 2; }
 rm -rf .base
 mkdir .base
 git archive "$full" | tar -x -C .base

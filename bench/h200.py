@@ -9,7 +9,8 @@ variant: BENCH_SF_VARIANTS, e.g. bf16,fp8,fp8head,fp8-rowwise) and SpecForge's (
 carried) in one process. fp8: the LM head's two GEMMs and the fused loss with the FP8 head copies against bf16, and
 the target's captured forward with FP8 weights against bf16 (ms, relative error of the features). loss: training's fused loss beside torch's and Liger's,
 with agreement checks. step_parts: the bf16 drafter step's memory-bound parts alone (AdamW fused, foreach and compiled,
-the clip's norm, the weight and gradient casts, the loss kernel) against the HBM copy bandwidth. profile: the train stage under torch.profiler (train.profile), reduced to where GPU time goes.
+the clip's norm, the weight and gradient casts, the loss kernel) against the HBM copy bandwidth.
+profile: the train stage under torch.profiler (train.profile), reduced to where GPU time goes.
 e2e: train runs (BENCH_E2E_RUNS: 1t1d, restart, 1t3d, x2-*, long = config/h200-long.yaml, 1t1d-eager = 1t1d with
      the target eager, train.compile_target false; 1t1d-fp8 = FP8 drafter layers, 1t1d-fp8head = + the FP8 LM head,
      1t1d-fp8all = + the FP8 target; long, 1t1d-eager and the fp8 runs only when named).
@@ -618,9 +619,9 @@ def step_parts(h=H, v=V, inter=12288, copy_gib=4, rows=4096, compiled=True):
         return torch.logsumexp(lg.float(), -1), lg.argmax(-1)
     out["loss_reduction"] = _hbm(functools.partial(torch.compile(reduction, fullgraph=True) if compiled else
                                                    reduction, logits), one)
-    for k, v in out.items():
-        if isinstance(v, dict) and "gb" in v:
-            v["floor_ms"] = round(v["gb"] / bw, 3)
+    for part in out.values():
+        if isinstance(part, dict) and "gb" in part:
+            part["floor_ms"] = round(part["gb"] / bw, 3)
     return out
 
 # flex kernel options tried by flex_tune: forward (BLOCK_M, BLOCK_N, num_warps, num_stages) and backward

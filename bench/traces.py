@@ -112,8 +112,9 @@ def reduce_trace(path, top=15, gap_ms=1.0, gaps_listed=15) -> dict:
             mine = [e for e in g if e["tid"] == tid]
             per_group, shared = defaultdict(float), defaultdict(float)
             for e in mine:
-                per_group[group(e["name"])] += e["dur"]
-                shared[group(e["name"])] += _covered(others, e["ts"], e["ts"] + e["dur"])
+                k = group(e["name"])
+                per_group[k] += e["dur"]
+                shared[k] += _covered(others, e["ts"], e["ts"] + e["dur"])
             order = sorted(per_group, key=lambda k: -per_group[k])
             streams[str(tid)] = {"busy_ms": round(sum(e - a for a, e in u) / 1e3, 2),
                                  "kernels": len(mine),
