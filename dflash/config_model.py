@@ -110,7 +110,15 @@ class BuiltinCorpusSection(Section):
 class CodeCompletionSection(Section):
     enabled: bool = Field(False, description="Add them as a source named `code`.")
     max_conversations: int = Field(2000, ge=1, description=(
-        "Conversations to make (at most 8 per file; fewer when the held-out files hold fewer)."))
+        "Conversations to make (at most per_file a file; fewer when the files hold fewer)."))
+    files: Literal["heldout", "all"] = Field("heldout", description=(
+        "Files the conversations come from: heldout, the files held out of the code target's pre-training only; "
+        "all, the pre-training files as well (more training data: a drafter learns the answers of the model it "
+        "serves). Either way data.holdout's evaluation prompts come from held-out files only, and no "
+        "conversation of a file that gives an evaluation prompt is trained on."))
+    per_file: int = Field(8, ge=1, description=(
+        "At most this many conversations of one file (a seeded choice among its functions): many files, not a "
+        "few long ones."))
 
 
 class SyntheticSection(Section):
@@ -187,9 +195,9 @@ class DataSection(Section):
     builtin_corpus: BuiltinCorpusSection = Field({}, validate_default=True, description=(
         "Conversations made offline from the Python standard library's docstrings and source."))
     code_completion: CodeCompletionSection = Field({}, validate_default=True, description=(
-        "\"Complete this Python function\" conversations made from the held-out files of the code corpus only "
-        "(`target.pretrain.corpus_mb` and `heldout_fraction`: files a `build: code` target never saw), named "
-        "`code-<root>/<path>:<function>:<line>`."))
+        "\"Complete this Python function\" conversations made from the files of the code corpus "
+        "(`target.pretrain.corpus_mb`; `heldout_fraction` splits off the files a `build: code` target never saw), "
+        "named `code-<root>/<path>:<function>:<line>`."))
     synthetic: SyntheticSection = Field({}, validate_default=True, description=(
         "Random-token samples of fixed length (throughput benchmarks only; no text, no regeneration)."))
     sources: tuple[SourceSection, ...] = Field((), strict=False, description=(
@@ -401,6 +409,12 @@ class EvaluateSection(Section):
     num_prompts: int = Field(16, ge=1, description="Held-out prompts decoded.")
     max_new_tokens: int = Field(64, ge=1, description="Tokens generated per prompt.")
     temperature: float = Field(0.0, ge=0, description="0 is greedy (and must be lossless).")
+    proposal: Literal["auto", "argmax", "sample", "both"] = Field("auto", description=(
+        "Draft policy at temperature > 0 (tau depends on it): argmax, argmax drafts verified against a one-hot "
+        "proposal (vLLM, SGLang, TensorRT-LLM); sample, drafts sampled from the drafter's softmax and verified by "
+        "speculative sampling (DeepSpec, the reference package); both (and auto): each, the top-level tau being "
+        "argmax's. Both are exact (the output follows the target's sampling). At temperature 0 the two are one "
+        "greedy rule: only argmax is decoded."))
     device: str = Field("auto", description="Device for evaluation.")
     prompt_files: tuple[str, ...] = Field((), strict=False, description=(
         "Extra JSONL prompt sets (`prompt` field), each reported separately."))

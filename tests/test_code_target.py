@@ -161,14 +161,33 @@ def test_code_target_loads_like_a_users_model_and_records_heldout_perplexity(bui
     assert c["tokens"]["heldout"] == encode(tok, [f.text for f in held]).size
 
 
+def test_a_second_build_is_the_same_target_bit_for_bit(built, tmp_path):
+    """What a build depends on besides the GPU's kernels is fixed (issue 39: quality figures compared across builds):
+    the corpus and its split, the BPE tokenizer, the initialisation, the windows of each step (a fixed step count, no
+    time cap): a second build on the CPU gives the same tokenizer, weights, losses and held-out perplexity."""
+    from safetensors.torch import load_file
+
+    from dflash.data.code_target import build_code_target
+    cfg, path, info = built
+    again = build_code_target(cfg.target.model_copy(update={"path": str(tmp_path / "code")}), tmp_path / "code",
+                              progress=False, threads=1)
+    assert (tmp_path / "code" / "tokenizer.json").read_bytes() == (path / "tokenizer.json").read_bytes()
+    a, b = load_file(str(path / "model.safetensors")), load_file(str(tmp_path / "code" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert again["heldout"] == info["heldout"] and again["pretrain"]["loss_curve"] == info["pretrain"]["loss_curve"]
+    assert again["corpus"]["hash"] == info["corpus"]["hash"]
+
+
 def test_code_source_uses_heldout_files_only_and_is_deterministic(built):
     cfg = built[0]
     pre = cfg.target.pretrain
-    convs = code_corpus.heldout_conversations(pre, 30)
+    cc = cfg.data.code_completion.model_copy(update={"max_conversations": 30})
+    assert (cc.files, cc.per_file) == ("heldout", code_corpus.MAX_PER_FILE)
+    convs = code_corpus.completion_source(pre, cc)
     files, _ = code_corpus.read_files(code_corpus.cap_bytes(pre))
     train, held = code_corpus.split(files, pre.heldout_fraction)
-    assert 0 < len(convs) <= 30 and convs == code_corpus.heldout_conversations(pre, 30)
-    assert {c["file"] for c in convs} <= {f.name for f in held}
+    assert 0 < len(convs) <= 30 and convs == code_corpus.completion_source(pre, cc)
+    assert {c["file"] for c in convs} <= {f.name for f in held} and all(c["heldout"] for c in convs)
     assert not {c["file"] for c in convs} & {f.name for f in train}
     for c in convs:
         assert c["id"].startswith(f"code-{c['file']}:")

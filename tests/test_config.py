@@ -205,11 +205,11 @@ def test_hashes_of_todays_configs_unchanged(repo):
     The typed models reproduced the schema-built config's hashes of commit 311df5a exactly (checked when they came in);
     a key added since with a default changes every hash by design (the resolved config holds it), so the pins are
     updated in the commit that adds one (data.regenerate.cpu_batch_size, train.eval_*, train.precision and fp8_*,
-    data.regenerate.attention and compile_prefill)."""
-    pins = {"config.yaml": ("cda2910afa0bd676", "b1e3b801b67b52f4"),
-            "h200.yaml": ("f4b7cd4994c8ab8b", "f65f910303ebe8d8"),
-            "8gpu.yaml": ("46b358f2580b8d15", "5890a7d5dbfbbfd7"),
-            "quality.yaml": ("bb017e469c280693", "52a64fdbeffe4ead")}
+    data.regenerate.attention and compile_prefill, data.code_completion.files and per_file)."""
+    pins = {"config.yaml": ("57615738a59c5cb9", "4ec7f1367bdc3cdd"),
+            "h200.yaml": ("1154150e3830c898", "74dfc0280705375a"),
+            "8gpu.yaml": ("84300da3f2d6142f", "2cff11eb87f1627c"),
+            "quality.yaml": ("7e5cd8e48babafa9", "4c34c2cbd19fedee")}
     for name, (h, rh) in pins.items():
         loaded = C.load(repo / "config" / name)
         assert (loaded.hash, loaded.result_hash) == (h, rh), name
@@ -217,7 +217,7 @@ def test_hashes_of_todays_configs_unchanged(repo):
                           "data": {"sources": [{"name": "x", "path": "a.jsonl", "weight": 2}],
                                    "regenerate": {"timeout_s": 30}},
                           "report": {"min_utilisation": 50}, "drafter": {"target_layer_ids": [0, 2]}})
-    assert (inline.hash, inline.result_hash) == ("eb74ef455af8c398", "11b6c7272522a27b")
+    assert (inline.hash, inline.result_hash) == ("d0eaf9d5f4f5e36d", "27bfc0190504f2b1")
     assert json.dumps(inline.raw["train"]["betas"]) == "[0.9, 1]" and inline.cfg.train.betas == (0.9, 1)
     assert type(inline.cfg.train.time_budget_s) is int and type(inline.cfg.train.stall_timeout_s) is int   # as written
     assert type(C.from_dict({"train": {"lr": 0.001}}).cfg.train.lr) is float

@@ -5,7 +5,7 @@ Public entry points used by other stages:
 - `dflash.data.tiny_target.build_target(target_cfg, out_dir, seed=0, corpus_size=1500)` -> build.json dict
 - `dflash.data.code_target.build_code_target(target_cfg, out_dir, seed=0)` -> build.json dict (`build: code`)
 - `dflash.data.code_corpus`: the code corpus, `is_heldout` (its file split) and "complete this function"
-  conversations; `heldout_conversations(target_cfg.pretrain, n)` is the `code` data source
+  conversations; `completion_source(target_cfg.pretrain, data_cfg.code_completion)` is the `code` data source
 - `dflash.data.pretrain.pretrain(model, tokens, ...)`, `mean_nll(...)`: the targets' pre-training loop and NLL
 - `dflash.data.expand.expand(loaded, out_dir, cache_dir=None)` -> manifest dict (writes shards, holdout.jsonl,
   manifest.json); the sharded form: `expand.expand_part(loaded, shard, nshards, part_dir)` then

@@ -9,12 +9,14 @@ byte-identical to an earlier one is skipped.
 
 Split: a file is held out when a hash of its path relative to its root falls under `heldout_fraction`
 (`is_heldout`, the one place that decides it), so the split of a file is the same on any machine that has it.
-The target pre-trains on the other files; the `code` data source makes conversations from held-out files only.
+The target pre-trains on the other files. The `code` data source (`completion_source`) makes conversations from the
+held-out files (`data.code_completion.files: heldout`) or from all files (`all`); each says whether its file is held
+out, and the data stage draws its evaluation prompts only from held-out files.
 
 Conversations: for a top-level function or method of 6-60 lines, the user asks to complete it given its
 decorators, signature and docstring (a function without a docstring: its signature and first statement), the
 assistant answers with the rest of the function; {"id": "code-<root>/<path>:<qualname>:<line>", "file",
-"messages"}. `conversations(files, ...)` visits files in a seeded hash order, at most `MAX_PER_FILE` per file;
+"messages"}. `conversations(files, ...)` visits files in a seeded hash order, at most `per_file` per file;
 with `processes` > 1 spawned workers parse the files (a script calling it so needs an `if __name__ == "__main__":`
 guard, as spawn re-imports the main module; `python -m dflash` is safe).
 """
@@ -33,13 +35,13 @@ import textwrap
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from dflash.config_model import PretrainSection
+from dflash.config_model import CodeCompletionSection, PretrainSection
 
 MAX_FILE_BYTES = 512 * 1024        # larger .py files are mostly generated tables, not code a person wrote
 SKIP_IN_STDLIB = ("site-packages", "dist-packages")
 MIN_LINES, MAX_LINES = 6, 60       # function sizes worth a prompt (decorators and signature included)
 MIN_REST_LINES = 3                 # lines left for the assistant after the prompt
-MAX_PER_FILE = 8                   # conversations per file: many files, not a few long ones
+MAX_PER_FILE = 8                   # conversations per file of the target's chat text (the data source: per_file)
 PARSE_CHUNK = 16                   # files per task of a parsing worker
 PROMPT = "Complete this Python function:\n```python\n{head}\n```"
 ANSWER = "```python\n{rest}\n```"
@@ -219,14 +221,14 @@ def _parsed(files: list[CodeFile], processes: int):
 
 
 def conversations(files: list[CodeFile], seed: int = 0, max_count: int | None = None,
-                  max_chars: int | None = None, processes: int = 1) -> list[dict]:
-    """Conversations of `files`: files in a seeded hash order, at most MAX_PER_FILE each (a seeded choice), until
+                  max_chars: int | None = None, processes: int = 1, per_file: int = MAX_PER_FILE) -> list[dict]:
+    """Conversations of `files`: files in a seeded hash order, at most `per_file` each (a seeded choice), until
     `max_count` conversations or `max_chars` characters of message text; deterministic for any `processes`."""
     out, chars = [], 0
     ordered = sorted(files, key=lambda f: _order(f.name, seed))
     for f, convs in zip(ordered, _parsed(ordered, processes)):
         random.Random(_order(f.name, seed)).shuffle(convs)
-        for c in convs[:MAX_PER_FILE]:
+        for c in convs[:per_file]:
             if (max_count is not None and len(out) >= max_count) or (max_chars is not None and chars >= max_chars):
                 return out
             out.append(c)
@@ -234,12 +236,16 @@ def conversations(files: list[CodeFile], seed: int = 0, max_count: int | None = 
     return out
 
 
-def heldout_conversations(pretrain_cfg: PretrainSection, max_count: int, seed: int = 0,
-                          processes: int = 1) -> list[dict]:
-    """The `code` data source: conversations from the held-out files of the corpus of `target.pretrain` only."""
+def completion_source(pretrain_cfg: PretrainSection, cc: CodeCompletionSection, seed: int = 0,
+                      processes: int = 1) -> list[dict]:
+    """The `code` data source: `conversations` of the corpus of `target.pretrain`, of its held-out files only
+    (`cc.files` heldout) or of every file (all), `cc.max_conversations` at most, `cc.per_file` a file; each with
+    "heldout": whether its file is held out of pre-training."""
     files, _ = read_files(cap_bytes(pretrain_cfg))
-    return conversations(split(files, pretrain_cfg.heldout_fraction)[1], seed=seed, max_count=max_count,
-                         processes=processes)
+    held = {f.name for f in split(files, pretrain_cfg.heldout_fraction)[1]}
+    convs = conversations(files if cc.files == "all" else [f for f in files if f.name in held], seed=seed,
+                          max_count=cc.max_conversations, processes=processes, per_file=cc.per_file)
+    return [{**c, "heldout": c["file"] in held} for c in convs]
 
 
 def cap_bytes(pretrain_cfg: PretrainSection) -> int:

@@ -62,9 +62,9 @@ def _source_specs(dcfg: DataSection) -> list[SourceSpec]:
 def _read_source(spec: SourceSpec, cfg: DflashConfig):
     if spec.kind == "builtin" and spec.name == "code":
         from dflash.data import code_corpus
-        convs = code_corpus.heldout_conversations(cfg.target.pretrain, cfg.data.code_completion.max_conversations,
-                                                  processes=_num_proc(cfg.data))
-        return (Row("code", i, c) for i, c in enumerate(convs))
+        convs = code_corpus.completion_source(cfg.target.pretrain, cfg.data.code_completion,
+                                              processes=_num_proc(cfg.data))
+        return (Row("code", i, c, file=c["file"], evaluable=c["heldout"]) for i, c in enumerate(convs))
     if spec.kind == "builtin":
         from dflash.data import corpus
         convs = corpus.conversations(cfg.data.builtin_corpus.max_conversations, seed=0)
@@ -177,7 +177,10 @@ def expand_part(loaded: Loaded, shard: int, nshards: int, part_dir, cache_dir=No
     only its conversations (`shard_of`). Streamed: the shard's conversations go to a spill file, regeneration works
     chunk by chunk, tokenising is a `datasets.map` over Arrow on disk (data.num_proc processes); what stays in memory
     is a 16-byte hash per conversation (deduplication) and the holdout. Read-level counts (rows, read rejects,
-    duplicates, holdout) are recorded by shard 0 only, so parts add up. Returns `read_part(part_dir)`."""
+    duplicates, holdout) are recorded by shard 0 only, so parts add up. The holdout (evaluation prompts) is the
+    data.holdout evaluable conversations of lowest seeded rank (the code source's: those of held-out files), the same
+    in every shard; no conversation of a file that gives one is trained on (reject `holdout_file`), so every shard
+    excludes the same files. Returns `read_part(part_dir)`."""
     import datasets
     from datasets import Dataset
     from transformers import AutoConfig
@@ -242,9 +245,11 @@ def expand_part(loaded: Loaded, shard: int, nshards: int, part_dir, cache_dir=No
 
 
 def _read_sources(cfg: DflashConfig, specs, shard, nshards, spill, weights):
-    """Read, normalise and deduplicate every source; this shard's conversations go to `spill`. Returns (holdout heap
-    of (-rank, hash, conversation): the data.holdout lowest seeded ranks of any shard, valid conversations, read
-    rejects, read stats)."""
+    """Read, normalise and deduplicate every source; this shard's conversations ({id, source, hash, file, messages})
+    go to `spill`. Returns (holdout heap of (-rank, hash, conversation): the data.holdout lowest seeded ranks among the
+    evaluable conversations (`Row.evaluable`) of every shard, the same in each; valid conversations; read rejects;
+    read stats: rows, valid, and for a source whose rows have files, valid conversations `from_pretrain_files` and
+    `from_heldout_files`)."""
     d = cfg.data
     hold: list = []
     seen: set[bytes] = set()
@@ -253,6 +258,7 @@ def _read_sources(cfg: DflashConfig, specs, shard, nshards, spill, weights):
     for spec in specs:
         weights[spec.name] = spec.weight
         st = read_stats[spec.name]
+        from_files = Counter()
         for row in _read_source(spec, cfg):
             st["rows"] += 1
             if row.reject:
@@ -270,12 +276,17 @@ def _read_sources(cfg: DflashConfig, specs, shard, nshards, spill, weights):
             seen.add(hb)
             st["valid"] += 1
             rid = row.value.get("id") if spec.kind == "builtin" else None
-            c = {"id": rid or f"{spec.name}-{row.index}", "source": spec.name, "hash": h, "messages": msgs}
-            if d.holdout:
+            c = {"id": rid or f"{spec.name}-{row.index}", "source": spec.name, "hash": h, "file": row.file,
+                 "messages": msgs}
+            if row.file is not None:
+                from_files[row.evaluable] += 1
+            if d.holdout and row.evaluable:
                 item = (_neg(rank(f"h{cfg.seed}", h)), h, c)
                 (heapq.heappush if len(hold) < d.holdout else heapq.heappushpop)(hold, item)
             if shard_of(h, nshards) == shard:
                 spill.add(c)
+        if from_files:
+            st.update(from_pretrain_files=from_files[False], from_heldout_files=from_files[True])
         if not st["rows"]:
             raise UserError(f"source '{spec.name}': {spec.path} has no rows")
         if not st["valid"]:
@@ -294,6 +305,18 @@ def _holdout_rows(hold, tokenizer, stats) -> list[dict]:
                         "reference_ids": tokenizer(c["messages"][a]["content"], add_special_tokens=False)["input_ids"]})
         stats[c["source"]]["holdout"] += 1
     return holdout
+
+
+def _training(spill, held: set, held_files: set, rejects):
+    """The spilled conversations to train on: not held out, and not of a file that gives an evaluation prompt (file-
+    level separation; counted as the reject `holdout_file`)."""
+    for c in spill:
+        if c["hash"] in held:
+            continue
+        if c["file"] in held_files:
+            rejects[c["source"]]["holdout_file"] += 1
+            continue
+        yield c
 
 
 def _regenerated(loaded: Loaded, convs, n, tokenizer, work, cache_dir, rejects, regen, progress, shard) -> _Spill:
@@ -359,21 +382,26 @@ def _expand_sources(loaded: Loaded, specs, shard, nshards, work, cache_dir, toke
     # 1. read + normalise + deduplicate; this shard's conversations go to a spill file
     spill = _Spill(work / "convs.jsonl")
     hold, valid, read_rejects, read_stats = _read_sources(cfg, specs, shard, nshards, spill, weights)
-    # 2. holdout: the conversations of lowest seeded rank (the same in every shard), written by shard 0
+    # 2. holdout: the evaluable conversations of lowest seeded rank (the same in every shard), written by shard 0;
+    # no conversation of their files is trained on
     if d.holdout >= valid:
         raise UserError(f"data.holdout ({d.holdout}) leaves no training conversations (only {valid} valid)")
+    if len(hold) < d.holdout:
+        raise UserError(f"data.holdout ({d.holdout}) exceeds the {len(hold)} conversations that may be evaluation "
+                        f"prompts (the code source's are those of held-out files): lower data.holdout")
     held = {h for _, h, _ in hold}
+    held_files = {c["file"] for _, _, c in hold} - {None}
     holdout = []
     if shard == 0:
         holdout = _holdout_rows(hold, tokenizer, stats)
         for name, st in read_stats.items():
-            stats[name]["rows"] = st["rows"]
+            stats[name].update((k, v) for k, v in st.items() if k != "valid")
             rejects[name].update(read_rejects[name])
     for spec in specs:
         stats[spec.name]
     del hold
     # 3. regeneration, 4. tokenise, mask, truncate, filter
-    train = _regenerated(loaded, (c for c in spill if c["hash"] not in held), spill.n, tokenizer, work, cache_dir,
+    train = _regenerated(loaded, _training(spill, held, held_files, rejects), spill.n, tokenizer, work, cache_dir,
                          rejects, regen, progress, shard)
     ds = _kept(_tokenised(cfg, train, work, tokenizer, min_sup), specs, stats, rejects, work)
     # 5. weights: a per-row rule (`rows.weighted`), so any split into shards gives the same rows

@@ -47,7 +47,7 @@ def _merge(parts: list[dict]):
     for p in parts:
         for n, st in p["stats"].items():
             for k, v in st.items():
-                stats[n][k] += v
+                stats[n][k] = stats[n].get(k, 0) + v
         for n, rj in p["rejects"].items():
             rejects[n].update(rj)
     regens = [p["regeneration"] for p in parts]
@@ -170,9 +170,8 @@ def finish(loaded: Loaded, parts: list[dict], out_dir) -> dict:
         "bucket_edges": sorted(int(e) for e in d.bucket_edges),
         "buckets": {str(e): n for e, n in sorted(w["buckets"].items())},
         "length_histogram": shards.length_histogram(w["lengths"], d.max_length),
-        "sources": {name: {"rows": st["rows"], "kept": st["kept"], "samples": st["samples"], "holdout": st["holdout"],
-                           "truncated": st["truncated"], "weight": parts[0]["weights"].get(name, 1.0),
-                           "rejected": dict(sorted(rejects[name].items()))}
+        "sources": {name: {**st, "weight": parts[0]["weights"].get(name, 1.0),    # st: rows, kept, samples, holdout,
+                           "rejected": dict(sorted(rejects[name].items()))}      # truncated (+ from_*_files)
                     for name, st in stats.items()},
         "holdout": len(holdout),
         "regeneration": regen,

@@ -89,7 +89,9 @@ REMEDY = {"empty_response": "the target regenerated empty answers: is it trained
                             "keeps the sources' answers)",
           "too_few_supervised": "lower data.min_supervised_blocks",
           "too_long": "raise data.max_length or set data.truncation: truncate",
-          "prompt_too_long": "raise data.max_length"}
+          "prompt_too_long": "raise data.max_length",
+          "holdout_file": "kept out of training: a sibling of an evaluation prompt from the same file (expected; "
+                          "data.holdout sets how many files give evaluation prompts)"}
 
 
 def reasons(counts: Counter) -> str:

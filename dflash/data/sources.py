@@ -1,8 +1,8 @@
 """Reading sources and normalising rows into conversations; malformed rows become counted rejects.
 
-A source yields `Row(source, index, value, reject)`; `normalise(row)` turns a row in ShareGPT (`conversations`:
-`from`/`value`) or OpenAI (`messages`: `role`/`content`) form into `[{"role", "content"}]` with roles
-system/user/assistant, or returns the reason it is rejected. Nothing raises for a bad row; a source that cannot
+A source yields `Row(source, index, value, reject, file, evaluable)`; `normalise(row)` turns a row in ShareGPT
+(`conversations`: `from`/`value`) or OpenAI (`messages`: `role`/`content`) form into `[{"role", "content"}]` with
+roles system/user/assistant, or returns the reason it is rejected. Nothing raises for a bad row; a source that cannot
 be read at all (missing file, unreadable format) raises UserError naming it.
 """
 from __future__ import annotations
@@ -28,6 +28,8 @@ class Row:
     index: int
     value: Any = None
     reject: str | None = None        # reason, when the row could not even be parsed
+    file: str | None = None          # the file it was made from (the code source): the unit the holdout keeps whole
+    evaluable: bool = True           # may become an evaluation prompt (False: made from the target's training files)
 
 
 @dataclasses.dataclass
