@@ -5,6 +5,7 @@ so a session can split it over several device calls while the machine stays warm
     python bench/quality.py --out OUT --parts pipeline [--until warmup]          # snakemake on config/quality.yaml
     python bench/quality.py --out OUT --parts train,eval --seconds 200 --parallel 6     # equal time (the levers)
     python bench/quality.py --out OUT --parts train,eval --steps 800 --parallel 6       # equal steps (FP8 vs bf16)
+    python bench/quality.py --out OUT --parts pipeline,train,eval,table --solo          # alone, at CONFIG's budget
     python bench/quality.py --out OUT --parts table [--steps 800]
     python bench/quality.py --out OUT --cpu --results-dir /tmp/q ...            # the same on a CPU, shrunk
 
@@ -19,7 +20,9 @@ next part still runs, the exit code then 1):
             f_bf16|| / ||f_bf16||, overall and per layer, into the state (and quality.json, quality.md). Skipped with
             the reason where train.fp8_target cannot run (no CUDA GPU of compute capability >= 8.9); the CPU dry run
             measures it with torch's CPU FP8 matmul (tests/test_fp8.py runs the same code there).
-  train     each recipe not yet trained: `python -m dflash train` on the pipeline's target and data with the recipe's
+  train     each recipe not yet trained (--solo: one at a time, alone on the GPU, at CONFIG's own train.time_budget_s
+            and in-training evaluations, run qs-<recipe>; a run cut at the call's end checkpoints (SIGTERM) and resumes
+            in the next call's train part, its budget counting the training seconds of every call): `python -m dflash train` on the pipeline's target and data with the recipe's
             keys, into results/runs/<run>. Equal time (default): `train.time_budget_s=--seconds` (the LR schedule
             follows elapsed time), run q-<recipe>; --parallel N trains N recipes at once on the one GPU: each gets the
             same wall time on the same shared GPU, so they are compared at equal (shared) GPU time; their Ktok/s are
@@ -27,12 +30,15 @@ next part still runs, the exit code then 1):
             schedule follows steps), `train.eval_every=0` for every recipe (tau while training under an FP8 target is
             refused), run q-s<N>-<recipe>; sharing the GPU changes how long a step takes, not what it learns. A run
             stopped at the budget checkpoints (SIGTERM) and resumes on the next call's train part.
-  eval      every run (the pipeline's and each recipe's) at every --temps temperature not yet evaluated: the evaluate
+  eval      every run (the pipeline's and each recipe's; --solo: the recipes at T=0 only) at every --temps temperature
+            not yet evaluated, except at T=0 a finished run whose last in-training evaluation is the evaluate stage's
+            measure (evaluate.num_prompts x max_new_tokens at its last step, replayed: dflash/evaluate/replay.py): the evaluate
             stage (batch-1 speculative decoding, latency-bound, so --parallel of them share the GPU well)
             -> <run>/acceptance-t<T>.json (the pipeline's own acceptance.json counts for its temperature).
   table     OUT/quality.json (every figure, the mode, the exact commands, the target's build record), OUT/quality.md
             (the recipe table with the seed spread; at equal steps, whether each FP8 recipe's tau is within it; the
             FP8 target's feature error), OUT/quality.png (tau per run; training acceptance estimate over time),
+            OUT/tau-gpu-seconds.png (each run's in-training tau against training GPU-seconds),
             OUT/runs.tar.gz (summaries, metrics, acceptance files, logs, build.json, the data manifest, the report).
 
 A recipe is a set of `--set` overrides over CONFIG. `baseline` is CONFIG itself; `baseline-seed1`, `baseline-seed2`
@@ -80,6 +86,9 @@ RECIPES: dict[str, dict] = {
     "baseline-seed2": {"seed": 2},
     "dpace": {"train.loss_weighting": "dpace"},
     "muon": {"train.optimizer": "muon"},
+    "dpace+muon": {"train.loss_weighting": "dpace", "train.optimizer": "muon"},
+    "muon-lr3e-4": {"train.optimizer": "muon", "train.muon_lr": 0.0003},     # the muon_lr sweep around its 1e-3
+    "muon-lr3e-3": {"train.optimizer": "muon", "train.muon_lr": 0.003},
     "swa2048": {"drafter.sliding_window": 2048},
     "kl": {"train.objective": "kl"},
     "ce+kl": {"train.objective": "ce+kl"},
@@ -92,6 +101,7 @@ RECIPES: dict[str, dict] = {
 }
 PARTS = ("pipeline", "fp8_features", "train", "eval", "table")
 DEFAULT_RECIPES = "baseline,baseline-seed1,dpace,muon,swa2048,kl"
+SOLO_RECIPES = "baseline,baseline-seed1,baseline-seed2,dpace,muon,dpace+muon"   # --solo's default (issue 39)
 PRECISION_RECIPES = "baseline,baseline-seed1,baseline-seed2,fp8,fp8head,fp8target"   # --steps' default
 FP8_FEATURES_S = 60   # fp8_features' worst wall time on the device: imports, CUDA start, the target, 2 captures
 FP8_KEYS = {"train.precision": "fp8", "train.fp8_lm_head": True, "train.fp8_target": True}   # a key on: an FP8 recipe
@@ -189,7 +199,8 @@ class Bench:
             write_config(args.config, {**cpu, "results_dir": args.results_dir}, self.config)
         from dflash.config import load
         self.cfg = load(self.config, {}).cfg
-        self.recipes = (args.recipes or (PRECISION_RECIPES if args.steps else DEFAULT_RECIPES)).split(",")
+        self.recipes = (args.recipes or (PRECISION_RECIPES if args.steps else SOLO_RECIPES if args.solo
+                                         else DEFAULT_RECIPES)).split(",")
         unknown = [r for r in self.recipes if r not in RECIPES]
         if unknown:
             raise SystemExit(f"--recipes: unknown {', '.join(unknown)}; known: {', '.join(RECIPES)}")
@@ -240,21 +251,25 @@ class Bench:
         print(f"{key}: exit {code} in {time.monotonic() - t0:.0f} s", flush=True)
 
     def run_name(self, name: str) -> str:
-        """A recipe's run: q-<recipe> at equal time, q-s<N>-<recipe> at N steps (a run of one mode never counts for
-        the other)."""
-        return f"q-s{self.args.steps}-{name}" if self.args.steps else f"q-{name}"
+        """A recipe's run: q-<recipe> at equal (shared) time, qs-<recipe> alone on the GPU (--solo), q-s<N>-<recipe>
+        at N steps (a run of one mode never counts for another)."""
+        return f"q-s{self.args.steps}-{name}" if self.args.steps else f"qs-{name}" if self.args.solo else f"q-{name}"
 
     def recipe_sets(self, name: str) -> dict:
         if self.args.steps:   # equal steps: the LR schedule follows steps; no tau while training, for every recipe
             return {**RECIPES[name], "run_name": self.run_name(name), "train.time_budget_s": 0,
                     "train.steps": self.args.steps, "train.eval_every": 0}
+        if self.args.solo:   # the config's own time budget and in-training evaluations
+            return {**RECIPES[name], "run_name": self.run_name(name)}
         return {**RECIPES[name], "run_name": self.run_name(name), "train.time_budget_s": self.args.seconds}
 
     def trained(self, run: str) -> bool:
-        """At equal time: a summary.json (a recipe cut short is lost). At equal steps: a finished run; one stopped at
-        the budget checkpointed on SIGTERM and resumes from there on the next call."""
+        """Shared equal time: a summary.json (a recipe cut short is lost). Solo and equal steps: a finished run; one
+        stopped at the budget checkpointed on SIGTERM and resumes from there on the next call (solo: its time budget
+        counts the training seconds of every call)."""
         f = self.run_dir(run) / "summary.json"
-        return f.exists() and (not self.args.steps or json.loads(f.read_text()).get("finished") is True)
+        resumable = self.args.steps or self.args.solo
+        return f.exists() and (not resumable or json.loads(f.read_text()).get("finished") is True)
 
     def pool(self, jobs: list[tuple[str, list[str], Path]], cap: float) -> None:
         """Run (key, cmd, log) jobs, --parallel at a time, each at most `cap` s and within the budget."""
@@ -299,7 +314,7 @@ class Bench:
                        *self.sets(self.recipe_sets(name)), "--data", str(data), "--run-dir", str(self.run_dir(run)),
                        "--no-progress"]
                 jobs.append((f"train {run}", cmd, self.logs / f"train-{run}.log"))
-        if self.args.steps:   # each to its N steps, or checkpointed at the budget's end
+        if self.args.steps or self.args.solo:   # each to its end, or checkpointed at the budget's end and resumed
             self.pool(jobs, cap=self.budget.left())
             return
         if jobs and self.budget.left() < self.args.seconds + 150:   # a recipe cut short is lost: start none
@@ -318,14 +333,30 @@ class Bench:
         jobs = []
         for temp in (float(t) for t in self.args.temps.split(",")):   # every run at the first temperature first
             for label, run in self.runs():
+                if temp > 0 and self.args.solo and label != "pipeline":   # solo: the recipes' T=0 tau is the verdict
+                    continue
                 rd = self.run_dir(run)
                 out = rd / f"acceptance-t{temp:g}.json"
-                if self.trained(run) and not out.exists() and not pipeline_eval(rd, temp):
+                if self.trained(run) and not out.exists() and not pipeline_eval(rd, temp) \
+                        and not (temp == 0 and self.final_eval(rd)):
                     sets = {**RECIPES.get(label, {}), "run_name": run, "evaluate.temperature": temp}
                     cmd = [sys.executable, "-m", "dflash", "evaluate", "--config", self.config, *self.sets(sets),
                            "--run-dir", str(rd), "--out", str(out), "--no-progress"]
                     jobs.append((f"evaluate {run} T={temp:g}", cmd, self.logs / f"eval-{run}-t{temp:g}.log"))
         self.pool(jobs, cap=420)
+
+    def final_eval(self, run_dir: Path) -> dict | None:
+        """The run's last in-training evaluation (summary.json `eval`) when it is the evaluate stage's measure at
+        temperature 0: made at the last step, on evaluate.num_prompts prompts x evaluate.max_new_tokens tokens (the
+        replay, equal step for step to greedy speculative decoding); else None."""
+        f = run_dir / "summary.json"
+        if not f.exists():
+            return None
+        s = json.loads(f.read_text())
+        ev, e = s.get("eval") or {}, self.cfg.evaluate
+        same = (ev.get("tau") is not None and ev.get("step") == s.get("steps") and s.get("finished") is True
+                and ev.get("prompts") == e.num_prompts and ev.get("max_new_tokens") == e.max_new_tokens)
+        return ev if same else None
 
     def fp8_features(self):
         """train.fp8_target's features against bf16 on the pipeline's target (state: fp8_features); once measured,
@@ -420,7 +451,15 @@ class Bench:
             row[f"tau_{key}"] = a.get("tau")
             row[f"lossless_{key}"] = a.get("lossless")
             row[f"speedup_{key}"] = a.get("speedup")
-        row["curve"] = [{k: m.get(k) for k in ("step", "elapsed_s", "loss", "ce", "kl", "acceptance_estimate")}
+            row[f"tau_{key}_by"] = "evaluate"
+            for policy, fig in (a.get("by_proposal") or {}).items():   # at T > 0: argmax and sampled drafts, named
+                row[f"tau_{key}_{policy}"] = fig.get("tau")
+            row[f"proposal_{key}"] = a.get("proposal") or ("sample" if key != "t0" else None)   # older: sampled
+        final = self.final_eval(rd)
+        if "t0" not in files and final:   # the last in-training evaluation, the evaluate stage's measure (replayed)
+            row["tau_t0"], row["tau_t0_by"] = final["tau"], f"in-training {final.get('method') or 'decode'}"
+        row["curve"] = [{k: m.get(k) for k in ("step", "elapsed_s", "train_s", "gpu_s", "loss", "ce", "kl",
+                                               "acceptance_estimate", "tau", "tau_step", "tau_train_s", "tau_gpu_s")}
                         for m in map(json.loads, (rd / "metrics.jsonl").read_text().splitlines())
                         ] if (rd / "metrics.jsonl").exists() else []
         return row
@@ -441,7 +480,7 @@ class Bench:
         env = next((json.loads((self.run_dir(r["run"]) / "summary.json").read_text()).get("env") or {} for r in rows), {})
         trained = [r for r in rows if r["recipe"] != "pipeline"]
         doc = {"date": datetime.now(timezone.utc).isoformat(), "config": self.args.config,
-               "mode": "steps" if self.args.steps else "time", "steps": self.args.steps,
+               "mode": "steps" if self.args.steps else "solo" if self.args.solo else "time", "steps": self.args.steps,
                "seconds": trained[0].get("time_budget_s") if trained else None,
                "parallel": max((r.get("parallel") or 1 for r in trained), default=None),
                "device": ", ".join((env.get("gpu") or {}).get("models") or ["cpu"]),
@@ -455,6 +494,7 @@ class Bench:
         (self.out / "quality.json").write_text(json.dumps(doc, indent=1) + "\n")
         (self.out / "quality.md").write_text(markdown(doc))
         plot(rows, self.out / "quality.png", by_step=bool(self.args.steps))
+        tau_curves(rows, self.out / "tau-gpu-seconds.png")
         self.archive()
         print((self.out / "quality.md").read_text(), flush=True)
 
@@ -498,15 +538,17 @@ def pipeline_eval(run_dir: Path, temp: float) -> bool:
 
 def markdown(doc: dict) -> str:
     steps = doc.get("mode") == "steps"
-    head = ("| recipe | overrides | steps | train s | Ktok/s | final loss | tau T=0 | tau T=1 | lossless | "
+    head = ("| recipe | overrides | steps | train s | Ktok/s | final loss | tau T=0 | by | tau T=1 | lossless | "
             + ("tau - bf16 mean | within bf16 seed spread |" if steps else "tau - baseline mean | beats seed spread |")
-            + "\n|---|---|---:|---:|---:|---:|---:|---:|---|---:|---|\n")
+            + "\n|---|---|---:|---:|---:|---:|---:|---|---:|---|---:|---|\n")
     lines = []
     for r in doc["rows"]:
-        lines.append("| {recipe} | `{ov}` | {steps} | {ts} | {k} | {loss} | {t0} | {t1} | {ll} | {d} | {b} |".format(
+        lines.append("| {recipe} | `{ov}` | {steps} | {ts} | {k} | {loss} | {t0} | {by} | {t1} | {ll} | {d} | {b} |"
+                     .format(
             recipe=r["recipe"], ov=json.dumps(r["overrides"]), steps=r.get("steps"), ts=_f(r.get("train_seconds"), 1),
             k=_f(r.get("ktok_per_s"), 1), loss=_f(r.get("loss"), 3), t0=_f(r.get("tau_t0"), 3),
-            t1=_f(r.get("tau_t1"), 3), ll=r.get("lossless_t0"), d=_f(r.get("tau_t0_vs_baseline"), 3),
+            by=r.get("tau_t0_by") or "",
+            t1=t1_cell(r), ll=r.get("lossless_t0"), d=_f(r.get("tau_t0_vs_baseline"), 3),
             b=r.get("within_spread", "") if steps else r.get("beats_spread", "")))
     if steps:
         intro = (f"Each recipe trained exactly {doc['steps']} optimizer steps (train.steps, train.time_budget_s 0: the "
@@ -516,6 +558,15 @@ def markdown(doc: dict) -> str:
                  f"({', '.join(doc['bf16_seeds'])}): tau (T=0) mean {_f(doc['baseline_tau_t0_mean'], 3)}, seed spread "
                  f"(max - min) {_f(doc['baseline_seed_spread_t0'], 3)}; an FP8 recipe keeps acceptance when "
                  f"|tau - bf16 mean| <= that spread.")
+    elif doc.get("mode") == "solo":
+        intro = (f"Each recipe trained alone on the GPU, one after another, for `{doc['config']}`'s training budget "
+                 f"({doc['seconds']} s of training, train.time_budget_s: the LR schedule follows it; a run cut by a "
+                 f"call's end resumed from its checkpoint in the next), on that config's target and data; `pipeline` is "
+                 f"the snakemake run of the config. tau (T=0) on the held-out prompts: the evaluate stage's, or the "
+                 f"run's last in-training evaluation where it is the same measure (column `by`). Baseline tau mean "
+                 f"{_f(doc['baseline_tau_t0_mean'], 3)} over {len(doc['bf16_seeds'])} seeds, seed spread (max - min) "
+                 f"{_f(doc['baseline_seed_spread_t0'], 3)}; a lever beats it when |tau - mean| > spread. "
+                 f"tau against training GPU-seconds: tau-gpu-seconds.png.")
     else:
         intro = (f"Each recipe trained for {doc['seconds']} s of wall time (train.time_budget_s), {doc['parallel']} at once "
                  f"on the one GPU (each about 1/{doc['parallel']} of it: equal shared GPU time, Ktok/s a share), on "
@@ -528,6 +579,15 @@ def markdown(doc: dict) -> str:
             f"tree {doc['git']}\n\n{intro}\n\n" + head + "\n".join(lines) + "\n"
             + ("\nRuns that did not complete (no tau: they are out of the comparison):\n" + "\n".join(failed) + "\n"
                if failed else "") + features_md(doc.get("fp8_features")))
+
+
+def t1_cell(row: dict) -> str:
+    """tau at T=1 with its draft policy: argmax drafts (vLLM, SGLang, TensorRT-LLM) and sampled ones (DeepSpec, the
+    reference package) where both were measured, else the one there is, named."""
+    both = [f"{p} {row[f'tau_t1_{p}']:.3f}" for p in ("argmax", "sample") if row.get(f"tau_t1_{p}") is not None]
+    if both:
+        return " / ".join(both)
+    return f"{row['tau_t1']:.3f} ({row.get('proposal_t1') or 'sample'})" if row.get("tau_t1") is not None else ""
 
 
 def features_md(f: dict | None) -> str:
@@ -581,6 +641,31 @@ def plot(rows: list[dict], path: Path, by_step: bool = False):
     plt.close(fig)
 
 
+def tau_curves(rows: list[dict], path: Path):
+    """tau of each run's in-training evaluations (metrics.jsonl `tau`) against the training GPU-seconds it had taken
+    (`tau_gpu_s`; CPU seconds on a CPU run): what more training time would buy each recipe."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in rows:
+        pts = sorted((c.get("tau_gpu_s") if c.get("tau_gpu_s") is not None else c.get("tau_train_s"), c["tau"])
+                     for c in r["curve"] if c.get("tau") is not None
+                     and (c.get("tau_gpu_s") is not None or c.get("tau_train_s") is not None))
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=f"{r['recipe']} ({pts[-1][1]:.2f})")
+    if not ax.lines:
+        ax.text(0.5, 0.5, "no in-training tau (train.eval_every: 0)", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("training GPU-seconds (evaluations left out)")
+    ax.set_ylabel("tau, held-out prompts (T=0)")
+    ax.grid(alpha=0.3)
+    if ax.lines:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def curve_points(curve: list[dict], by_step: bool) -> list[tuple[float, float]]:
     """(x, acceptance estimate) of a run's metrics rows, x the step, or the seconds of training summed over resumes:
     in records made before elapsed_s counted over resumes (dflash/train/metrics.py), a resumed run's elapsed_s starts
@@ -619,6 +704,9 @@ def main(argv=None) -> int:
                    help="equal steps instead: every recipe trains exactly N optimizer steps (no time budget)")
     p.add_argument("--temps", default="0,1", help="evaluation temperatures")
     p.add_argument("--until", default=None, help="pipeline: stop after this rule (snakemake --until), e.g. warmup")
+    p.add_argument("--solo", action="store_true",
+                   help="each recipe alone on the GPU, one after another, at CONFIG's own time budget; resumable "
+                        f"across calls (default recipes: {SOLO_RECIPES})")
     p.add_argument("--parallel", type=int, default=1,
                    help="recipes trained (and runs evaluated) at once on the one GPU, each for the same wall time")
     p.add_argument("--budget", type=float, default=560.0, help="seconds for this call, all parts together")
@@ -630,6 +718,8 @@ def main(argv=None) -> int:
         p.error(f"--parts: unknown {', '.join(sorted(set(parts) - set(PARTS)))}; known: {', '.join(PARTS)}")
     if args.steps is not None and args.steps < 1:
         p.error(f"--steps {args.steps}: give a number of optimizer steps >= 1")
+    if args.solo and (args.steps or args.parallel != 1):
+        p.error("--solo trains one recipe at a time at the config's time budget: no --steps, no --parallel")
     bench = Bench(args)
     code = 0
     for part in parts:

@@ -13,7 +13,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.used,utilization.gpu --format=
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
 python3 bench/quality.py --out bench/out/q "$@"
 rc=$?
-for f in quality-state.json quality.json quality.md quality.png runs.tar.gz; do
+for f in quality-state.json quality.json quality.md quality.png tau-gpu-seconds.png runs.tar.gz; do
     [ -f "bench/out/q/$f" ] && cp "bench/out/q/$f" "$OUT/"
 done
 tar czf "$OUT/logs.tgz" bench/out/q/logs results/logs results/benchmarks \

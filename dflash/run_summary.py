@@ -76,6 +76,15 @@ class Compile(BaseModel):
         "`graphs`, `cache_hits`, `cache_misses`, `seconds`, `compiled`), as results/compile/<device>.json's."))
 
 
+class EvalPoint(BaseModel):
+    model_config = WRITTEN
+
+    step: int = Field(description="The optimizer step after which it was measured.")
+    train_s: float | None = Field(description="Seconds of training by then (summed over resumes; pauses left out).")
+    gpu_s: float | None = Field(description="train_s x the run's GPUs (null on the CPU).")
+    tau: float | None = Field(description="tau on the held-out prompts.")
+
+
 class LiveEval(BaseModel):
     model_config = WRITTEN
 
@@ -93,6 +102,12 @@ class LiveEval(BaseModel):
     tau: float | None = Field(description="tau of the last evaluation.")
     step: int | None = Field(description="Its step.")
     tau_history: list[float | None] = Field(description="tau of every evaluation, in order (null: nothing decoded).")
+    method: str | None = Field(description=(
+        "How tau was measured: `replay` (greedy speculative decoding replayed on the target's greedy continuation, "
+        "dflash/evaluate/replay.py)."))
+    curve: list[EvalPoint] = Field(description=(
+        "tau against training seconds and GPU-seconds, one point per evaluation of this process (metrics.jsonl's "
+        "`tau`, `tau_step`, `tau_train_s` hold every process's)."))
 
 
 class CheckpointRef(BaseModel):

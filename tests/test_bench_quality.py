@@ -25,7 +25,7 @@ _spec.loader.exec_module(qb)
 def bench(tmp_path, **kw):
     args = dict(out=str(tmp_path / "out"), config="config/quality.yaml", parts="table", until=None,
                 recipes="baseline,baseline-seed1,dpace,muon", seconds=150.0, temps="0,1", parallel=4, budget=600.0,
-                results_dir=str(tmp_path / "results"), cpu=False, steps=None)
+                results_dir=str(tmp_path / "results"), cpu=False, steps=None, solo=False)
     return qb.Bench(types.SimpleNamespace(**{**args, **kw}))
 
 
@@ -87,10 +87,63 @@ def test_the_table_names_the_seed_spread_and_the_levers_beyond_it(tmp_path):
     assert "tau_t0_vs_baseline" not in rows["pipeline"]
     assert (doc["device"], doc["torch"], doc["seconds"], doc["parallel"]) == ("NVIDIA H200", "2.11.0+cu130", 150, 4)
     md = (b.out / "quality.md").read_text()
-    assert "| dpace | `{\"train.loss_weighting\": \"dpace\"}` | 400 | 150.0 | 7.0 | 3.000 | 2.340 | 1.100 | True |" in md
+    assert ("| dpace | `{\"train.loss_weighting\": \"dpace\"}` | 400 | 150.0 | 7.0 | 3.000 | 2.340 | evaluate | "
+            "1.100 (sample) | True |") in md                # an acceptance.json from before the policies: sampled
     assert "4 at once on the one GPU" in md and "seed spread 0.040" in md
     assert (b.out / "quality.png").stat().st_size > 0 and (b.out / "runs.tar.gz").stat().st_size > 0
     assert qb.pipeline_eval(res / "runs" / "quality", 0.0) and not qb.pipeline_eval(res / "runs" / "quality", 1.0)
+
+
+def test_solo_recipes_run_at_the_configs_budget_resume_and_take_their_final_in_training_tau(tmp_path):
+    """--solo: run qs-<recipe>, the config's own time budget (no override), resumable (an unfinished run is trained
+    again, from its checkpoint); the T=0 tau of a finished run is its last in-training evaluation when that is the
+    evaluate stage's measure (evaluate.num_prompts x max_new_tokens, at the last step), so no evaluate job is made
+    for it; the table says where each tau came from and plots tau against training GPU-seconds."""
+    b = bench(tmp_path, solo=True, parallel=1, recipes=None, temps="0,1")
+    assert b.recipes == qb.SOLO_RECIPES.split(",") and "dpace+muon" in b.recipes
+    assert b.recipe_sets("dpace+muon") == {"train.loss_weighting": "dpace", "train.optimizer": "muon",
+                                           "run_name": "qs-dpace+muon"}
+    res, ev = tmp_path / "results", b.cfg.evaluate
+
+    def solo_run(run, tau, prompts=ev.num_prompts, at_last=True, finished=True):
+        fake_run(res, run, {}, steps=2000, ktok=45.0, finished=finished, time_budget_s=120)
+        f = res / "runs" / run / "summary.json"
+        s = json.loads(f.read_text())
+        s["eval"] = {"tau": tau, "step": 2000 if at_last else 1000, "prompts": prompts, "method": "replay",
+                     "max_new_tokens": ev.max_new_tokens}
+        f.write_text(json.dumps(s))
+        (res / "runs" / run / "metrics.jsonl").write_text("".join(json.dumps(
+            {"step": k * 1000, "train_s": 60.0 * k, "gpu_s": 60.0 * k, "tau": tau * k / 2, "tau_step": k * 1000,
+             "tau_train_s": 60.0 * k, "tau_gpu_s": 60.0 * k, "acceptance_estimate": 1.0}) + "\n" for k in (1, 2)))
+    solo_run("qs-baseline", 3.40)
+    solo_run("qs-baseline-seed1", 3.50)
+    solo_run("qs-baseline-seed2", 3.45)
+    solo_run("qs-dpace", 4.10)
+    solo_run("qs-muon", 3.60, prompts=8)                 # an in-training tau of fewer prompts: not the stage's measure
+    solo_run("qs-dpace+muon", 4.30, finished=False)      # cut by a call's end: trained again, resumed
+    fake_run(res, "quality", {0.0: 3.4}, steps=2000, pipeline_temp=0.0)
+    (res / "runs" / "quality" / "acceptance-t1.json").write_text(json.dumps({   # both draft policies, named
+        "temperature": 1.0, "tau": 2.9, "proposal": "argmax", "by_proposal": {"argmax": {"tau": 2.9},
+                                                                               "sample": {"tau": 1.6}}}))
+    assert not b.trained("qs-dpace+muon") and b.trained("qs-dpace")
+    jobs = []
+    b.pool = lambda j, cap: jobs.extend(j)
+    b.eval()
+    assert sorted(k for k, _, _ in jobs) == ["evaluate qs-muon T=0"]   # recipes: T=0 only; the pipeline's T=1 is there
+    b.table()
+    doc = json.loads((b.out / "quality.json").read_text())
+    rows = {r["recipe"]: r for r in doc["rows"]}
+    assert doc["mode"] == "solo" and doc["bf16_seeds"] == ["baseline", "baseline-seed1", "baseline-seed2"]
+    assert abs(doc["baseline_seed_spread_t0"] - 0.10) < 1e-9 and abs(doc["baseline_tau_t0_mean"] - 3.45) < 1e-9
+    assert (rows["dpace"]["tau_t0"], rows["dpace"]["tau_t0_by"]) == (4.10, "in-training replay")
+    assert rows["dpace"]["beats_spread"] is True and rows["muon"].get("tau_t0") is None
+    assert rows["pipeline"]["tau_t0_by"] == "evaluate"
+    assert (rows["pipeline"]["tau_t1_argmax"], rows["pipeline"]["tau_t1_sample"]) == (2.9, 1.6)
+    assert [c["tau_gpu_s"] for c in rows["dpace"]["curve"]] == [60.0, 120.0]
+    md = (b.out / "quality.md").read_text()
+    assert "alone on the GPU" in md and "in-training replay" in md and "over 3 seeds" in md
+    assert "| argmax 2.900 / sample 1.600 |" in md
+    assert (b.out / "tau-gpu-seconds.png").stat().st_size > 0
 
 
 def test_equal_steps_trains_every_recipe_n_steps_into_its_own_run(tmp_path):
@@ -142,7 +195,7 @@ def test_the_equal_steps_table_says_whether_each_fp8_recipe_is_within_the_bf16_s
     assert "exactly 800 optimizer steps" in md and "seed spread (max - min) 0.060" in md
     assert "| tau - bf16 mean | within bf16 seed spread |" in md
     assert '| fp8head | `{"train.precision": "fp8", "train.fp8_lm_head": true}` | 800 | 150.0 | 7.0 | 3.000 | 1.700 |' \
-           '  | True | -0.130 | False |' in md
+           ' evaluate |  | True | -0.130 | False |' in md
     assert "| baseline-seed2 | `{\"seed\": 2}` | 800 |" in md and md.count("| True |\n") == 2   # fp8, fp8target
     assert "relative error **0.0312** (per layer 1: 0.0200, 9: 0.0410)" in md and "on `results/target/code`" in md
 

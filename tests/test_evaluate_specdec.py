@@ -134,7 +134,7 @@ def test_sampling_rule_preserves_target_distribution_exactly():
 
 
 def test_sampling_speculative_preserves_target_distribution():
-    """Temperature 1, a deliberately bad drafter: the law of the 2nd and 3rd generated tokens (both drafted and
+    """Temperature 1, sampled drafts, a deliberately bad drafter: the law of the 2nd and 3rd generated tokens (both drafted and
     verified in the first speculative step) matches the target's exact law (chi-square, fixed seed)."""
     V = 6
     target = tiny_target(vocab=V + 1, layers=2, hidden=16, init=0.5, seed=1)
@@ -153,7 +153,8 @@ def test_sampling_speculative_preserves_target_distribution():
     c2, c3 = torch.zeros(V + 1), torch.zeros(V + 1)
     rejected = 0
     for _ in range(N):
-        out = speculative_generate(target, bad, prompt, 3, temperature=1.0, mask_token_id=V, generator=gen)
+        out = speculative_generate(target, bad, prompt, 3, temperature=1.0, mask_token_id=V, generator=gen,
+                                   proposal="sample")
         c2[out.tokens[1]] += 1
         c3[out.tokens[2]] += 1
         rejected += out.accepted[0] < 2

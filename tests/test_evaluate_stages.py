@@ -78,6 +78,36 @@ def test_evaluate_writes_acceptance(run, tmp_path):
     assert sum(acc["acceptance_histogram"].values()) == acc["verify_steps"]
     assert len(acc["acceptance_per_position"]) == 3
     assert acc["speculative_tokens_per_s"] > 0 and acc["plain_tokens_per_s"] > 0
+    # temperature 0: one greedy rule for every engine, named argmax
+    assert acc["proposal"] == "argmax" and list(acc["by_proposal"]) == ["argmax"]
+    assert acc["by_proposal"]["argmax"]["tau"] == acc["tau"] and acc["engines"]["argmax"][0] == "vLLM"
+
+
+def test_evaluate_at_temperature_labels_each_policy(run):
+    """evaluate.temperature > 0 (proposal auto = both): every prompt decoded under argmax and sample drafts, each
+    tau labelled; the top-level tau is argmax's (what serving engines run); plain decoding once per prompt."""
+    cfg_file, run_dir, _ = run
+    raw = yaml.safe_load(cfg_file.read_text())
+    raw["evaluate"]["temperature"] = 0.8
+    cfg_file.write_text(yaml.safe_dump(raw))
+    assert main(["evaluate", "--config", str(cfg_file), "--no-progress"]) == 0
+    acc = json.loads((run_dir / "acceptance.json").read_text())
+    assert acc["temperature"] == 0.8 and acc["proposal"] == "argmax" and acc["lossless"] is True
+    assert list(acc["by_proposal"]) == ["argmax", "sample"]
+    assert acc["engines"] == {"argmax": ["vLLM", "SGLang", "TensorRT-LLM"],
+                              "sample": ["DeepSpec", "dflash 0.1.0 (reference package)"]}
+    for k, b in acc["by_proposal"].items():
+        assert 1.0 <= b["tau"] <= 4.0 and len(b["acceptance_per_position"]) == 3
+        assert sum(b["acceptance_histogram"].values()) == b["verify_steps"] and b["speedup"] > 0
+    assert acc["by_proposal"]["argmax"] == {k: acc[k] for k in acc["by_proposal"]["argmax"]}   # the top: argmax's
+    hold = acc["sets"]["holdout"]
+    assert hold["proposal"] == "argmax" and set(hold["by_proposal"]) == {"argmax", "sample"}
+    assert "plain" in hold and not any("plain" in b for b in hold["by_proposal"].values())
+    assert hold["plain"]["target_forwards"] == hold["plain"]["tokens"] <= 3 * 10   # 3 prompts decoded plainly once
+    assert hold["by_proposal"]["argmax"]["tau"] == hold["tau"]
+    assert main(["export", "--config", str(cfg_file)]) == 0
+    card = (run_dir / "drafter" / "README.md").read_text()
+    assert "with argmax drafts (vLLM, SGLang, TensorRT-LLM); " in card and "with sample drafts (DeepSpec" in card
 
 
 def test_export_then_evaluate_the_exported_folder(run, caplog):

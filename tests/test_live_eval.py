@@ -70,11 +70,18 @@ def test_final_tau_equals_the_evaluate_stage_and_training_is_unchanged(tmp_path)
     assert [(r["step"], r["tau_step"]) for r in got] == [(2, None), (4, 3), (6, 6), (7, 7)]
     assert all(r["tau"] is None and r["eval_s"] is None for r in got if r["tau_step"] is None)
     assert all(1.0 <= r["tau"] <= 4 and r["eval_s"] > 0 for r in got if r["tau_step"] is not None)   # block 4
+    # training seconds of every row and of each evaluation (the step it ran after), growing; no GPU-seconds on the CPU
+    train_s = [r["train_s"] for r in got]
+    assert train_s == sorted(train_s) and train_s[0] > 0 and all(r["gpu_s"] is None for r in got)
+    assert [r["tau_train_s"] for r in got[1:]] == sorted(r["tau_train_s"] for r in got[1:])
+    assert got[-1]["tau_train_s"] == got[-1]["train_s"] and all(r["tau_gpu_s"] is None for r in got)
     s = json.loads((run_dir(on) / "summary.json").read_text())
     ev = s["eval"]
     assert ev["every"] == 3 and ev["evals"] == 3 and ev["steps"] == [3, 6, 7] and ev["prompts"] == 3
     assert ev["max_new_tokens"] == 12 and ev["tau"] == got[-1]["tau"] and ev["tau_history"][-1] == ev["tau"]
     assert ev["seconds"] > 0 and 0 < ev["share"] < 1 and ev["eval_over_step"] > 0
+    assert ev["method"] == "replay" and [p["step"] for p in ev["curve"]] == [3, 6, 7]
+    assert [p["tau"] for p in ev["curve"]] == [r["tau"] for r in got[1:]] and ev["curve"][-1]["gpu_s"] is None
     assert s["compile"]["recompiles_after_warmup"] == 0 and s["replicas_identical"] is True
     assert json.loads((run_dir(off) / "summary.json").read_text())["eval"] is None
 
@@ -92,15 +99,22 @@ def test_final_tau_equals_the_evaluate_stage_and_training_is_unchanged(tmp_path)
     assert torch.equal(ra["torch"], rb["torch"])
     assert [r["loss"] for r in got] == [r["loss"] for r in rows(off)]
 
-    # the report's training plot draws tau next to the estimate from training accuracy
+    # the report's training plot draws tau next to the estimate from training accuracy, against training seconds
     from dflash.report.plots import _acceptance
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots()
     _acceptance(ax, got)
     est, tau = ax.get_lines()
-    assert list(tau.get_xdata()) == [3, 6, 7] and list(tau.get_ydata()) == [r["tau"] for r in got[1:]]
-    assert list(est.get_xdata()) == [2, 4, 6, 7]
+    assert list(tau.get_xdata()) == [r["tau_train_s"] for r in got[1:]]
+    assert list(tau.get_ydata()) == [r["tau"] for r in got[1:]]
+    assert list(est.get_xdata()) == train_s and ax.get_xlabel() == "training seconds (CPU)"
     assert list(est.get_ydata()) == [1 + r["acceptance_estimate"] for r in got]
+    fig.clf()
+    ax = fig.subplots()   # on a GPU the same rows carry GPU-seconds: the axis is theirs
+    _acceptance(ax, [{**r, "gpu_s": 2 * r["train_s"], "tau_gpu_s": r["tau_train_s"] and 2 * r["tau_train_s"]}
+                     for r in got])
+    assert list(ax.get_lines()[1].get_xdata()) == [2 * r["tau_train_s"] for r in got[1:]]
+    assert ax.get_xlabel().startswith("training GPU-seconds")
     plt.close(fig)
 
 
@@ -160,8 +174,10 @@ def test_decoding_with_a_compiled_target_after_warm_up_compiles_nothing(tmp_path
     compile_guard.forbid_recompiles()
     try:
         before = compile_guard.counters()["graphs"]
-        record = LiveEval(SimpleNamespace(cfg=loaded.cfg, data_dir=tmp_path), model).evaluate(drafter, 1)
+        ctx = SimpleNamespace(cfg=loaded.cfg, data_dir=tmp_path, placement=SimpleNamespace(gpu_count=0))
+        record = LiveEval(ctx, model).evaluate(drafter, 1, 0.5)
         assert record["prompts"] == 3 and record["tau"] >= 1.0 and 0 < record["tokens"] <= 3 * 12
+        assert record["train_s"] == 0.5 and record["gpu_s"] is None and record["method"] == "replay"
         assert cap.guarded(ids).shape == (1, 16, 2 * 32)          # the warmed shape: still served compiled
         assert compile_guard.counters()["graphs"] == before       # nothing compiled after the warm-up
         with pytest.raises(Exception, match="(?i)recompil"):     # the control: the same decode outside eager()

@@ -94,7 +94,46 @@ def test_only_the_temperature_0_figure_is_tracked(tmp_path, caplog):
     s = summary(1, 12.0)
     recs = evaluate(tmp_path, [(s, acceptance(s, 1.4, temperature=1.0))])
     assert recs[0]["tau"] is None and recs[0]["quality"]["verdict"] == "not measured"
-    assert "evaluated at temperature 1.0" in caplog.text
+    assert "evaluated at temperature 1.0 (T=1: sample 1.400)" in caplog.text   # before by_proposal: sampled drafts
+
+
+def test_a_tau_at_temperature_above_0_is_shown_with_its_draft_policy(tmp_path, monkeypatch):
+    """Issue 39, item 4: a tau at T > 0 depends on the draft policy (argmax: vLLM, SGLang, TensorRT-LLM; sample:
+    DeepSpec, the reference package). The history's tau stays the T=0 one; the T>0 ones are recorded, shown in
+    report.md and plotted in tau_history.png, each named by its policy; an evaluation made before `by_proposal`
+    sampled its drafts."""
+    import csv
+
+    from dflash.report import plots
+    runs, out = tmp_path / "runs", tmp_path / "report"
+    s1, s2, s3 = summary(1, 12.0), summary(2, 12.0), summary(3, 12.0)
+    hot = acceptance(s2, 2.96, temperature=0.7, proposal="argmax",
+                     by_proposal={"argmax": {"tau": 2.96}, "sample": {"tau": 1.16}})
+    for s, acc in ((s1, acceptance(s1, 1.866)), (s2, hot), (s3, acceptance(s3, 1.4, temperature=1.0))):
+        write_run(runs, s, metrics=False, evaluation=acc)
+    drawn, real = {}, plots._history
+
+    def spy(*args, **kw):          # what each history plot is given, by file name (its last positional argument)
+        drawn[args[-1].name] = (args, kw)
+        return real(*args, **kw)
+    monkeypatch.setattr(plots, "_history", spy)
+    result = build(runs, out, settings())
+    assert [r["tau"] for r in result.records] == [1.866, None, None]          # the history's tau: temperature 0
+    rows = list(csv.DictReader((out / "history.csv").open()))
+    assert [r["tau_by_proposal"] for r in rows] == ["", "T=0.7: argmax 2.960; sample 1.160", "T=1: sample 1.400"]
+    md = (out / "report.md").read_text()
+    assert f"| {s2['run_id']} | 2026-11-02 10:00 | 12.00 | (T=0.7: argmax 2.960; sample 1.160) |" in md
+    quality = md.split("## Quality (tau)")[1].split("## Anomalies")[0]
+    assert "argmax (argmax drafts verified against a one-hot proposal: vLLM, SGLang, TensorRT-LLM)" in quality
+    assert "sample (drafts sampled from the drafter: DeepSpec, the reference package)" in quality
+    assert f"- **{s2['run_id']}**: T=0.7: argmax 2.960; sample 1.160" in quality
+    assert f"- **{s3['run_id']}**: T=1: sample 1.400" in quality
+    args, kw = drawn["tau_history.png"]
+    assert args[1] == [1.866, None, None]                                   # the line: temperature 0 only
+    assert [(pts, label) for pts, _, _, label in kw["extra"]] == [
+        ([(1, 2.96)], "tau at T=0.7, argmax drafts (vLLM, SGLang, TensorRT-LLM)"),
+        ([(1, 1.16), (2, 1.4)], "tau at T=0.7, 1, sampled drafts (DeepSpec, reference)")]
+    assert (out / "tau_history.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def _gate_config(tmp_path, fail: bool):

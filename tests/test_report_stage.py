@@ -161,6 +161,30 @@ def test_outputs_exist_and_report_names_the_cause(tmp_path):
     assert {"run_id", "ktok_per_s", "tau", "mfu", "env_hash", "data_hash", "config_hash", "git_commit"} <= set(header)
 
 
+def test_report_gives_the_latest_runs_tau_against_training_gpu_seconds(tmp_path):
+    """metrics.jsonl rows with an in-training tau (train.eval_every): report.md lists tau against the training
+    GPU-seconds it took, and the training plot's right panel draws it on that axis."""
+    runs, out = tmp_path / "runs", tmp_path / "report"
+    d = write_run(runs, summary(1, 12.0), tau=3.4)
+    rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+    for i, r in enumerate(rows):
+        r.update(train_s=10.0 * (i + 1), gpu_s=10.0 * (i + 1))
+        if i in (3, 7, 11):
+            r.update(tau=1.5 + i / 10, tau_step=r["step"], tau_train_s=r["train_s"], tau_gpu_s=r["gpu_s"])
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    build(runs, out, settings())
+    md = (out / "report.md").read_text()
+    assert "tau while training, latest run `demo-20261101T100000Z`" in md
+    assert "1.80 at 40 GPU-s, 2.20 at 80 GPU-s, 2.60 at 120 GPU-s" in md
+    from dflash.report.plots import _acceptance, read_metrics
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots()
+    _acceptance(ax, read_metrics(d / "metrics.jsonl"))
+    assert list(ax.get_lines()[1].get_xdata()) == [40.0, 80.0, 120.0]
+    assert ax.get_xlabel() == "training GPU-seconds (evaluations left out)"
+    plt.close(fig)
+
+
 def test_missing_metrics_and_empty_history_do_not_fail(tmp_path):
     out = tmp_path / "report"
     result = build(tmp_path / "no-runs", out, settings())

@@ -1,5 +1,10 @@
 """Decode prompt sets speculatively and plainly; aggregate tau, its distribution, per-position acceptance,
-throughput and losslessness into the dict written as acceptance.json."""
+throughput and losslessness into the dict written as acceptance.json.
+
+At temperature > 0 tau depends on the draft policy (specdec's module doc): each policy asked for decodes every prompt
+and has its figures under `by_proposal[policy]`; the top-level figures are those of `proposal`, the first policy
+(argmax, what serving engines run, when it was decoded); `engines` names who runs each policy. Plain decoding is
+done once per prompt, for every policy's speedup."""
 from __future__ import annotations
 
 import logging
@@ -10,6 +15,17 @@ import torch
 from .specdec import Draft, Generation, speculative_generate, target_generate
 
 log = logging.getLogger("dflash.evaluate")
+
+ENGINES = {"argmax": ["vLLM", "SGLang", "TensorRT-LLM"], "sample": ["DeepSpec", "dflash 0.1.0 (reference package)"]}
+
+
+def policies(proposal: str, temperature: float) -> list[str]:
+    """The draft policies to decode with (evaluate.proposal), the top-level one first: at temperature 0 only argmax
+    (greedy acceptance is one rule for both); above it argmax and sample for `auto` and `both`, else the one named."""
+    if temperature <= 0:
+        return ["argmax"]
+    return {"auto": ["argmax", "sample"], "both": ["argmax", "sample"], "argmax": ["argmax"],
+            "sample": ["sample"]}[proposal]
 
 
 def summarize(spec: Sequence[Generation], plain: Sequence[Generation], block_size: int) -> dict:
@@ -55,19 +71,25 @@ def summarize(spec: Sequence[Generation], plain: Sequence[Generation], block_siz
 
 def evaluate_set(target, draft: Draft, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                  stop_ids: Sequence[int], temperature: float, mask_token_id: int, seed: int = 0,
-                 progress=None, name: str = "") -> dict:
-    """Decode every prompt speculatively and plainly at `temperature` (and, if it is above 0, greedily as well for
-    the losslessness check). `progress` is a callable advanced once per prompt (a tqdm update) or None."""
-    gen = torch.Generator(device=next(target.parameters()).device).manual_seed(seed)
-    spec, plain, mismatches = [], [], []
+                 proposals: Sequence[str] = ("argmax",), progress=None, name: str = "") -> dict:
+    """Decode every prompt speculatively under each of `proposals` (the top-level one first) and plainly once, at
+    `temperature` (and, if it is above 0, greedily as well for the losslessness check). Each policy and plain
+    decoding draw from their own generator seeded with `seed`, so a policy's figures do not depend on which others
+    ran. `progress` is a callable advanced once per prompt (a tqdm update) or None."""
+    device = next(target.parameters()).device
+    gens = {k: torch.Generator(device=device).manual_seed(seed) for k in (*proposals, "plain")}
+    spec: dict[str, list[Generation]] = {k: [] for k in proposals}
+    plain, mismatches = [], []
     for i, prompt in enumerate(prompts):
-        s = speculative_generate(target, draft, prompt, max_new_tokens, stop_ids, temperature, mask_token_id, gen)
-        p = target_generate(target, prompt, max_new_tokens, stop_ids, temperature, gen)
+        for k in proposals:
+            spec[k].append(speculative_generate(target, draft, prompt, max_new_tokens, stop_ids, temperature,
+                                                mask_token_id, gens[k], proposal=k))
+        p = target_generate(target, prompt, max_new_tokens, stop_ids, temperature, gens["plain"])
         if temperature > 0:
             sg = speculative_generate(target, draft, prompt, max_new_tokens, stop_ids, 0.0, mask_token_id)
             pg = target_generate(target, prompt, max_new_tokens, stop_ids, 0.0)
         else:
-            sg, pg = s, p
+            sg, pg = spec[proposals[0]][-1], p
         if sg.tokens != pg.tokens:
             first = next((j for j, (a, b) in enumerate(zip(sg.tokens, pg.tokens)) if a != b),
                          min(len(sg.tokens), len(pg.tokens)))
@@ -75,14 +97,13 @@ def evaluate_set(target, draft: Draft, prompts: Sequence[Sequence[int]], *, max_
                                "plain": pg.tokens[first:first + 8]})
             log.error("%s prompt %d: greedy speculative output differs from plain greedy decoding at token %d",
                       name, i, first)
-        spec.append(s)
         plain.append(p)
         if progress is not None:
             progress()
-    out = summarize(spec, plain, draft.block_size)
-    out["lossless"] = not mismatches
-    out["mismatches"] = mismatches
-    return out
+    by = {k: summarize(spec[k], plain, draft.block_size) for k in proposals}
+    own = {k: {f: v for f, v in s.items() if f not in ("prompts", "plain")} for k, s in by.items()}
+    return {"proposal": proposals[0], **by[proposals[0]], "by_proposal": own, "lossless": not mismatches,
+            "mismatches": mismatches}
 
 
 def warm_up(target, draft: Draft, prompt, stop_ids, mask_token_id: int) -> None:
@@ -92,17 +113,28 @@ def warm_up(target, draft: Draft, prompt, stop_ids, mask_token_id: int) -> None:
 
 
 def combine(sets: dict, block_size: int) -> dict:
-    """Overall figures pooled over prompt sets (weights: verification steps for tau, tokens/seconds for speed)."""
-    steps = sum(s["verify_steps"] for s in sets.values())
-    produced = sum((s["tau"] or 0) * s["verify_steps"] for s in sets.values())
-    hist = [sum(s["acceptance_histogram"][str(i + 1)] for s in sets.values()) for i in range(block_size)]
-    drafted = [sum(s["drafted_per_position"][k] for s in sets.values()) for k in range(block_size - 1)]
-    accepted = [sum((s["acceptance_per_position"][k] or 0) * s["drafted_per_position"][k] for s in sets.values())
+    """Overall figures pooled over prompt sets (evaluate_set's results), per policy under `by_proposal`, the
+    top-level ones those of the sets' `proposal`; `engines` names who runs each policy."""
+    first = next(iter(sets.values()))
+    plain = [s["plain"] for s in sets.values()]
+    by = {k: _pool([s["by_proposal"][k] for s in sets.values()], plain, block_size) for k in first["by_proposal"]}
+    return {"proposal": first["proposal"], **by[first["proposal"]], "by_proposal": by,
+            "engines": {k: ENGINES[k] for k in by}, "lossless": all(s["lossless"] for s in sets.values())}
+
+
+def _pool(sets: list[dict], plain: list[dict], block_size: int) -> dict:
+    """One policy's figures pooled over prompt sets (weights: verification steps for tau, tokens/seconds for
+    speed); `plain` the sets' plain decoding."""
+    steps = sum(s["verify_steps"] for s in sets)
+    produced = sum((s["tau"] or 0) * s["verify_steps"] for s in sets)
+    hist = [sum(s["acceptance_histogram"][str(i + 1)] for s in sets) for i in range(block_size)]
+    drafted = [sum(s["drafted_per_position"][k] for s in sets) for k in range(block_size - 1)]
+    accepted = [sum((s["acceptance_per_position"][k] or 0) * s["drafted_per_position"][k] for s in sets)
                 for k in range(block_size - 1)]
-    spec_t = sum(s["speculative"]["tokens"] for s in sets.values())
-    spec_s = sum(s["speculative"]["seconds"] for s in sets.values())
-    plain_t = sum(s["plain"]["tokens"] for s in sets.values())
-    plain_s = sum(s["plain"]["seconds"] for s in sets.values())
+    spec_t = sum(s["speculative"]["tokens"] for s in sets)
+    spec_s = sum(s["speculative"]["seconds"] for s in sets)
+    plain_t = sum(p["tokens"] for p in plain)
+    plain_s = sum(p["seconds"] for p in plain)
     spec_tps = spec_t / spec_s if spec_s > 0 else None
     plain_tps = plain_t / plain_s if plain_s > 0 else None
     return {
@@ -114,5 +146,4 @@ def combine(sets: dict, block_size: int) -> dict:
         "speculative_tokens_per_s": spec_tps,
         "plain_tokens_per_s": plain_tps,
         "speedup": spec_tps / plain_tps if spec_tps and plain_tps else None,
-        "lossless": all(s["lossless"] for s in sets.values()),
     }

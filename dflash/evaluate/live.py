@@ -1,19 +1,23 @@
-"""Acceptance measured while training (train.eval_every): tau by real speculative decoding, every N steps.
+"""Acceptance measured while training (train.eval_every): tau of greedy speculative decoding, every N steps.
 
-At step s with s % eval_every == 0, and at the run's last step, drafter replica 0 decodes the first
-`train.eval_prompts` held-out prompts (holdout.jsonl of the run's dataset) greedily with the target and a copy of its
-current weights, through the evaluate stage's own code (`specdec.speculative_generate`, `acceptance.summarize`),
-and hands {step, tau, seconds, ...} to the run's metrics (metrics.jsonl, the progress line, summary.json `eval`).
+At step s with s % eval_every == 0, and at the run's last step, drafter replica 0 measures tau on the first
+`train.eval_prompts` held-out prompts (holdout.jsonl of the run's dataset) with the target and a copy of its current
+weights, by replaying greedy speculative decoding (`replay.replay`: the target's greedy continuations in one batch,
+then one target and one drafter forward per prompt; equal step for step to `specdec.speculative_generate`, a few
+seconds instead of a minute of batch-1 decoding), aggregated by the evaluate stage's `acceptance.summarize`, and hands
+{step, tau, train_s, gpu_s, seconds, ...} to the run's metrics (metrics.jsonl, the progress line, summary.json `eval`):
+tau against the training seconds (and GPU-seconds: seconds x the run's GPUs) it took, what more training would buy.
 
-Exactly what the evaluate stage computes on a checkpoint of that step: the copy is the drafter the stage loads
-(built from the replica's state_dict, cast to the target's dtype, on the target's device, with the target's
-embedding and LM head, eager, in eval mode), the prompts and stop tokens are the stage's, temperature 0. With
-train.eval_prompts / eval_max_new_tokens left null (evaluate.num_prompts / max_new_tokens), the last evaluation's
-tau is the evaluate stage's tau on the final checkpoint (tests/test_live_eval.py holds them equal on the CPU).
+What the evaluate stage computes on a checkpoint of that step (temperature 0): the copy is the drafter the stage
+loads (built from the replica's state_dict, cast to the target's dtype, on the target's device, with the target's
+embedding and LM head, eager, in eval mode), the prompts and stop tokens are the stage's. With train.eval_prompts /
+eval_max_new_tokens left null (evaluate.num_prompts / max_new_tokens), the last evaluation's tau is the evaluate
+stage's tau on the final checkpoint (tests/test_live_eval.py holds them equal on the CPU, in float32; in bfloat16
+the batched greedy path may part from batch-1 decoding at a near-tied argmax).
 
 Side-effect free for training: nothing of the replica is touched (its weights are read, its train mode and compiled
-forwards are not used), the RNG of every device is forked, and the decode runs inside `compile_threads.eager()`, so
-the target's compiled layers (train.compile_target), whose decode shapes the warm-up never saw, run their original
+forwards are not used), the RNG of every device is forked, and the evaluation runs inside `compile_threads.eager()`,
+so the target's compiled layers (train.compile_target), whose shapes the warm-up never saw, run their original
 Python on this thread only instead of recompiling (training's recompile count stays 0; the target threads of the
 threads runtime go on making features with the compiled layers meanwhile). The other replicas wait at `sync.hold` (a barrier in the
 threads runtime; a key in the rendezvous store in the distributed one, so no collective is pending while they wait)
@@ -60,9 +64,11 @@ class LiveEval:
         from dflash.target import load_tokenizer, stop_token_ids
         self.num_prompts, self.max_new_tokens = settings(ctx.cfg)
         self.prompts = [r["prompt_ids"] for r in read_holdout(ctx.data_dir / HOLDOUT, self.num_prompts)]
-        self.stops = stop_token_ids(load_tokenizer(ctx.cfg.target), target)
+        self.tokenizer = load_tokenizer(ctx.cfg.target)
+        self.stops = stop_token_ids(self.tokenizer, target)
         self.seed = ctx.cfg.seed
-        log.info("tau measured every %d steps and at the last: %d held-out prompt(s) x %d tokens, greedy",
+        self.gpus = ctx.placement.gpu_count
+        log.info("tau measured every %d steps and at the last: %d held-out prompt(s) x %d tokens, greedy (replayed)",
                  self.every, len(self.prompts), self.max_new_tokens)
 
     def after_step(self, replica, step: int, final: bool) -> None:
@@ -72,7 +78,8 @@ class LiveEval:
         if replica.device.type == "cuda":   # the step's kernels still in flight are training's time, not the pause's
             torch.cuda.synchronize(replica.device)
         t0, c0 = time.perf_counter(), replica.clock()
-        record = replica.sync.hold(replica.rank, lambda: self.evaluate(replica.drafter, step), self.timeout_s)
+        record = replica.sync.hold(replica.rank, lambda: self.evaluate(replica.drafter, step, replica.elapsed),
+                                   self.timeout_s)
         t1 = time.perf_counter()
         # the one measure of the pause, taken off the training clock (time budget, LR schedule), Ktok/s (metrics)
         # and the GPU utilisation of the run's device rows
@@ -82,24 +89,27 @@ class LiveEval:
         if record is not None:
             replica.metrics.eval_done({**record, "pause_s": round(t1 - t0, 4)})
 
-    def evaluate(self, drafter, step: int) -> dict:
-        """tau of `drafter`'s current weights on the held-out prompts (see the module's docstring)."""
+    def evaluate(self, drafter, step: int, train_s: float) -> dict:
+        """tau of `drafter`'s current weights on the held-out prompts after `train_s` seconds of training (see the
+        module's docstring)."""
         from dflash.evaluate.acceptance import summarize
-        from dflash.evaluate.specdec import DFlashDraft, speculative_generate
+        from dflash.evaluate.replay import replay
         device = next(self.target.parameters()).device
         t0 = time.perf_counter()
         with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if device.type == "cuda" else []), \
                 compile_threads.eager():
             torch.manual_seed(self.seed)                  # as the evaluate stage, before it decodes
-            draft = DFlashDraft(eager_copy(drafter, self.target))
-            gens = [speculative_generate(self.target, draft, p, self.max_new_tokens, self.stops, 0.0,
-                                         draft.mask_token_id) for p in self.prompts]
-        s = summarize(gens, [], draft.block_size)
+            copy = eager_copy(drafter, self.target)
+            gens = replay(self.target, copy, self.tokenizer, self.prompts, self.max_new_tokens, self.stops)
+        s = summarize(gens, [], copy.cfg.block_size)
         seconds = time.perf_counter() - t0
-        log.info("step %d: tau %.3f on %d held-out prompt(s) (%d verification steps, %.2f s)", step, s["tau"] or 0,
-                 s["prompts"], s["verify_steps"], seconds)
-        return {"step": step, "tau": s["tau"], "seconds": round(seconds, 4), "prompts": s["prompts"],
-                "max_new_tokens": self.max_new_tokens, "tokens": s["tokens"], "verify_steps": s["verify_steps"]}
+        log.info("step %d (%.1f s of training): tau %.3f on %d held-out prompt(s) (%d verification steps, %.2f s)",
+                 step, train_s, s["tau"] or 0, s["prompts"], s["verify_steps"], seconds)
+        return {"step": step, "tau": s["tau"], "train_s": round(train_s, 3),
+                "gpu_s": round(train_s * self.gpus, 3) if self.gpus else None, "method": "replay",
+                "seconds": round(seconds, 4), "prompts": s["prompts"], "max_new_tokens": self.max_new_tokens,
+                "tokens": s["tokens"], "verify_steps": s["verify_steps"],
+                "acceptance_per_position": s["acceptance_per_position"]}
 
 
 def eager_copy(drafter, target):

@@ -2,15 +2,30 @@
 from __future__ import annotations
 
 from dflash.config_model import DflashConfig
+from dflash.evaluate.acceptance import ENGINES
 
 
 def _fmt(x, spec=".3f"):
     return "n/a" if x is None else format(x, spec)
 
 
+def _tau(acc: dict | None) -> str:
+    """The card's tau: at temperature 0 one figure (greedy, the same under every engine); above it one per draft
+    policy, each naming the engines that run it (an acceptance.json without `by_proposal` sampled its drafts)."""
+    if not acc:
+        return "n/a (not evaluated when exported: see acceptance.json)"
+    t = acc.get("temperature") or 0
+    setting = (f"{acc.get('num_prompts')} held-out prompts, {acc.get('max_new_tokens')} new tokens, "
+               f"lossless {acc.get('lossless')}")
+    if t == 0:
+        return f"{_fmt(acc.get('tau'))} (temperature 0, greedy: the same under every engine; {setting})"
+    by = acc.get("by_proposal") or {acc.get("proposal") or "sample": acc}
+    taus = "; ".join(f"{_fmt(b.get('tau'))} with {k} drafts ({', '.join(ENGINES.get(k, []))})" for k, b in by.items())
+    return f"{taus} (temperature {t:g}; {setting})"
+
+
 def model_card(cfg: DflashConfig, target_config, dcfg, checkpoint, summary, acceptance, manifest, config_json) -> str:
     tput = (summary or {}).get("throughput") or {}
-    tau = (acceptance or {}).get("tau")
     arch = (getattr(target_config, "architectures", None) or [getattr(target_config, "model_type", "?")])[0]
     lines = [
         f"# DFlash drafter `{cfg.run_name}`",
@@ -31,10 +46,7 @@ def model_card(cfg: DflashConfig, target_config, dcfg, checkpoint, summary, acce
         f"| config hash | {(summary or {}).get('config_hash', 'n/a')} |",
         f"| data manifest hash | {(manifest or {}).get('content_hash') or (summary or {}).get('data_hash', 'n/a')} |",
         f"| training throughput | {_fmt(tput.get('ktok_per_s'))} Ktok/s |",
-        f"| acceptance length tau | {_fmt(tau)}"
-        + (f" (greedy={acceptance.get('temperature') == 0}, {acceptance.get('num_prompts')} held-out prompts, "
-           f"{acceptance.get('max_new_tokens')} new tokens, lossless {acceptance.get('lossless')})"
-           if acceptance else " (not evaluated when exported: see acceptance.json)") + " |",
+        f"| acceptance length tau | {_tau(acceptance)} |",
         "",
         "## Files",
         "",

@@ -7,18 +7,29 @@ Semantics (those of the reference package `dflash` 0.1.0, `dflash_generate`, so 
       verify_size  vs = min(block_size, max_length - start)
       block        [token at start, MASK x (vs-1)] at positions start..start+vs-1
       draft        the drafter sees the context features of positions 0..start-1 (strictly before its anchor)
-                   and proposes vs-1 tokens (argmax, or sampled from its softmax at the same temperature)
-      verify       one target forward over the block (positions start..start+vs-1, using the KV cache)
-      accept       greedy: the longest prefix where draft token i equals the target's argmax at block position i-1,
-                   plus the target's own next token (bonus); sampling: draft token x is accepted with probability
-                   min(1, p(x)/q(x)) in order; at the first rejection the token is resampled from
-                   norm(max(0, p - q)); if all are accepted the bonus is sampled from p at the last position.
+                   and proposes vs-1 tokens x_1..x_{vs-1} (by the proposal policy below; argmax at temperature 0)
+      verify       one target forward over the block (positions start..start+vs-1, using the KV cache): p_i, the
+                   target's probabilities (at the same temperature) for the token after block position i
+      accept       greedy: the longest prefix where x_i equals the target's argmax at block position i-1, plus the
+                   target's own next token (bonus); temperature > 0: speculative sampling with proposal q_i, x_i
+                   accepted with probability min(1, p_{i-1}(x_i)/q_i(x_i)) in order; at the first rejection the
+                   token is resampled from norm(max(0, p_{i-1} - q_i)); if all are accepted the bonus is sampled
+                   from p at the last position.
       produced     accepted + 1, capped so that no more than max_new_tokens are generated and cut after a stop
                    token; `start += produced`; the target cache is cropped to `start`; the features of the produced
                    positions (start..start+produced-1, from the verify forward) become the drafter's new context.
   * the generation ends at max_new_tokens or right after a stop token (which is kept).
 
 tau (acceptance length) = tokens produced per verification step, counting the bonus token.
+
+Proposal policies at temperature > 0: both are exact (the output is distributed as the target's own sampling), yet
+the same drafter accepts very differently under them (z-lab/dflash PR #169: 2.96 tokens per step with argmax drafts,
+1.16 with sampled ones), so a tau at temperature > 0 names its policy:
+  * `argmax` (vLLM, SGLang, TensorRT-LLM): x_i = the drafter's argmax, q_i = onehot(x_i), so x_i is accepted with
+    probability p_{i-1}(x_i) and a rejected one is replaced from p_{i-1} with x_i removed, renormalised
+    (`accept_onehot`).
+  * `sample` (DeepSpec, the reference package): x_i sampled from the drafter's softmax at the temperature, q_i
+    that softmax (`accept_sampling`).
 
 The drafter interface (`Draft`) is a small protocol so that an oracle or a random drafter can be plugged in:
     block_size: int
@@ -169,12 +180,24 @@ def accept_sampling(draft_tokens: torch.Tensor, q: torch.Tensor, p: torch.Tensor
     return acc, int(_sample(dist, generator).item())
 
 
+def accept_onehot(draft_tokens: torch.Tensor, p: torch.Tensor, generator) -> tuple[int, int]:
+    """Speculative sampling of argmax drafts: accept_sampling with the one-hot proposal q_i = onehot(x_i). Token i is
+    accepted with probability p_i(x_i); at the first rejection the replacement is drawn from p_i with x_i removed,
+    renormalised (p_i if that is all zero); if all g are accepted the bonus is drawn from p_g. Exact, as p."""
+    q = torch.nn.functional.one_hot(draft_tokens, p.shape[-1]).to(p.dtype)
+    return accept_sampling(draft_tokens, q, p, generator)
+
+
 # ---- decoding loops ------------------------------------------------------------------------------------------
 @torch.inference_mode()
 def speculative_generate(target, draft: Draft, prompt_ids, max_new_tokens: int, stop_ids: Sequence[int] = (),
                          temperature: float = 0.0, mask_token_id: int = 0, generator: torch.Generator | None = None,
-                         block_size: int | None = None) -> Generation:
-    """Speculative decoding of one prompt with `draft` proposing and `target` verifying (see the module doc)."""
+                         block_size: int | None = None, proposal: str = "argmax") -> Generation:
+    """Speculative decoding of one prompt with `draft` proposing and `target` verifying (see the module doc);
+    `proposal` ("argmax" or "sample") is the draft policy at temperature > 0."""
+    if proposal not in ("argmax", "sample"):
+        raise ValueError(f"proposal must be 'argmax' or 'sample', got {proposal!r}")
+    sample = temperature > 0 and proposal == "sample"
     device = _device(target)
     prompt = _prompt_tensor(prompt_ids, device)
     n = prompt.shape[1]
@@ -202,7 +225,7 @@ def speculative_generate(target, draft: Draft, prompt_ids, max_new_tokens: int, 
         block = torch.full((1, vs), int(mask_token_id), dtype=torch.long, device=device)
         block[0, 0] = seq[start]
         dlogits = draft.propose(ctx_ids, ctx_feats, block, start)[0, : vs - 1]     # [vs-1, V]
-        if temperature > 0:
+        if sample:
             q = _probs(dlogits, temperature)
             dtoks = _sample(q, generator)
         else:
@@ -210,8 +233,10 @@ def speculative_generate(target, draft: Draft, prompt_ids, max_new_tokens: int, 
         block[0, 1:] = dtoks
         tlogits, tfeats = target_forward(target, block, start, cache, layer_ids)
         out.target_forwards += 1
-        if temperature > 0:
+        if sample:
             acc, bonus = accept_sampling(dtoks, q, _probs(tlogits[0], temperature), generator)
+        elif temperature > 0:
+            acc, bonus = accept_onehot(dtoks, _probs(tlogits[0], temperature), generator)
         else:
             acc, bonus = accept_greedy(dtoks, tlogits[0])
         new = dtoks[:acc].tolist() + [bonus]

@@ -6,7 +6,10 @@ well in a spreadsheet; `history/<run_id>.json` keeps the whole summary (env fing
 resolved config, git, devices, workers, compile counters) and the run's evaluation, because the run folder itself gets
 overwritten by the next run of the same name. A snapshot's summary is never rewritten; its evaluation follows the run's
 acceptance.json: a re-evaluation becomes `acceptance` and the one it replaces moves to `earlier_evaluations` (oldest
-first), so the report shows the figure on disk and the earlier one stays visible.
+first), so the report shows the figure on disk and the earlier one stays visible. The history's `tau` is the
+temperature-0 tau (quality is judged there); `tau_by_proposal` is that of an evaluation at temperature > 0, by draft
+policy (argmax: vLLM, SGLang, TensorRT-LLM; sample: DeepSpec, the reference package): `T=0.7: argmax 2.960; sample
+1.160`.
 
 The history is never rewritten smaller than what any of its sources holds: a run that history.csv holds but whose
 snapshot is gone (deleted, damaged) gets its snapshot back from its row (`{"run_id", "restored_from", "row"}`: the
@@ -36,8 +39,8 @@ log = logging.getLogger("dflash.report")
 COLUMNS = (
     "run_id", "run_name", "started_at", "finished_at", "status", "git_commit", "git_dirty",
     "config_hash", "env_hash", "data_hash", "eval_hash", "runtime", "steps", "measured_steps",
-    "ktok_per_s", "samples_per_s", "draft_positions_per_s", "mfu", "tau", "tau_earlier", "evaluated_at",
-    "acceptance_estimate", "loss",
+    "ktok_per_s", "samples_per_s", "draft_positions_per_s", "mfu", "tau", "tau_earlier", "tau_by_proposal",
+    "evaluated_at", "acceptance_estimate", "loss",
     "step_queue_wait_s", "step_target_s", "step_drafter_s", "step_optimizer_s",
     "recompiles_after_warmup", "eager_fallbacks", "compile_warmup_s", "queue_depth_mean",
     "python", "torch", "cuda", "gpu", "hardware", "placement", "num_samples", "total_tokens", "snapshot",
@@ -125,6 +128,25 @@ def tau_of(data) -> float | None:
     return to_float(tau)
 
 
+def proposal_taus(data) -> tuple[float, dict[str, float]] | None:
+    """(temperature, {draft policy: tau}) of an acceptance.json made at temperature > 0 (`by_proposal`; one made
+    before it existed sampled its drafts: `sample`), None for one at temperature 0 or without a tau."""
+    t = to_float(data.get("temperature")) if isinstance(data, dict) else None
+    if not t:
+        return None
+    by = data.get("by_proposal")
+    by = by if isinstance(by, dict) else {data.get("proposal") or "sample": data}
+    taus = {str(k): to_float(v.get("tau")) for k, v in by.items() if isinstance(v, dict)}
+    taus = {k: v for k, v in taus.items() if v is not None}
+    return (t, taus) if taus else None
+
+
+def proposal_text(data) -> str:
+    """proposal_taus as text ('T=0.7: argmax 2.960; sample 1.160'), '' without them."""
+    pt = proposal_taus(data)
+    return "" if pt is None else f"T={pt[0]:g}: " + "; ".join(f"{k} {v:.3f}" for k, v in pt[1].items())
+
+
 def evaluation_settings(acceptance) -> dict | None:
     """What an evaluation measured with: its settings, its prompt sets and any `*_hash` it records; None without one."""
     if not isinstance(acceptance, dict):
@@ -164,7 +186,8 @@ def read_acceptance(path: Path, summary: dict) -> tuple[dict | None, dict | None
                                  " the evaluation of an earlier run; rerun evaluate")
     if tau_of(data) is None:
         temperature = to_float(data.get("temperature"))
-        why = f"evaluated at temperature {data['temperature']}" if temperature else "no numeric 'tau'"
+        why = f"evaluated at temperature {data['temperature']} ({proposal_text(data) or 'no tau'})" if temperature \
+            else "no numeric 'tau'"
         log.warning("%s: %s; the history's tau (temperature 0) left empty for run %s", path, why, rid)
     return data, None
 
@@ -249,6 +272,7 @@ def to_row(snap: dict, snapshot_rel: str) -> dict:
         "ktok_per_s": tp.get("ktok_per_s"), "samples_per_s": tp.get("samples_per_s"),
         "draft_positions_per_s": tp.get("draft_positions_per_s"), "mfu": tp.get("mfu"),
         "tau": tau_of(acc), "tau_earlier": ";".join(_fmt(t) for t in earlier if t is not None),
+        "tau_by_proposal": proposal_text(acc),
         "evaluated_at": (acc or {}).get("created_at"),
         "acceptance_estimate": snap.get("acceptance_estimate"), "loss": snap.get("loss"),
         **{f"step_{k}_s": ts.get(k) for k in TIME_KEYS},

@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash.config_model import ReportSection
-from dflash.report.history import Run
+from dflash.report.history import Run, to_float
 from dflash.report.placement import gpu_roles
+from dflash.report.plots import read_metrics
 from dflash.report.regress import changed_text
 
 PLOT_TITLES = {
@@ -14,7 +15,7 @@ PLOT_TITLES = {
     "tau": "tau per run (temperature 0), with the baseline band and quality regressions",
     "devices": "Peak memory and utilisation per device (latest run)",
     "time_split": "Time split per step (queue wait / target / drafter / optimizer)",
-    "training": "Loss and per-position accuracy (latest run)",
+    "training": "Loss, per-position accuracy and tau against training GPU-seconds (latest run)",
 }
 
 
@@ -35,6 +36,22 @@ def _placement(run: Run | None, split: dict | None) -> list[str]:
     return []
 
 
+def tau_while_training(run: Run | None) -> list[str]:
+    """The latest run's in-training tau against the training time it took (metrics.jsonl `tau`, `tau_gpu_s` or, on
+    the CPU, `tau_train_s`): one line, what more training would buy; [] without a run folder or any such row."""
+    metrics = run.folder / "metrics.jsonl" if run is not None and run.folder is not None else None
+    rows = read_metrics(metrics) if metrics is not None and metrics.is_file() else []
+    gpu = any(to_float(r.get("tau_gpu_s")) is not None for r in rows)
+    key, unit = ("tau_gpu_s", "GPU-s") if gpu else ("tau_train_s", "s")
+    pts = [(float(r[key]), float(r["tau"])) for r in rows
+           if to_float(r.get("tau")) is not None and to_float(r.get(key)) is not None]
+    if not pts:
+        return []
+    return [f"tau while training, latest run `{_cell(run.run_id)}` (held-out prompts, temperature 0, replayed; "
+            f"training {unit}, evaluations left out): " + ", ".join(f"{t:.2f} at {x:.0f} {unit}" for x, t in pts)
+            + " (plot: training_latest.png).", ""]
+
+
 def headline(rec: dict) -> str:
     """'regression', 'quality regression', 'throughput and quality regression', else the Ktok/s verdict."""
     kinds = rec.get("regressed") or []
@@ -43,9 +60,12 @@ def headline(rec: dict) -> str:
     return "regression" if kinds == ["throughput"] else f"{' and '.join(kinds)} regression"
 
 
-def _tau_cell(rec: dict) -> str:
+def _tau_cell(rec: dict, sampled: str = "") -> str:
+    """The temperature-0 tau (earlier evaluations beside it), else that of temperature > 0 by draft policy."""
     q = rec["quality"]
     earlier = [f"{t:.3f}" for t in q["tau_earlier"] if q["tau"] is None or round(t, 3) != round(q["tau"], 3)]
+    if q["tau"] is None and sampled:
+        return f"({sampled})"
     return _num(q["tau"], "{:.3f}") + (f" (earlier {', '.join(earlier)})" if earlier else "")
 
 
@@ -54,8 +74,9 @@ def _quality_cell(rec: dict) -> str:
     return q["verdict"] + (f" ({q['change']:+.3f})" if q["change"] is not None else "")
 
 
-def _quality(records: list[dict], settings: ReportSection) -> list[str]:
-    """The Quality section: the rule, then each quality regression or improvement, then the re-evaluated runs."""
+def _quality(records: list[dict], settings: ReportSection, sampled: dict[str, str]) -> list[str]:
+    """The Quality section: the rule, then each quality regression or improvement, then the re-evaluated runs, then
+    the runs evaluated at temperature > 0 (`sampled`: run id -> their tau by draft policy), not judged."""
     lines = ["## Quality (tau)", "",
              f"tau is the acceptance length at temperature 0 (acceptance.json), the latest evaluation of each run. A tau "
              f"drop below {settings.tau_threshold:+.3f} vs the same baseline rule, or below {settings.noise_sigmas:g}x "
@@ -70,12 +91,19 @@ def _quality(records: list[dict], settings: ReportSection) -> list[str]:
                   "`history/<run_id>.json` under `earlier_evaluations`):", ""]
         lines += [f"- **{_cell(r['run_id'])}**: tau {_num(r['quality']['tau'], '{:.3f}')}, earlier "
                   f"{', '.join(f'{t:.3f}' for t in r['quality']['tau_earlier'])}" for r in again]
+    hot = [r["run_id"] for r in reversed(records) if sampled.get(r["run_id"])]
+    if hot:
+        lines += ["", "Evaluated at temperature > 0 (not judged: no temperature-0 tau), tau by draft policy: argmax "
+                  "(argmax drafts verified against a one-hot proposal: vLLM, SGLang, TensorRT-LLM) and sample (drafts "
+                  "sampled from the drafter: DeepSpec, the reference package):", ""]
+        lines += [f"- **{_cell(rid)}**: {sampled[rid]}" for rid in hot]
     return lines + [""]
 
 
 def render(runs: list[Run], records: list[dict], plots: dict[str, Path], out: Path, settings: ReportSection,
            skipped: list[dict], placement: dict | None = None) -> str:
     lines = ["# dflash report: throughput and quality", ""]
+    sampled = {r.run_id: r.row.get("tau_by_proposal") or "" for r in runs}
     if not records:
         lines += ["No runs in the history yet.", ""]
     else:
@@ -104,7 +132,8 @@ def render(runs: list[Run], records: list[dict], plots: dict[str, Path], out: Pa
             mfu = rec["mfu"]
             lines.append("| " + " | ".join(_cell(c) for c in (
                 rec["run_id"], (rec["started_at"] or "")[:16].replace("T", " "), _num(rec["ktok_per_s"]),
-                _tau_cell(rec), _num(rec["loss"], "{:.3f}"), "" if mfu is None else f"{mfu:.1%}", rec["status"],
+                _tau_cell(rec, sampled.get(rec["run_id"], "")), _num(rec["loss"], "{:.3f}"),
+                "" if mfu is None else f"{mfu:.1%}", rec["status"],
                 base_id, vs, rec["verdict"] + (" (outlier)" if rec["outlier"] else ""), _quality_cell(rec), what,
             )) + " |")
         lines.append("")
@@ -112,7 +141,8 @@ def render(runs: list[Run], records: list[dict], plots: dict[str, Path], out: Pa
         if restored:
             lines += [f"Restored from `history.csv` (their snapshots were missing; flat figures only, attribution by "
                       f"hash): {', '.join(_cell(r['run_id']) for r in restored)}.", ""]
-        lines += _quality(records, settings)
+        lines += _quality(records, settings, sampled)
+        lines += tau_while_training(runs[-1] if runs else None)
         lines += ["## Anomalies", ""]
         flagged = [r for r in reversed(records) if r["anomalies"]]
         if not flagged:

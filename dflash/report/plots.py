@@ -13,7 +13,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from dflash.config_model import ReportSection  # noqa: E402
-from dflash.report.history import TIME_KEYS, Run, to_float  # noqa: E402
+from dflash.report.history import TIME_KEYS, Run, proposal_taus, to_float  # noqa: E402
 
 log = logging.getLogger("dflash.report")
 
@@ -65,11 +65,22 @@ def ktok_history(runs: list[Run], records: list[dict], path: Path) -> Path:
                     "Ktok/s per run", "trained throughput (Ktok/s)", "trained Ktok/s", path)
 
 
+SAMPLED = {"argmax": ("^", "tab:purple", "argmax drafts (vLLM, SGLang, TensorRT-LLM)"),
+           "sample": ("v", "tab:orange", "sampled drafts (DeepSpec, reference)")}  # marker, color, draft policy
+
+
 def tau_history(runs: list[Run], records: list[dict], path: Path) -> Path:
     """tau per run (temperature 0), the baseline and its band (baseline +- the tau threshold), quality regressions
-    crossed; an earlier evaluation of a re-evaluated run as a hollow marker."""
-    if runs and all(r.num("tau") is None for r in runs):
+    crossed; an earlier evaluation of a re-evaluated run as a hollow marker; a run evaluated at temperature > 0 (not
+    judged) as one triangle per draft policy, labelled with the policy and the temperature."""
+    hot = [(i, *pt) for i, pt in enumerate(proposal_taus(r.snapshot.get("acceptance")) for r in runs) if pt]
+    if runs and all(r.num("tau") is None for r in runs) and not hot:
         return _placeholder(path, "tau per run", "no run in the history has a tau (acceptance.json) yet")
+    extra = []
+    for k in dict.fromkeys(k for _, _, taus in hot for k in taus):
+        marker, color, policy = SAMPLED.get(k, ("s", "tab:gray", f"{k} drafts"))
+        temps = ", ".join(dict.fromkeys(f"{t:g}" for _, t, taus in hot if k in taus))
+        extra.append(([(i, taus[k]) for i, _, taus in hot if k in taus], marker, color, f"tau at T={temps}, {policy}"))
     q = [rec["quality"] for rec in records]
     base = [x["baseline"]["tau"] if x["baseline"] else float("nan") for x in q]
     earlier = [(i, t) for i, x in enumerate(q) for t in x["tau_earlier"]]
@@ -77,11 +88,12 @@ def tau_history(runs: list[Run], records: list[dict], path: Path) -> Path:
                     [b + x["threshold"] for b, x in zip(base, q)], [b - x["threshold"] for b, x in zip(base, q)],
                     [(i, f"{x['change']:+.2f}") for i, x in enumerate(q) if x["verdict"] == "regression"],
                     "tau per run (acceptance length, temperature 0)", "tau (tokens per verification step)",
-                    "tau (latest evaluation)", path, earlier=earlier, bottom=1.0)
+                    "tau (latest evaluation)", path, earlier=earlier, bottom=1.0, extra=extra)
 
 
-def _history(runs, values, base, lo, hi, bad, title, ylabel, label, path, earlier=(), bottom=0.0) -> Path:
-    """One figure per run in start order: the values, the baseline step line, the band, the regressions."""
+def _history(runs, values, base, lo, hi, bad, title, ylabel, label, path, earlier=(), bottom=0.0, extra=()) -> Path:
+    """One figure per run in start order: the values, the baseline step line, the band, the regressions; `extra`:
+    further points ([(run index, value)], marker, color, label)."""
     if not runs:
         return _placeholder(path, title, "no runs in the history yet")
     x = list(range(len(runs)))
@@ -93,6 +105,8 @@ def _history(runs, values, base, lo, hi, bad, title, ylabel, label, path, earlie
     if earlier:
         ax.scatter([i for i, _ in earlier], [t for _, t in earlier], marker="o", facecolors="none",
                    edgecolors="tab:gray", label="earlier evaluation")
+    for pts, marker, color, text in extra:
+        ax.scatter([i for i, _ in pts], [v for _, v in pts], marker=marker, color=color, label=text)
     if bad:
         ax.scatter([x[i] for i, _ in bad], [values[i] for i, _ in bad], s=140, marker="x", color="tab:red", zorder=5,
                    label="regression")
@@ -231,23 +245,34 @@ def training_latest(run: Run | None, path: Path) -> Path:
 
 
 def _acceptance(ax, rows: list[dict]) -> None:
-    """tau by speculative decoding of held-out prompts while training (train.eval_every; metrics.jsonl `tau`) next to
-    the estimate from training accuracy (1 + `acceptance_estimate`, the expected accepted prefix plus the bonus
-    token: the same unit, tokens per verification step)."""
-    est = [(r["step"], 1.0 + float(r["acceptance_estimate"])) for r in rows
-           if to_float(r.get("acceptance_estimate")) is not None]
-    tau = [(r.get("tau_step") or r["step"], float(r["tau"])) for r in rows if to_float(r.get("tau")) is not None]
+    """tau of held-out prompts measured while training (train.eval_every; metrics.jsonl `tau`) next to the estimate
+    from training accuracy (1 + `acceptance_estimate`, the expected accepted prefix plus the bonus token: the same
+    unit, tokens per verification step), against the training time they took: GPU-seconds (training seconds x the
+    run's GPUs, evaluations left out, over resumes), CPU seconds on the CPU, optimizer steps for rows from before
+    metrics.jsonl had `train_s`. What more training would buy is read off its slope."""
+    gpu = any(to_float(r.get("gpu_s")) is not None for r in rows)
+    key = "gpu_s" if gpu else "train_s" if any(to_float(r.get("train_s")) is not None for r in rows) else None
+
+    def x(r, at_eval=False):   # the row's x; an evaluation's own (tau_step, tau_train_s, tau_gpu_s) for tau
+        if key is None:
+            return (r.get("tau_step") or r["step"]) if at_eval else r["step"]
+        return to_float(r.get(f"tau_{key}")) if at_eval else to_float(r.get(key))
+    est = [(x(r), 1.0 + float(r["acceptance_estimate"])) for r in rows
+           if to_float(r.get("acceptance_estimate")) is not None and x(r) is not None]
+    tau = [(x(r, True), float(r["tau"])) for r in rows if to_float(r.get("tau")) is not None and x(r, True) is not None]
     if est:
         ax.plot(*zip(*est), color="tab:gray", label="estimate from training accuracy")
     if tau:
-        ax.plot(*zip(*tau), marker="o", color="tab:red", label="tau, decoded (held-out prompts)")
+        ax.plot(*zip(*tau), marker="o", color="tab:red", label="tau, held-out prompts (greedy)")
+        ax.annotate(f"{tau[-1][1]:.2f}", tau[-1], textcoords="offset points", xytext=(4, 4), fontsize=8)
     else:
         ax.text(0.5, 0.5, "no tau measured while training\n(train.eval_every: 0)", ha="center", va="center",
                 transform=ax.transAxes, fontsize=8)
-    ax.set_xlabel("optimizer step")
+    ax.set_xlabel({"gpu_s": "training GPU-seconds (evaluations left out)", "train_s": "training seconds (CPU)",
+                   None: "optimizer step"}[key])
     ax.set_ylabel("tokens per verification step")
     ax.set_ylim(bottom=1.0)
-    ax.set_title("Acceptance length")
+    ax.set_title("Acceptance length against training time")
     ax.grid(alpha=0.3)
     if est or tau:
         ax.legend(fontsize=7)

@@ -2,7 +2,10 @@
 
 Writes results/runs/<run>/acceptance.json: tau (tokens per target verification step, bonus included), its
 distribution over 1..block_size, per-position acceptance, speculative vs plain tokens/s, losslessness (greedy
-speculative output token-identical to plain greedy decoding), per prompt set. The logic is in dflash/evaluate/.
+speculative output token-identical to plain greedy decoding), per prompt set. At temperature > 0 tau depends on the
+draft policy (evaluate.proposal): each policy decoded has its figures under `by_proposal`, the top-level ones are
+`proposal`'s (argmax, what vLLM, SGLang and TensorRT-LLM run, when decoded), `engines` names who runs which. The
+logic is in dflash/evaluate/.
 """
 import logging
 
@@ -71,8 +74,10 @@ def run(loaded: Loaded, args) -> int:
             name += "_"
         sets[name] = L.read_prompt_file(path, tok, int(target.config.vocab_size))
     total = sum(len(v) for v in sets.values())
-    log.info("evaluating drafter %s (block %d) on %d prompt(s) in %d set(s), %d new tokens each, temperature %s, %s",
-             source, bsz, total, len(sets), ev.max_new_tokens, ev.temperature, device)
+    proposals = A.policies(ev.proposal, ev.temperature)
+    log.info("evaluating drafter %s (block %d) on %d prompt(s) in %d set(s), %d new tokens each, temperature %s "
+             "(drafts: %s), %s", source, bsz, total, len(sets), ev.max_new_tokens, ev.temperature,
+             " and ".join(proposals), device)
 
     torch.manual_seed(cfg.seed)
     A.warm_up(target, draft, sets["holdout"][0]["prompt_ids"], stops, mask_id)
@@ -88,11 +93,13 @@ def run(loaded: Loaded, args) -> int:
             results[name] = A.evaluate_set(target, draft, [r["prompt_ids"] for r in rows],
                                            max_new_tokens=ev.max_new_tokens, stop_ids=stops,
                                            temperature=ev.temperature, mask_token_id=mask_id, seed=cfg.seed,
-                                           progress=bar.update if bar is not None else None, name=name)
+                                           proposals=proposals, progress=bar.update if bar is not None else None,
+                                           name=name)
             r = results[name]
-            log.info("%s: %d prompts, tau %.3f, %.1f tok/s speculative vs %.1f plain, lossless %s", name,
-                     r["prompts"], r["tau"] or 0, r["speculative"]["tokens_per_s"] or 0,
-                     r["plain"]["tokens_per_s"] or 0, r["lossless"])
+            for k, b in r["by_proposal"].items():
+                log.info("%s (%s drafts): %d prompts, tau %.3f, %.1f tok/s speculative vs %.1f plain, lossless %s",
+                         name, k, r["prompts"], b["tau"] or 0, b["speculative"]["tokens_per_s"] or 0,
+                         r["plain"]["tokens_per_s"] or 0, r["lossless"])
     finally:
         if bar is not None:
             bar.close()
@@ -113,9 +120,10 @@ def run(loaded: Loaded, args) -> int:
                         f"{sum(len(r['mismatches']) for r in results.values())} prompt(s) in float32: a bug "
                         f"(details in {failed})")
     atomic_write_json(out, doc)
-    log.info("tau %.3f (block %d), speculative %.1f tok/s vs plain %.1f tok/s, lossless %s -> %s",
-             doc["tau"] or 0, bsz, doc["speculative_tokens_per_s"] or 0, doc["plain_tokens_per_s"] or 0,
-             doc["lossless"], out)
+    for k, b in doc["by_proposal"].items():
+        log.info("tau %.3f (%s drafts, block %d), speculative %.1f tok/s vs plain %.1f tok/s", b["tau"] or 0, k, bsz,
+                 b["speculative_tokens_per_s"] or 0, b["plain_tokens_per_s"] or 0)
+    log.info("lossless %s -> %s", doc["lossless"], out)
     if not doc["lossless"]:
         log.warning("greedy speculative decoding differs from plain greedy decoding (in %s, batch-dependent "
                     "rounding can flip near-tied argmaxes); details in %s", dtype, out)

@@ -219,10 +219,13 @@ class RunMetrics:
         if step == self.exclude_until and self.t_measure is None:
             self.t_measure = now
         window = now - getattr(self, "_t_last", self.t_start) - eval_s
+        gpus = self.ctx.placement.gpu_count
         self._t_last = now
         gnorm = float(pending[-1][2])
         row = {
             "step": step, "elapsed_s": round(self.elapsed_base + now - self.t_start, 3),
+            # training seconds the replicas agreed on at this step (over resumes, pauses left out), x GPUs
+            "train_s": round(self.train_s, 3), "gpu_s": round(self.train_s * gpus, 3) if gpus else None,
             "loss": _finite(loss), "lr": pending[-1][3], "grad_norm": _finite(gnorm),
             # the objective's parts, normalised as the loss: CE against the data, KL to the target (kl, ce+kl)
             "ce": _finite(st["ce_sum"] / st["weight_sum"]) if st["weight_sum"] else None,
@@ -232,8 +235,10 @@ class RunMetrics:
             "acceptance_estimate": st["accepted"] / st["blocks"] if st["blocks"] else None,
             "time_split_s": {k: round(v, 5) for k, v in split.items()},
             "queue_depth": pending[-1][5], "measured": measured,
-            # tau by speculative decoding of held-out prompts (train.eval_every), its step and seconds; null between
+            # tau of held-out prompts (train.eval_every), its step and training seconds, the pause; null between
             "tau": evals[-1]["tau"] if evals else None, "tau_step": evals[-1]["step"] if evals else None,
+            "tau_train_s": evals[-1].get("train_s") if evals else None,
+            "tau_gpu_s": evals[-1].get("gpu_s") if evals else None,
             "eval_s": round(eval_s, 4) if evals else None,
         }
         if self.bar is None:
@@ -309,7 +314,8 @@ class RunMetrics:
     def eval_summary(self) -> dict | None:
         """summary.json `eval`: the in-training evaluations of this process (train.eval_every; None when off): their
         count, seconds (total, per evaluation), the training step's mean seconds without them and the ratio, their
-        share of the loop's wall time (Ktok/s and the training time exclude them), the last tau and its step."""
+        share of the loop's wall time (Ktok/s and the training time exclude them), the last tau and its step, and the
+        curve: each evaluation's step, training seconds, GPU-seconds and tau."""
         if not self.cfg.train.eval_every:
             return None
         total = sum(e["pause_s"] for e in self.evals)   # what training paused for them
@@ -325,7 +331,9 @@ class RunMetrics:
                 "seconds": round(total, 3), "seconds_per_eval": per_eval, "step_s": step_s,
                 "eval_over_step": per_eval / step_s if per_eval and step_s else None,
                 "share": total / loop_s if loop_s > 0 else None,
-                "tau": last.get("tau"), "step": last.get("step"), "tau_history": [e["tau"] for e in self.evals]}
+                "tau": last.get("tau"), "step": last.get("step"), "method": last.get("method"),
+                "tau_history": [e["tau"] for e in self.evals],
+                "curve": [{k: e.get(k) for k in ("step", "train_s", "gpu_s", "tau")} for e in self.evals]}
 
     def set_split(self, key: str, seconds_per_step: float):
         """A part of the time split measured outside this process (the distributed runtime's target ranks): its

@@ -250,9 +250,9 @@ class Replica:
             self.check_replicas(step)
         if self.live is not None:   # tau by decoding (train.eval_every); the other replicas wait
             self.live.after_step(self, step, final)
-        if self.rank == 0:
-            self.metrics.step_done(step, stats, gnorm, self.optimizer.lr, times, queue_depth)
+        if self.rank == 0:   # the training time first: the step's metrics row carries it
             self.metrics.set_training(self.elapsed, self.finished_by)
+            self.metrics.step_done(step, stats, gnorm, self.optimizer.lr, times, queue_depth)
             if stop or final or (t.checkpoint_every and step % t.checkpoint_every == 0):
                 self.save(step)
         elif self.sync.reduces_in_backward:
