@@ -20,10 +20,10 @@ next part still runs, the exit code then 1):
             f_bf16|| / ||f_bf16||, overall and per layer, into the state (and quality.json, quality.md). Skipped with
             the reason where train.fp8_target cannot run (no CUDA GPU of compute capability >= 8.9); the CPU dry run
             measures it with torch's CPU FP8 matmul (tests/test_fp8.py runs the same code there).
-  train     each recipe not yet trained (--solo: one at a time, alone on the GPU, at CONFIG's own train.time_budget_s
-            and in-training evaluations, run qs-<recipe>; a run cut at the call's end checkpoints (SIGTERM) and resumes
-            in the next call's train part, its budget counting the training seconds of every call): `python -m dflash train` on the pipeline's target and data with the recipe's
-            keys, into results/runs/<run>. Equal time (default): `train.time_budget_s=--seconds` (the LR schedule
+  train     each recipe not yet trained: `python -m dflash train` on the pipeline's target and data with the recipe's
+            keys, into results/runs/<run>. Solo (--solo): one at a time, alone on the GPU, at CONFIG's own
+            train.time_budget_s and in-training evaluations, run qs-<recipe>; a run cut at the call's end checkpoints
+            (SIGTERM) and resumes in the next call's train part, its budget counting the training seconds of every call. Equal time (default): `train.time_budget_s=--seconds` (the LR schedule
             follows elapsed time), run q-<recipe>; --parallel N trains N recipes at once on the one GPU: each gets the
             same wall time on the same shared GPU, so they are compared at equal (shared) GPU time; their Ktok/s are
             then shares, not solo figures. Equal steps (--steps N): `train.steps=N`, `train.time_budget_s=0` (the LR
@@ -32,8 +32,9 @@ next part still runs, the exit code then 1):
             stopped at the budget checkpoints (SIGTERM) and resumes on the next call's train part.
   eval      every run (the pipeline's and each recipe's; --solo: the recipes at T=0 only) at every --temps temperature
             not yet evaluated, except at T=0 a finished run whose last in-training evaluation is the evaluate stage's
-            measure (evaluate.num_prompts x max_new_tokens at its last step, replayed: dflash/evaluate/replay.py): the evaluate
-            stage (batch-1 speculative decoding, latency-bound, so --parallel of them share the GPU well)
+            measure (evaluate.num_prompts x max_new_tokens at its last step, no evaluate.prompt_files; replayed:
+            dflash/evaluate/replay.py; any mode): the evaluate stage (batch-1 speculative decoding, latency-bound, so
+            --parallel of them share the GPU well)
             -> <run>/acceptance-t<T>.json (the pipeline's own acceptance.json counts for its temperature).
   table     OUT/quality.json (every figure, the mode, the exact commands, the target's build record), OUT/quality.md
             (the recipe table with the seed spread; at equal steps, whether each FP8 recipe's tau is within it; the
@@ -355,7 +356,8 @@ class Bench:
         s = json.loads(f.read_text())
         ev, e = s.get("eval") or {}, self.cfg.evaluate
         same = (ev.get("tau") is not None and ev.get("step") == s.get("steps") and s.get("finished") is True
-                and ev.get("prompts") == e.num_prompts and ev.get("max_new_tokens") == e.max_new_tokens)
+                and ev.get("prompts") == e.num_prompts and ev.get("max_new_tokens") == e.max_new_tokens
+                and not e.prompt_files)   # the stage would pool other prompt sets in
         return ev if same else None
 
     def fp8_features(self):
@@ -561,8 +563,8 @@ def markdown(doc: dict) -> str:
     elif doc.get("mode") == "solo":
         intro = (f"Each recipe trained alone on the GPU, one after another, for `{doc['config']}`'s training budget "
                  f"({doc['seconds']} s of training, train.time_budget_s: the LR schedule follows it; a run cut by a "
-                 f"call's end resumed from its checkpoint in the next), on that config's target and data; `pipeline` is "
-                 f"the snakemake run of the config. tau (T=0) on the held-out prompts: the evaluate stage's, or the "
+                 f"call's end resumed from its checkpoint in the next), on that config's target and data; "
+                 f"`pipeline` is the snakemake run of the config. tau (T=0) on the held-out prompts: the evaluate stage's, or the "
                  f"run's last in-training evaluation where it is the same measure (column `by`). Baseline tau mean "
                  f"{_f(doc['baseline_tau_t0_mean'], 3)} over {len(doc['bf16_seeds'])} seeds, seed spread (max - min) "
                  f"{_f(doc['baseline_seed_spread_t0'], 3)}; a lever beats it when |tau - mean| > spread. "

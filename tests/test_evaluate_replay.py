@@ -3,8 +3,6 @@ the same tokens, and per verification step the same produced, accepted and draft
 last blocks and sliding-window layers; and its walk alone against hand-made cases."""
 from __future__ import annotations
 
-import types
-
 import pytest
 
 from conftest_data import one_thread  # noqa: F401 (the fixture: one torch thread for tiny matmuls)
@@ -13,7 +11,6 @@ from dflash.evaluate.acceptance import summarize
 from dflash.evaluate.replay import replay, walk
 from test_evaluate_specdec import prompts, tiny_drafter, tiny_target
 
-PAD = types.SimpleNamespace(pad_token_id=0)   # the tokenizer's part the batched greedy decoder reads
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -23,14 +20,18 @@ def decoded(target, drafter, ps, max_new, stops):
 
 
 @pytest.mark.parametrize("layout", [{}, {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6}])
-def test_replay_equals_speculative_decoding(layout):
+def test_replay_equals_speculative_decoding(layout, monkeypatch):
     # vocab 12: a random drafter's drafts are often right, so steps accept 0..block-1 tokens
     target = tiny_target(vocab=12, init=0.5)
+    target.generation_config.repetition_penalty = 1.3     # a model's generation defaults: not the argmax, ignored
+    monkeypatch.setattr("dflash.evaluate.replay.ANCHOR_CHUNK", 7)   # the anchors in several drafter forwards
     drafter = tiny_drafter(target, block_size=5, **layout)
     ps = prompts(6, 12, seed=4)
     for max_new, stops in ((23, []), (30, [3])):        # 23: the last blocks are narrower than 5
         want = decoded(target, drafter, ps, max_new, stops)
-        got = replay(target, drafter, PAD, ps, max_new, stops)
+        done = replay(target, drafter, ps, max_new, stops)
+        got = done.generations
+        assert done.mismatches == 0                     # float32: y is the whole-sequence forward's argmax throughout
         for w, g in zip(want, got):
             assert (g.tokens, g.produced, g.accepted, g.drafted, g.stopped) == \
                    (w.tokens, w.produced, w.accepted, w.drafted, w.stopped)
@@ -39,6 +40,15 @@ def test_replay_equals_speculative_decoding(layout):
         s, t = summarize(got, [], 5), summarize(want, [], 5)
         assert s["tau"] == t["tau"] and s["acceptance_per_position"] == t["acceptance_per_position"]
     assert any(g.stopped for g in got)
+
+
+def test_batched_greedy_continuations_are_batch_1_decoding():
+    """Left-padded batches of prompts of different lengths: each row's tokens are its own batch-1 greedy decode."""
+    from dflash.evaluate import target_generate
+    from dflash.evaluate.replay import greedy_continuations
+    target = tiny_target(vocab=64)
+    ps = prompts(5, 64, seed=2, lo=1, hi=15)
+    assert greedy_continuations(target, ps, 9, batch_size=3) == [target_generate(target, p, 9).tokens for p in ps]
 
 
 def test_walk_by_hand():

@@ -64,8 +64,7 @@ class LiveEval:
         from dflash.target import load_tokenizer, stop_token_ids
         self.num_prompts, self.max_new_tokens = settings(ctx.cfg)
         self.prompts = [r["prompt_ids"] for r in read_holdout(ctx.data_dir / HOLDOUT, self.num_prompts)]
-        self.tokenizer = load_tokenizer(ctx.cfg.target)
-        self.stops = stop_token_ids(self.tokenizer, target)
+        self.stops = stop_token_ids(load_tokenizer(ctx.cfg.target), target)
         self.seed = ctx.cfg.seed
         self.gpus = ctx.placement.gpu_count
         log.info("tau measured every %d steps and at the last: %d held-out prompt(s) x %d tokens, greedy (replayed)",
@@ -100,15 +99,19 @@ class LiveEval:
                 compile_threads.eager():
             torch.manual_seed(self.seed)                  # as the evaluate stage, before it decodes
             copy = eager_copy(drafter, self.target)
-            gens = replay(self.target, copy, self.tokenizer, self.prompts, self.max_new_tokens, self.stops)
-        s = summarize(gens, [], copy.cfg.block_size)
+            done = replay(self.target, copy, self.prompts, self.max_new_tokens, self.stops)
+        s = summarize(done.generations, [], copy.cfg.block_size)
         seconds = time.perf_counter() - t0
         log.info("step %d (%.1f s of training): tau %.3f on %d held-out prompt(s) (%d verification steps, %.2f s)",
                  step, train_s, s["tau"] or 0, s["prompts"], s["verify_steps"], seconds)
+        if done.mismatches:
+            log.warning("step %d: %d of the replayed greedy tokens are not the target's argmax in a whole-sequence "
+                        "forward (%s rounding; tau is that of the path replayed)", step, done.mismatches,
+                        str(next(self.target.parameters()).dtype).removeprefix("torch."))
         return {"step": step, "tau": s["tau"], "train_s": round(train_s, 3),
                 "gpu_s": round(train_s * self.gpus, 3) if self.gpus else None, "method": "replay",
                 "seconds": round(seconds, 4), "prompts": s["prompts"], "max_new_tokens": self.max_new_tokens,
-                "tokens": s["tokens"], "verify_steps": s["verify_steps"],
+                "tokens": s["tokens"], "verify_steps": s["verify_steps"], "greedy_mismatches": done.mismatches,
                 "acceptance_per_position": s["acceptance_per_position"]}
 
 
