@@ -23,7 +23,8 @@ next part still runs, the exit code then 1):
   train     each recipe not yet trained: `python -m dflash train` on the pipeline's target and data with the recipe's
             keys, into results/runs/<run>. Solo (--solo): one at a time, alone on the GPU, at CONFIG's own
             train.time_budget_s and in-training evaluations, run qs-<recipe>; a run cut at the call's end checkpoints
-            (SIGTERM) and resumes in the next call's train part, its budget counting the training seconds of every call. Equal time (default): `train.time_budget_s=--seconds` (the LR schedule
+            (SIGTERM) and resumes in the next call's train part, its budget counting the training seconds of every call.
+            Equal time (default): `train.time_budget_s=--seconds` (the LR schedule
             follows elapsed time), run q-<recipe>; --parallel N trains N recipes at once on the one GPU: each gets the
             same wall time on the same shared GPU, so they are compared at equal (shared) GPU time; their Ktok/s are
             then shares, not solo figures. Equal steps (--steps N): `train.steps=N`, `train.time_budget_s=0` (the LR
@@ -564,7 +565,8 @@ def markdown(doc: dict) -> str:
         intro = (f"Each recipe trained alone on the GPU, one after another, for `{doc['config']}`'s training budget "
                  f"({doc['seconds']} s of training, train.time_budget_s: the LR schedule follows it; a run cut by a "
                  f"call's end resumed from its checkpoint in the next), on that config's target and data; "
-                 f"`pipeline` is the snakemake run of the config. tau (T=0) on the held-out prompts: the evaluate stage's, or the "
+                 f"`pipeline` is the snakemake run of the config. tau (T=0) on the held-out prompts: the evaluate "
+                 f"stage's, or the "
                  f"run's last in-training evaluation where it is the same measure (column `by`). Baseline tau mean "
                  f"{_f(doc['baseline_tau_t0_mean'], 3)} over {len(doc['bf16_seeds'])} seeds, seed spread (max - min) "
                  f"{_f(doc['baseline_seed_spread_t0'], 3)}; a lever beats it when |tau - mean| > spread. "
