@@ -637,9 +637,15 @@ def plot(rows: list[dict], path: Path, by_step: bool = False):
             curves.plot(*zip(*pts), label=r["recipe"])
     curves.set_xlabel("optimizer step" if by_step else "seconds of training (metrics.jsonl elapsed_s, over resumes)")
     curves.set_ylabel("training acceptance estimate (draft tokens per block)")
-    curves.grid(alpha=0.3)
-    if curves.lines:
-        curves.legend(fontsize=8)
+    save(fig, curves, path)
+
+
+def save(fig, ax, path: Path):
+    """A grid and (if anything is drawn) a legend on the curves' axes, then the figure to `path`."""
+    import matplotlib.pyplot as plt
+    ax.grid(alpha=0.3)
+    if ax.lines:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -662,12 +668,7 @@ def tau_curves(rows: list[dict], path: Path):
         ax.text(0.5, 0.5, "no in-training tau (train.eval_every: 0)", ha="center", va="center", transform=ax.transAxes)
     ax.set_xlabel("training GPU-seconds (evaluations left out)")
     ax.set_ylabel("tau, held-out prompts (T=0)")
-    ax.grid(alpha=0.3)
-    if ax.lines:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, ax, path)
 
 
 def curve_points(curve: list[dict], by_step: bool) -> list[tuple[float, float]]:
