@@ -62,3 +62,20 @@ def test_walk_by_hand():
     # the step that reaches max_length: vs = 17 - 16 = 1 never runs (start + 1 == max_length)
     g = walk(10, y, 7, 4, {8}, draft_at)                # a stop token inside the first accepted run
     assert g.tokens == [5, 6, 7, 8] and g.produced == [3] and g.stopped
+
+
+@pytest.mark.gpu
+def test_replay_equals_speculative_decoding_on_cuda():
+    """On a GPU in float32 too (the in-training evaluation's device): the same steps as batch-1 decoding, and in
+    bfloat16 the same tau up to the rounding the docstring names (only a few greedy positions part)."""
+    import torch
+    target = tiny_target(vocab=12, init=0.5).cuda()
+    drafter = tiny_drafter(target, block_size=5).cuda()      # the target's embedding and head: already on the GPU
+    ps = prompts(6, 12, seed=4)
+    want = decoded(target, drafter, ps, 23, [3])
+    done = replay(target, drafter, ps, 23, [3])
+    assert done.mismatches == 0
+    assert [(g.tokens, g.produced, g.accepted) for g in done.generations] == \
+           [(w.tokens, w.produced, w.accepted) for w in want]
+    half = replay(target.to(torch.bfloat16), drafter.to(torch.bfloat16), ps, 23, [3])
+    assert half.mismatches <= 6 and all(g.steps for g in half.generations)
