@@ -16,8 +16,11 @@ if [[ "${1:-}" == snakemake ]]; then
     [[ -x .venv/bin/pip ]] || { echo "make venv first: snakemake's needs are read from .venv" >&2; exit 2; }
     mapfile -t extra < <(.venv/bin/python - <<'PY'
 import importlib.metadata as md, re
+from packaging.requirements import Requirement
 seen, todo, have = set(), ["snakemake"], {"torch", "transformers", "pyarrow", "pandas", "numpy", "pyyaml", "rich",
                                         "tqdm", "psutil", "requests", "packaging", "jinja2", "markupsafe"}
+device = {"python_version": "3.12", "python_full_version": "3.12.0", "sys_platform": "linux",
+          "platform_system": "Linux", "platform_machine": "x86_64", "implementation_name": "cpython", "extra": ""}
 while todo:
     name = todo.pop()
     key = re.sub(r"[-_.]+", "-", name).lower()
@@ -26,18 +29,22 @@ while todo:
     seen.add(key)
     dist = md.distribution(name)
     print(f"{dist.metadata['Name']}=={dist.version}")
-    for req in dist.requires or []:
-        if "extra ==" not in req:
-            todo.append(re.split(r"[ ;<>=!~\[(]", req, 1)[0])
+    for req in map(Requirement, dist.requires or []):
+        if req.marker is None or req.marker.evaluate(device):   # what the device's Python 3.12 needs, no extras
+            todo.append(req.name)
 PY
 )
     pins+=("${extra[@]}")
 fi
 mkdir -p .whl
 for p in "${pins[@]}"; do
-    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    if ! python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_24_x86_64 \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_34_x86_64 \
-        -d .whl "$p" 2>&1 | grep -v '^WARNING' || true
+        -d .whl "$p" >.whl/.log 2>&1; then
+        python3 -m pip wheel -q --no-deps -w .whl "$p"   # published as an sdist only (connection_pool): built here
+    fi
+    grep -v '^WARNING' .whl/.log || true
 done
+rm -f .whl/.log
 ls .whl | wc -l; du -sh .whl

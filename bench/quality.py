@@ -105,6 +105,7 @@ PARTS = ("pipeline", "fp8_features", "train", "eval", "table")
 DEFAULT_RECIPES = "baseline,baseline-seed1,dpace,muon,swa2048,kl"
 SOLO_RECIPES = "baseline,baseline-seed1,baseline-seed2,dpace,muon,dpace+muon"   # --solo's default (issue 39)
 PRECISION_RECIPES = "baseline,baseline-seed1,baseline-seed2,fp8,fp8head,fp8target"   # --steps' default
+STOP_GRACE_S = 40     # seconds a stopped job has to end (a train run: its step, checkpoint and summary) before SIGKILL
 FP8_FEATURES_S = 60   # fp8_features' worst wall time on the device: imports, CUDA start, the target, 2 captures
 FP8_KEYS = {"train.precision": "fp8", "train.fp8_lm_head": True, "train.fp8_target": True}   # a key on: an FP8 recipe
 # the CPU dry run: config/quality.yaml shrunk to minutes on 2 cores (same code paths, tiny shapes)
@@ -279,7 +280,7 @@ class Bench:
         waiting, running = list(jobs), []
         width = min(self.args.parallel, len(jobs))   # how many really share the GPU
         while waiting or running:
-            while waiting and len(running) < self.args.parallel and self.budget.left() > 30:
+            while waiting and len(running) < self.args.parallel and self.budget.left() > STOP_GRACE_S + 30:
                 key, cmd, log = waiting.pop(0)
                 f = open(log, "a")
                 f.write(f"$ {shlex.join(cmd)}\n")
@@ -287,8 +288,11 @@ class Bench:
                 p = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, env=env)
                 running.append((key, cmd, p, f, time.monotonic()))
             ended = [j for j in running if j[2].poll() is not None]
-            late = [j for j in running if j not in ended and (time.monotonic() - j[4] > cap or self.budget.left() < 10)]
-            stop(*(j[2] for j in late))   # all at once: each may take a while to checkpoint
+            # stopped STOP_GRACE_S + 10 s before the budget's end: a run then has the time to checkpoint and summarise
+            # (2026-12-05: stopped 10 s before it with 20 s of grace, a run was killed and left no summary.json)
+            late = [j for j in running if j not in ended
+                    and (time.monotonic() - j[4] > cap or self.budget.left() < STOP_GRACE_S + 10)]
+            stop(*(j[2] for j in late), grace=STOP_GRACE_S)   # all at once: each may take a while to checkpoint
             for job in ended + late:
                 key, cmd, p, f, t0 = job
                 code = None if job in late else p.returncode
@@ -298,7 +302,7 @@ class Bench:
                                                "wall_s": round(time.monotonic() - t0, 1), "parallel": width}
                 self.save_state()
                 print(f"{key}: exit {code} in {time.monotonic() - t0:.0f} s", flush=True)
-            if not running and waiting and self.budget.left() <= 30:
+            if not running and waiting and self.budget.left() <= STOP_GRACE_S + 30:
                 print(f"{len(waiting)} job(s) not started: budget spent ({', '.join(k for k, _, _ in waiting)})", flush=True)
                 break
             time.sleep(0.5)

@@ -78,4 +78,4 @@ def test_replay_equals_speculative_decoding_on_cuda():
     assert [(g.tokens, g.produced, g.accepted) for g in done.generations] == \
            [(w.tokens, w.produced, w.accepted) for w in want]
     half = replay(target.to(torch.bfloat16), drafter.to(torch.bfloat16), ps, 23, [3])
-    assert half.mismatches <= 6 and all(g.steps for g in half.generations)
+    assert half.mismatches <= 6 and sum(g.steps for g in half.generations) >= 50   # (prompt 1 stops at its first token)
