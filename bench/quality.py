@@ -661,11 +661,12 @@ def tau_curves(rows: list[dict], path: Path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from dflash.report.plots import tau_points, time_key
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in rows:
-        pts = sorted((c.get("tau_gpu_s") if c.get("tau_gpu_s") is not None else c.get("tau_train_s"), c["tau"])
-                     for c in r["curve"] if c.get("tau") is not None
-                     and (c.get("tau_gpu_s") is not None or c.get("tau_train_s") is not None))
+        key = time_key(r["curve"])
+        pts = sorted(tau_points(r["curve"], key)) if key else []
         if pts:
             ax.plot(*zip(*pts), marker="o", label=f"{r['recipe']} ({pts[-1][1]:.2f})")
     if not ax.lines:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash.config_model import ReportSection
-from dflash.report.history import Run, to_float
+from dflash.report.history import Run
 from dflash.report.placement import gpu_roles
-from dflash.report.plots import read_metrics
+from dflash.report.plots import read_metrics, tau_points, time_key
 from dflash.report.regress import changed_text
 
 PLOT_TITLES = {
@@ -37,16 +37,15 @@ def _placement(run: Run | None, split: dict | None) -> list[str]:
 
 
 def tau_while_training(run: Run | None) -> list[str]:
-    """The latest run's in-training tau against the training time it took (metrics.jsonl `tau`, `tau_gpu_s` or, on
-    the CPU, `tau_train_s`): one line, what more training would buy; [] without a run folder or any such row."""
+    """The latest run's in-training tau against the training time it took (metrics.jsonl; `plots.time_key`): one
+    line, what more training would buy; [] without a run folder or any such row."""
     metrics = run.folder / "metrics.jsonl" if run is not None and run.folder is not None else None
     rows = read_metrics(metrics) if metrics is not None and metrics.is_file() else []
-    gpu = any(to_float(r.get("tau_gpu_s")) is not None for r in rows)
-    key, unit = ("tau_gpu_s", "GPU-s") if gpu else ("tau_train_s", "s")
-    pts = [(float(r[key]), float(r["tau"])) for r in rows
-           if to_float(r.get("tau")) is not None and to_float(r.get(key)) is not None]
+    key = time_key(rows)
+    pts = tau_points(rows, key) if key else []
     if not pts:
         return []
+    unit = "GPU-s" if key == "gpu_s" else "s"
     return [f"tau while training, latest run `{_cell(run.run_id)}` (held-out prompts, temperature 0, replayed; "
             f"training {unit}, evaluations left out): " + ", ".join(f"{t:.2f} at {x:.0f} {unit}" for x, t in pts)
             + " (plot: training_latest.png).", ""]

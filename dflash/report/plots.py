@@ -244,22 +244,36 @@ def training_latest(run: Run | None, path: Path) -> Path:
     return _save(fig, path)
 
 
+def time_key(rows: list[dict]) -> str | None:
+    """The training-time measure of metrics.jsonl rows: `gpu_s` (training seconds x the run's GPUs, evaluations left
+    out, over resumes) where they have it, `train_s` on the CPU, None for rows from before either (then: steps)."""
+    for key in ("gpu_s", "train_s"):
+        if any(to_float(r.get(key)) is not None for r in rows):
+            return key
+    return None
+
+
+def tau_points(rows: list[dict], key: str | None) -> list[tuple[float, float]]:
+    """(training time by `key`, tau) of each in-training evaluation in metrics.jsonl rows (its own `tau_<key>`; its
+    `tau_step` when key is None)."""
+    def x(r):
+        return (r.get("tau_step") or r["step"]) if key is None else to_float(r.get(f"tau_{key}"))
+    return [(x(r), float(r["tau"])) for r in rows if to_float(r.get("tau")) is not None and x(r) is not None]
+
+
 def _acceptance(ax, rows: list[dict]) -> None:
     """tau of held-out prompts measured while training (train.eval_every; metrics.jsonl `tau`) next to the estimate
     from training accuracy (1 + `acceptance_estimate`, the expected accepted prefix plus the bonus token: the same
-    unit, tokens per verification step), against the training time they took: GPU-seconds (training seconds x the
-    run's GPUs, evaluations left out, over resumes), CPU seconds on the CPU, optimizer steps for rows from before
-    metrics.jsonl had `train_s`. What more training would buy is read off its slope."""
-    gpu = any(to_float(r.get("gpu_s")) is not None for r in rows)
-    key = "gpu_s" if gpu else "train_s" if any(to_float(r.get("train_s")) is not None for r in rows) else None
+    unit, tokens per verification step), against the training time they took (`time_key`): GPU-seconds, CPU seconds
+    on the CPU, optimizer steps for rows from before metrics.jsonl had `train_s`. What more training would buy is read
+    off its slope."""
+    key = time_key(rows)
 
-    def x(r, at_eval=False):   # the row's x; an evaluation's own (tau_step, tau_train_s, tau_gpu_s) for tau
-        if key is None:
-            return (r.get("tau_step") or r["step"]) if at_eval else r["step"]
-        return to_float(r.get(f"tau_{key}")) if at_eval else to_float(r.get(key))
-    est = [(x(r), 1.0 + float(r["acceptance_estimate"])) for r in rows
-           if to_float(r.get("acceptance_estimate")) is not None and x(r) is not None]
-    tau = [(x(r, True), float(r["tau"])) for r in rows if to_float(r.get("tau")) is not None and x(r, True) is not None]
+    def at(r):   # the row's training time (its step for old rows)
+        return r["step"] if key is None else to_float(r.get(key))
+    est = [(at(r), 1.0 + float(r["acceptance_estimate"])) for r in rows
+           if to_float(r.get("acceptance_estimate")) is not None and at(r) is not None]
+    tau = tau_points(rows, key)
     if est:
         ax.plot(*zip(*est), color="tab:gray", label="estimate from training accuracy")
     if tau:
