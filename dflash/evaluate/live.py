@@ -5,8 +5,8 @@ At step s with s % eval_every == 0, and at the run's last step, drafter replica 
 weights, by replaying greedy speculative decoding (`replay.replay`: the target's greedy continuations in one batch,
 then one target and one drafter forward per prompt; equal step for step to `specdec.speculative_generate`, a few
 seconds instead of a minute of batch-1 decoding), aggregated by the evaluate stage's `acceptance.summarize`, and hands
-{step, tau, train_s, gpu_s, seconds, ...} to the run's metrics (metrics.jsonl, the progress line, summary.json `eval`):
-tau against the training seconds (and GPU-seconds: seconds x the run's GPUs) it took, what more training would buy.
+{step, tau, train_s, seconds, ...} to the run's metrics (metrics.jsonl, the progress line, summary.json `eval`):
+tau against the training seconds it took (and GPU-seconds, which the metrics derive), what more training would buy.
 
 What the evaluate stage computes on a checkpoint of that step (temperature 0): the copy is the drafter the stage
 loads (built from the replica's state_dict, cast to the target's dtype, on the target's device, with the target's
@@ -66,7 +66,6 @@ class LiveEval:
         self.prompts = [r["prompt_ids"] for r in read_holdout(ctx.data_dir / HOLDOUT, self.num_prompts)]
         self.stops = stop_token_ids(load_tokenizer(ctx.cfg.target), target)
         self.seed = ctx.cfg.seed
-        self.gpus = ctx.placement.gpu_count
         log.info("tau measured every %d steps and at the last: %d held-out prompt(s) x %d tokens, greedy (replayed)",
                  self.every, len(self.prompts), self.max_new_tokens)
 
@@ -108,11 +107,9 @@ class LiveEval:
             log.warning("step %d: %d of the replayed greedy tokens are not the target's argmax in a whole-sequence "
                         "forward (%s rounding; tau is that of the path replayed)", step, done.mismatches,
                         str(next(self.target.parameters()).dtype).removeprefix("torch."))
-        return {"step": step, "tau": s["tau"], "train_s": round(train_s, 3),
-                "gpu_s": round(train_s * self.gpus, 3) if self.gpus else None, "method": "replay",
+        return {"step": step, "tau": s["tau"], "train_s": round(train_s, 3), "method": "replay",
                 "seconds": round(seconds, 4), "prompts": s["prompts"], "max_new_tokens": self.max_new_tokens,
-                "tokens": s["tokens"], "verify_steps": s["verify_steps"], "greedy_mismatches": done.mismatches,
-                "acceptance_per_position": s["acceptance_per_position"]}
+                "tokens": s["tokens"], "verify_steps": s["verify_steps"], "greedy_mismatches": done.mismatches}
 
 
 def eager_copy(drafter, target):

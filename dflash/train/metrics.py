@@ -219,13 +219,12 @@ class RunMetrics:
         if step == self.exclude_until and self.t_measure is None:
             self.t_measure = now
         window = now - getattr(self, "_t_last", self.t_start) - eval_s
-        gpus = self.ctx.placement.gpu_count
         self._t_last = now
         gnorm = float(pending[-1][2])
         row = {
             "step": step, "elapsed_s": round(self.elapsed_base + now - self.t_start, 3),
             # training seconds the replicas agreed on at this step (over resumes, pauses left out), x GPUs
-            "train_s": round(self.train_s, 3), "gpu_s": round(self.train_s * gpus, 3) if gpus else None,
+            "train_s": round(self.train_s, 3), "gpu_s": self.gpu_seconds(self.train_s),
             "loss": _finite(loss), "lr": pending[-1][3], "grad_norm": _finite(gnorm),
             # the objective's parts, normalised as the loss: CE against the data, KL to the target (kl, ce+kl)
             "ce": _finite(st["ce_sum"] / st["weight_sum"]) if st["weight_sum"] else None,
@@ -237,8 +236,8 @@ class RunMetrics:
             "queue_depth": pending[-1][5], "measured": measured,
             # tau of held-out prompts (train.eval_every), its step and training seconds, the pause; null between
             "tau": evals[-1]["tau"] if evals else None, "tau_step": evals[-1]["step"] if evals else None,
-            "tau_train_s": evals[-1].get("train_s") if evals else None,
-            "tau_gpu_s": evals[-1].get("gpu_s") if evals else None,
+            "tau_train_s": evals[-1]["train_s"] if evals else None,
+            "tau_gpu_s": self.gpu_seconds(evals[-1]["train_s"]) if evals else None,
             "eval_s": round(eval_s, 4) if evals else None,
         }
         if self.bar is None:
@@ -333,7 +332,13 @@ class RunMetrics:
                 "share": total / loop_s if loop_s > 0 else None,
                 "tau": last.get("tau"), "step": last.get("step"), "method": last.get("method"),
                 "tau_history": [e["tau"] for e in self.evals],
-                "curve": [{k: e.get(k) for k in ("step", "train_s", "gpu_s", "tau")} for e in self.evals]}
+                "curve": [{"step": e["step"], "train_s": e["train_s"], "gpu_s": self.gpu_seconds(e["train_s"]),
+                           "tau": e["tau"]} for e in self.evals]}
+
+    def gpu_seconds(self, train_s: float) -> float | None:
+        """GPU-seconds of `train_s` training seconds: x the run's GPUs (None on the CPU)."""
+        gpus = self.ctx.placement.gpu_count
+        return round(train_s * gpus, 3) if gpus else None
 
     def set_split(self, key: str, seconds_per_step: float):
         """A part of the time split measured outside this process (the distributed runtime's target ranks): its
