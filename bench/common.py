@@ -170,6 +170,16 @@ def tree_state(root: Path = REPO) -> dict:
     return out
 
 
+def tree_label(tree: dict | None) -> str:
+    """A tree record in a few words: the short commit, or the content hash and how it differs from git's HEAD."""
+    if not tree:
+        return "unknown"
+    if tree.get("commit"):
+        return tree["commit"][:7]
+    head = f"; HEAD {tree['head'][:7]} differs in {tree['differs']['count']} file(s)" if tree.get("head") else ""
+    return f"content {tree['hash']} (not a commit{head})"
+
+
 def find_commits(hash_: str, revs: int = 200, root: Path = REPO) -> list[str]:
     """The commits (of the last `revs` of every branch) whose tree hashes to `hash_`."""
     found = []
