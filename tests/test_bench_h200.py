@@ -282,3 +282,37 @@ def test_base_tree_writes_another_commits_tree(tmp_path):
     assert (repo / ".base" / "BASE_REV").read_text().strip() == first
     r = subprocess.run(["bash", str(repo / "bench" / "base_tree.sh"), "nosuchrev"], capture_output=True, text=True)
     assert r.returncode == 2 and "nosuchrev is not a commit" in r.stderr
+
+
+def test_e2e_runs_the_named_runs_and_keeps_each_summary_with_the_tree(tmp_path, monkeypatch):
+    """The e2e section without a GPU: the train stage replaced by one that writes what it writes (summary.json,
+    metrics.jsonl); the runs named by the option run in the table's order, each summary is copied out with the
+    bench's command and tree (`bench`, which bench/history.py reads), and the warm restart reads its first step."""
+    calls = []
+
+    def stage(*args):
+        calls.append(args)
+        if args[0] == "train":
+            name = next(a.split("=", 1)[1] for a in args if a.startswith("run_name="))
+            run = tmp_path / "results" / "runs" / name
+            run.mkdir(parents=True, exist_ok=True)
+            (run / "summary.json").write_text(json.dumps({
+                "run_id": name, "steps": 3, "throughput": {"ktok_per_s": 12.5}, "status": "completed",
+                "compile": {"graphs": 4, "warmup_s": 2.0, "cache_hits": 4, "per_device": [{"device": "cuda:0"}]},
+                "seconds_to_first_step": 9.5}))
+            (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "elapsed_s": 0.25}) + "\n")
+        return type("R", (), {"returncode": 0, "stderr": "log"})(), 1.0
+    monkeypatch.setattr(e2e, "dflash_stage", stage)
+    monkeypatch.setattr(e2e, "REPO", tmp_path)
+    record = {"command": "python3 bench/h200.py --sections e2e", "tree": {"hash": "0" * 16, "commit": "c" * 40}}
+    res = e2e.e2e(Job(tmp_path, {"runs": "restart,1t1d-fp8", "skip_stages": ""}, steps=3, record=record))
+    assert [a[0] for a in calls] == ["target", "data", "train", "train"]      # stages once, then the table's order
+    assert "run_name=h200-restart" in calls[2] and "train.precision=fp8" in calls[3] and "train.steps=3" in calls[3]
+    assert res["1t1d-fp8"]["throughput"] == {"ktok_per_s": 12.5} and "per_device" not in res["1t1d-fp8"]["compile"]
+    assert res["warm_restart"] == {"wall_s": 1.0, "first_logged_step_elapsed_s": 0.25, "exit": 0,
+                                   "seconds_to_first_step": 9.5, "warmup_s": 2.0, "cache_hits": 4, "graphs": 4}
+    kept = json.loads((tmp_path / "summary-1t1d-fp8.json").read_text())
+    assert kept["bench"] == record and kept["run_id"] == "h200-1t1d-fp8"
+    calls.clear()   # a misspelt run (1t1d-tc: renamed 1t1d since config/h200.yaml compiles the target) runs nothing
+    res = e2e.e2e(Job(tmp_path, {"runs": "1t1d,1t1d-tc", "skip_stages": "1"}, steps=3))
+    assert calls == [] and "unknown BENCH_E2E_RUNS / e2e.runs 1t1d-tc" in res["error"]

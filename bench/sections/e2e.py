@@ -79,10 +79,13 @@ def train_run(job, name: str, config: str, sets: list[str], extra=()) -> dict:
 
 def e2e(job, extra=()) -> dict:
     """The train stage end to end, one run per name of option `runs` (default: every entry of e2e_runs() but those in
-    OPT_IN); each config's target and data stages run once, before its first run (option skip_stages: already built,
-    by another bench process)."""
+    OPT_IN; a name not in e2e_runs() is refused before anything runs), in the table's order; each config's target and
+    data stages run once, before its first run (option skip_stages: already built, by another bench process)."""
     runs = e2e_runs()
     wanted = (job.opts["runs"] or ",".join(k for k in runs if k not in OPT_IN)).split(",")
+    unknown = [w for w in wanted if w not in runs]
+    if unknown:   # a misspelt name would run nothing for it, silently
+        return {"error": f"unknown BENCH_E2E_RUNS / e2e.runs {', '.join(unknown)}; known: {', '.join(runs)}"}
     res, ready = {}, {}
     for name, (config, sets) in runs.items():
         if name not in wanted:
