@@ -477,7 +477,7 @@ class Bench:
         build = REPO / self.cfg.target.path / "build.json"
         env = next((json.loads((self.run_dir(r["run"]) / "summary.json").read_text()).get("env") or {} for r in rows), {})
         trained = [r for r in rows if r["recipe"] != "pipeline"]
-        head = envelope()
+        head = envelope(getattr(self.args, "argv", None))
         doc = {**head, "config": self.args.config,
                "mode": "steps" if self.args.steps else "solo" if self.args.solo else "time", "steps": self.args.steps,
                "seconds": trained[0].get("time_budget_s") if trained else None,
@@ -715,6 +715,7 @@ def main(argv=None) -> int:
         p.error(f"--steps {args.steps}: give a number of optimizer steps >= 1")
     if args.solo and (args.steps or args.parallel != 1):
         p.error("--solo trains one recipe at a time at the config's time budget: no --steps, no --parallel")
+    args.argv = argv   # the envelope's command (None: sys.argv)
     bench = Bench(args)
     code = 0
     for part in parts:
