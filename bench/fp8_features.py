@@ -1,6 +1,6 @@
 """The target-FP8 switch (train.fp8_target) against bf16 on what the drafter reads: the target's captured features.
-Shared by bench/h200.py's fp8 section (the random Qwen3-8B-shaped target) and bench/quality.py's fp8_features part
-(the pipeline's pre-trained code target on its held-out conversations).
+Shared by bench/h200.py's fp8 section (bench/sections/target.py: the random Qwen3-8B-shaped target) and
+bench/quality.py's fp8_features part (the pipeline's pre-trained code target on its held-out conversations).
 
 - `capture_both(model, ctx, measure)`: a training run's capture of `model` (dflash.train.features.run_capture on
   ctx.drafter_config's target layers, ctx.cfg.train's objective) with train.fp8_target off, then on. The second one

@@ -98,8 +98,10 @@ def e2e(job, extra=()) -> dict:
         if not ready[config]:
             continue
         (job.out / "e2e_partial.json").write_text(json.dumps(res, indent=1))
-        res["warm_restart" if sets is None else name] = warm_restart(extra) if sets is None else \
-            train_run(job, name, config, sets, extra)
+        if sets is None:
+            res["warm_restart"] = warm_restart(extra)
+        else:
+            res[name] = train_run(job, name, config, sets, extra)
     return res
 
 
