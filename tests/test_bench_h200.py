@@ -96,6 +96,19 @@ def test_a_run_records_its_envelope_options_and_each_section(tmp_path, monkeypat
     assert doc["mask_section_s"] >= 0 and doc["loss_section_s"] >= 0
 
 
+def test_specforge_is_given_the_configs_shapes():
+    """SpecForge's step is built from the same config as ours (its test needs the wheel; this one does not): every
+    model argument of specforge_step, from config/h200.yaml."""
+    import inspect
+    theirs = drafter.specforge_shape(shapes.load())
+    params = set(inspect.signature(drafter.specforge_step).parameters) - {"num_anchors", "feats", "ids", "loss_mask",
+                                                                            "attention"}
+    assert set(theirs) == params
+    assert theirs == {"vocab": 151936, "layers": 5, "heads": (32, 8, 128), "inter": 12288, "target_layers": 36,
+                      "context_layers": 5, "rope_theta": 1e6, "rms_norm_eps": 1e-6, "max_positions": 40960,
+                      "mask_id": 151669, "block": 16, "gamma": 7.0, "lr": 6e-4}
+
+
 def test_the_drafter_step_module_leaves_dflash_to_the_base_tree():
     """drafter_variants' `base:` processes import bench.sections.drafter, then put another tree's dflash first on
     sys.path: nothing bench imports at module level may have imported dflash already."""
@@ -123,7 +136,8 @@ def test_specforge_step_runs_on_cpu():
     feats, ids = torch.randn(1, 128, 5 * 32, generator=g), torch.randint(0, 200, (1, 128), generator=g)
     step = drafter.specforge_step(8, feats, ids, torch.ones(1, 128, dtype=torch.bool), vocab=200, layers=1,
                                   heads=(2, 1, 16), inter=64, target_layers=36, context_layers=5, rope_theta=1e6,
-                                  max_positions=4096, mask_id=199, block=16, gamma=7.0, lr=6e-4, attention="sdpa")
+                                  rms_norm_eps=1e-6, max_positions=4096, mask_id=199, block=16, gamma=7.0, lr=6e-4,
+                                  attention="sdpa")
     losses = [float(step()) for _ in range(2)]
     assert all(4 < x < 7 for x in losses)   # about log(200): a real CE over the vocabulary
 

@@ -156,13 +156,13 @@ def specforge_shape(sh) -> dict:
     d = sh.drafter_config()
     return {"vocab": sh.vocab, "layers": d.num_layers, "heads": (d.num_attention_heads, d.num_key_value_heads,
             d.head_dim), "inter": d.intermediate_size, "target_layers": sh.arch.num_hidden_layers,
-            "context_layers": d.num_context_layers, "rope_theta": d.rope_theta,
+            "context_layers": d.num_context_layers, "rope_theta": d.rope_theta, "rms_norm_eps": d.rms_norm_eps,
             "max_positions": d.max_position_embeddings, "mask_id": sh.mask_id,
             "block": sh.block, "gamma": sh.gamma, "lr": sh.cfg.train.lr}
 
 
 def specforge_step(num_anchors, feats, ids, loss_mask, *, vocab, layers, heads, inter, target_layers, context_layers,
-                   rope_theta, max_positions, mask_id, block, gamma, lr, attention="flex_attention"):
+                   rope_theta, rms_norm_eps, max_positions, mask_id, block, gamma, lr, attention="flex_attention"):
     """SpecForge's DFlash training step as its trainer runs it: OnlineDFlashModel (bf16 weights, its own anchor
     sampling, block mask and chunked loss) + BF16Optimizer (fp32 master weights, AdamW, clip, cosine).
     feats [1, S, context_layers*hidden] (their dtype is the model's), ids [1, S], loss_mask [1, S]."""
@@ -170,7 +170,7 @@ def specforge_step(num_anchors, feats, ids, loss_mask, *, vocab, layers, heads, 
     fam, draft, optmod, _ = load_specforge()
     h = feats.shape[-1] // context_layers
     cfg = Qwen3Config(hidden_size=h, num_attention_heads=heads[0], num_key_value_heads=heads[1], head_dim=heads[2],
-                      intermediate_size=inter, num_hidden_layers=layers, vocab_size=vocab, rms_norm_eps=1e-6,
+                      intermediate_size=inter, num_hidden_layers=layers, vocab_size=vocab, rms_norm_eps=rms_norm_eps,
                       rope_theta=rope_theta, max_position_embeddings=max_positions)
     cfg.block_size, cfg.num_target_layers = block, target_layers
     cfg.dflash_config = {"target_layer_ids": draft.build_target_layer_ids(target_layers, context_layers),
