@@ -5,8 +5,8 @@ memory-mapped Arrow files are page cache the kernel can reclaim), sampled every 
     python bench/data_scale.py --target results/target/tiny --sizes 50000,200000 --out /tmp/data_scale.json
 
 Conversations: 1-3 turns, a system prompt on some, answers of 20-120 words drawn from a fixed vocabulary (seeded);
-the tokenizer is the target's. The JSON holds the command, date, versions, and per size: seconds, conversations/s,
-peak RSS in MB, samples, tokens.
+the tokenizer is the target's. The JSON holds bench/common.py's envelope (command, date, versions, tree), the datasets
+version and CPU count, and per size: seconds, conversations/s, peak RSS in MB, samples, tokens.
 """
 from __future__ import annotations
 
@@ -18,10 +18,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from bench.common import Record  # noqa: E402
+
 WORDS = ("return the value of a list string object function module class method argument keyword default file "
          "path number items sequence iterator generator error raise index key dictionary set tuple integer float "
          "byte encoding line text pattern match group format time date zone thread lock queue process").split()
@@ -89,16 +91,14 @@ def main(argv=None):
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     import datasets
-    import transformers
-    rep = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "date": datetime.now(timezone.utc).isoformat(),
-           "transformers": transformers.__version__, "datasets": datasets.__version__, "cpus": os.cpu_count(),
-           "results": []}
+    rep = Record(a.out, argv)
+    rep.update(datasets=datasets.__version__, cpus=os.cpu_count(), results=[])
     with tempfile.TemporaryDirectory() as tmp:
         for n in (int(x) for x in a.sizes.split(",")):
             r = run(a.target, n, a.num_proc, Path(tmp))
             print(json.dumps(r), flush=True)
             rep["results"].append(r)
-            Path(a.out).write_text(json.dumps(rep, indent=2) + "\n")
+            rep.save()
     return 0
 
 

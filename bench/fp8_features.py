@@ -1,6 +1,6 @@
 """The target-FP8 switch (train.fp8_target) against bf16 on what the drafter reads: the target's captured features.
-Shared by bench/h200.py's fp8 section (the random Qwen3-8B-shaped target) and bench/quality.py's fp8_features part
-(the pipeline's pre-trained code target on its held-out conversations).
+Shared by bench/h200.py's fp8 section (bench/sections/target.py: the random Qwen3-8B-shaped target) and
+bench/quality.py's fp8_features part (the pipeline's pre-trained code target on its held-out conversations).
 
 - `capture_both(model, ctx, measure)`: a training run's capture of `model` (dflash.train.features.run_capture on
   ctx.drafter_config's target layers, ctx.cfg.train's objective) with train.fp8_target off, then on. The second one
@@ -11,8 +11,9 @@ Shared by bench/h200.py's fp8 section (the random Qwen3-8B-shaped target) and be
 """
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
+
+from bench.common import Stopwatch
 
 
 def capture_both(model, ctx, measure) -> tuple[dict, float]:
@@ -23,13 +24,13 @@ def capture_both(model, ctx, measure) -> tuple[dict, float]:
     device = next(model.parameters()).device
     for name, on in (("bf16", False), ("fp8", True)):
         train = ctx.cfg.train.model_copy(update={"fp8_target": on})
-        t0 = time.perf_counter()
+        quantize = Stopwatch()
         capture = run_capture(model, SimpleNamespace(drafter_config=ctx.drafter_config,
                                                      cfg=ctx.cfg.model_copy(update={"train": train})))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if on:
-            quantize_s = time.perf_counter() - t0
+            quantize_s = quantize.s
         try:
             feats.update({label: f.float() for label, f in measure(name, capture).items()})
         finally:

@@ -18,7 +18,8 @@ part cannot eat the others' time):
 Placement on N GPUs: the seed's 5 targets : 3 drafters scaled, round(5N/8) target GPUs (at least one of each side):
 2 GPUs 1 : 1, 4 GPUs 2 : 2, 8 GPUs 5 : 3.
 
-Writes OUT/multi_gpu.json (every part's figures, checks and full summary), OUT/report.md (the pipeline's report) and
+Writes OUT/multi_gpu.json (bench/common.py's envelope: command, date, devices, versions, tree; every part's figures,
+checks and full summary), OUT/report.md (the pipeline's report) and
 OUT/runs.tar.gz (summaries, metrics, snakemake and stage logs, the report folder); prints one line per part.
 """
 from __future__ import annotations
@@ -34,11 +35,11 @@ import subprocess
 import sys
 import tarfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from bench.common import Budget, Record, Stopwatch  # noqa: E402
 ONE_GPU = REPO / "bench/results/2026-11-29-h200-r3/summary-1t1d-7bbc115.json"   # 1 target + 1 drafter, one H200
 FX_ERROR = "symbolically trace a dynamo-optimized function"
 CRITERION = ("Ktok/s per GPU against the one-GPU figure (1 target + 1 drafter on one H200, {k:.2f} Ktok/s): in a "
@@ -56,21 +57,13 @@ def split(n: int) -> tuple[int, int]:
     return t, n - t
 
 
-class Budget:
-    def __init__(self, seconds: float, reserve: float = 20.0):
-        self.end, self.reserve = time.monotonic() + seconds, reserve
-
-    def left(self, cap: float) -> float:
-        return max(0.0, min(cap, self.end - time.monotonic() - self.reserve))
-
-
 class Driver:
     def __init__(self, args):
         self.args, self.cpu = args, args.cpu
         self.out = Path(args.out)
         self.logs = self.out / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
-        self.budget = Budget(args.budget)
+        self.budget = Budget(args.budget, reserve=20.0)
         self.config = "config/config.yaml" if self.cpu else args.config
         if self.cpu:   # config.yaml's own placement: 1 target + 2 drafter replicas on the CPU, gloo
             self.targets, self.drafters, self.gpus = ["cpu"], ["cpu", "cpu"], 0
@@ -133,10 +126,10 @@ class Driver:
         targets = [] if name == self.args.full else [str(Path(self.results) / "runs" / run / "summary.json")]
         cmd = self.snakemake(run, self.train_keys(runtime, self.args.steps, **train), targets, extra=["-R", "train"])
         log = self.logs / f"snakemake-{name}.log"
-        t0 = time.monotonic()
+        wall = Stopwatch()
         code, timed_out = self.finish(self.start(cmd, log), self.budget.left(cap), self.run_dir(run))
         res = {"run": run, "command": shlex.join(cmd[1:]), "exit": code, "timed_out": timed_out,
-               "wall_s": round(time.monotonic() - t0, 1)}
+               "wall_s": round(wall.s, 1)}
         return {**res, **self.read_run(run, [log])}
 
     def kill(self, cap: float) -> dict:
@@ -323,22 +316,15 @@ def main(argv=None) -> int:
         p.error("--gpus: at least 2 (a target GPU and a drafter GPU)")
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     drv = Driver(args)
-    t0 = time.monotonic()
-    result = {"command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
-              "date": datetime.now(timezone.utc).isoformat(), "layout": {"targets": drv.targets,
-                                                                         "drafters": drv.drafters},
-              "one_gpu_ktok_per_s": one_gpu_figure(), "one_gpu_source": str(ONE_GPU.relative_to(REPO)),
-              "per_gpu_criterion": CRITERION.format(k=one_gpu_figure() or float("nan"),
-                                                    bar=0.9 * (one_gpu_figure() or float("nan"))), "parts": {}}
-    try:
-        import torch
-        result["torch"] = torch.__version__
-        result["devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    except Exception as e:  # noqa: BLE001
-        result["torch"] = repr(e)
+    total = Stopwatch()
+    result = Record(drv.out / "multi_gpu.json", argv)
+    result.update(layout={"targets": drv.targets, "drafters": drv.drafters},
+                  one_gpu_ktok_per_s=one_gpu_figure(), one_gpu_source=str(ONE_GPU.relative_to(REPO)),
+                  per_gpu_criterion=CRITERION.format(k=one_gpu_figure() or float("nan"),
+                                                     bar=0.9 * (one_gpu_figure() or float("nan"))), parts={})
     caps = {"dist": 300, "threads": 300, "kill": 240, "coloc": 300, "coloc_dist": 300}   # the first part builds target, data, warm-up
     for part in args.parts.split(","):
-        t = time.monotonic()
+        wall = Stopwatch()
         if part == "dist":
             r = drv.pipeline("dist", "distributed", caps[part])
         elif part == "threads":
@@ -352,13 +338,13 @@ def main(argv=None) -> int:
             r["steps_wanted"] = args.kill_steps
         else:
             p.error(f"--parts: unknown part {part!r} (dist, threads, kill, coloc, coloc_dist)")
-        r["part_s"] = round(time.monotonic() - t, 1)
+        r["part_s"] = round(wall.s, 1)
         result["parts"][part] = r
         print(line(part, r), flush=True)
-        (drv.out / "multi_gpu.json").write_text(json.dumps(result, indent=1, default=str))
+        result.save()
     result["verdicts"] = verdicts(result["parts"], result["one_gpu_ktok_per_s"], args.steps)
-    result["total_s"] = round(time.monotonic() - t0, 1)
-    (drv.out / "multi_gpu.json").write_text(json.dumps(result, indent=1, default=str))
+    result["total_s"] = round(total.s, 1)
+    result.save()
     collect(drv)
     print("verdicts:", json.dumps(result["verdicts"]), f"total {result['total_s']} s", flush=True)
     return 0 if result["verdicts"] and all(v is not False for v in result["verdicts"].values()) else 1

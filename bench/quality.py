@@ -16,10 +16,10 @@ next part still runs, the exit code then 1):
             the GPU for its `train.time_budget_s`, evaluates it (temperature 0), exports, reports. Reruns nothing done.
   fp8_features  train.fp8_target's cost in features: the pipeline's target loaded as the train stage loads it, its
             captured layers (the drafter's target layers) over every held-out conversation with bf16 weights, then with
-            the FP8 copies a run makes (bench/fp8_features.py, shared with bench/h200.py's fp8 section): ||f_fp8 -
-            f_bf16|| / ||f_bf16||, overall and per layer, into the state (and quality.json, quality.md). Skipped with
-            the reason where train.fp8_target cannot run (no CUDA GPU of compute capability >= 8.9); the CPU dry run
-            measures it with torch's CPU FP8 matmul (tests/test_fp8.py runs the same code there).
+            the FP8 copies a run makes (bench/fp8_features.py, shared with bench/h200.py's fp8 section):
+            ||f_fp8 - f_bf16|| / ||f_bf16||, overall and per layer, into the state (and quality.json, quality.md).
+            Skipped with the reason where train.fp8_target cannot run (no CUDA GPU of compute capability >= 8.9);
+            the CPU dry run measures it with torch's CPU FP8 matmul (tests/test_fp8.py runs the same code there).
   train     each recipe not yet trained: `python -m dflash train` on the pipeline's target and data with the recipe's
             keys, into results/runs/<run>. Solo (--solo): one at a time, alone on the GPU, at CONFIG's own
             train.time_budget_s and in-training evaluations, run qs-<recipe>; a run cut at the call's end checkpoints
@@ -76,11 +76,11 @@ import sys
 import tarfile
 import time
 import traceback
-from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from bench.common import Budget, Stopwatch, envelope, tree_label  # noqa: E402
 
 RECIPES: dict[str, dict] = {
     "baseline": {},
@@ -179,14 +179,6 @@ def stop(*procs: subprocess.Popen, grace: float = 20.0) -> None:
             p.wait()
 
 
-class Budget:
-    def __init__(self, seconds: float):
-        self.end = time.monotonic() + seconds
-
-    def left(self) -> float:
-        return self.end - time.monotonic()
-
-
 class Bench:
     def __init__(self, args):
         self.args = args
@@ -242,16 +234,15 @@ class Bench:
         cmd = [sys.executable, "-m", "snakemake", "--cores", "all", "--configfile", self.config]
         cmd += [] if self.args.cpu else ["--resources", "gpu=1"]
         cmd += ["--until", self.args.until] if self.args.until else []
-        t0 = time.monotonic()
+        wall = Stopwatch()
         code = self.sh(cmd, self.logs / "pipeline.log", self.budget.left() - 15)
         if code is None:   # killed at the budget: leave the folder usable for the next call
             subprocess.run([sys.executable, "-m", "snakemake", "--unlock", "--configfile", self.config], cwd=REPO,
                            capture_output=True, timeout=120)
         key = f"pipeline --until {self.args.until}" if self.args.until else "pipeline"
-        self.state["commands"][key] = {"command": shlex.join(cmd[1:]), "exit": code,
-                                       "wall_s": round(time.monotonic() - t0, 1)}
+        self.state["commands"][key] = {"command": shlex.join(cmd[1:]), "exit": code, "wall_s": round(wall.s, 1)}
         self.save_state()
-        print(f"{key}: exit {code} in {time.monotonic() - t0:.0f} s", flush=True)
+        print(f"{key}: exit {code} in {wall.s:.0f} s", flush=True)
 
     def run_name(self, name: str) -> str:
         """A recipe's run: q-<recipe> at equal (shared) time, qs-<recipe> alone on the GPU (--solo), q-s<N>-<recipe>
@@ -374,13 +365,13 @@ class Bench:
         if self.budget.left() < FP8_FEATURES_S:   # no timeout of its own (it runs here): not started near the end
             print(f"fp8_features: not started, {self.budget.left():.0f} s left (< {FP8_FEATURES_S} s)", flush=True)
             return
-        t0 = time.monotonic()
+        wall = Stopwatch()
         try:   # GPU code in this process: an error is recorded (not a measurement: tried again) and the call goes on
             res = self.measure_fp8_features()
         except Exception as e:
             traceback.print_exc()
             res = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
-        res["wall_s"] = round(time.monotonic() - t0, 1)
+        res["wall_s"] = round(wall.s, 1)
         self.state["fp8_features"] = res
         self.save_state()
         print(f"fp8_features: {json.dumps(res)}", flush=True)
@@ -486,12 +477,14 @@ class Bench:
         build = REPO / self.cfg.target.path / "build.json"
         env = next((json.loads((self.run_dir(r["run"]) / "summary.json").read_text()).get("env") or {} for r in rows), {})
         trained = [r for r in rows if r["recipe"] != "pipeline"]
-        doc = {"date": datetime.now(timezone.utc).isoformat(), "config": self.args.config,
+        head = envelope(getattr(self.args, "argv", None))
+        doc = {**head, "config": self.args.config,
                "mode": "steps" if self.args.steps else "solo" if self.args.solo else "time", "steps": self.args.steps,
                "seconds": trained[0].get("time_budget_s") if trained else None,
                "parallel": max((r.get("parallel") or 1 for r in trained), default=None),
-               "device": ", ".join((env.get("gpu") or {}).get("models") or ["cpu"]),
-               "torch": (env.get("packages") or {}).get("torch"), "git": git_rev(), "rows": rows,
+               # the runs' device and torch (each run's fingerprint), else this process's
+               "device": ", ".join((env.get("gpu") or {}).get("models") or []) or head["device"],
+               "torch": (env.get("packages") or {}).get("torch") or head["torch"], "rows": rows,
                "baseline_tau_t0_mean": mean, "baseline_seed_spread_t0": spread,
                "bf16_seeds": [r["recipe"] for r in seeds], "fp8_features": self.state.get("fp8_features"),
                "target_build": json.loads(build.read_text()) if build.exists() else None,
@@ -584,7 +577,7 @@ def markdown(doc: dict) -> str:
     failed = [f"- {r['recipe']}: run {r.get('status')} at step {r.get('steps')}: {r.get('failure') or 'no message'}"
               for r in doc["rows"] if not completed(r)]
     return (f"# Quality{' at equal steps' if steps else ''}, {doc['date'][:10]}, {doc['device']}, torch {doc['torch']}, "
-            f"tree {doc['git']}\n\n{intro}\n\n" + head + "\n".join(lines) + "\n"
+            f"tree {doc.get('git') or tree_label(doc.get('tree'))}\n\n{intro}\n\n" + head + "\n".join(lines) + "\n"
             + ("\nRuns that did not complete (no tau: they are out of the comparison):\n" + "\n".join(failed) + "\n"
                if failed else "") + features_md(doc.get("fp8_features")))
 
@@ -694,14 +687,6 @@ def curve_points(curve: list[dict], by_step: bool) -> list[tuple[float, float]]:
     return pts
 
 
-def git_rev() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
@@ -730,6 +715,7 @@ def main(argv=None) -> int:
         p.error(f"--steps {args.steps}: give a number of optimizer steps >= 1")
     if args.solo and (args.steps or args.parallel != 1):
         p.error("--solo trains one recipe at a time at the config's time budget: no --steps, no --parallel")
+    args.argv = argv   # the envelope's command (None: sys.argv)
     bench = Bench(args)
     code = 0
     for part in parts:

@@ -46,8 +46,8 @@ CUDA graph capture and allocator growth happen there), then on all prompts with 
                                -gqa: with our grouped decode attention instead of transformers' sdpa
 A static-N variant's decoder is made before the warm-up for the timed pass's length, so the warm-up compiles and
 records what the timed pass replays.
-The JSON (written after every variant, so a timeout keeps what finished) holds the command, date, torch and
-transformers versions, device, the config, and per variant: tokens, seconds, tokens/s, ms per decode step (the
+The JSON (written after every variant, so a timeout keeps what finished) holds bench/common.py's envelope (the
+command, date, device, versions, the tree), the config, and per variant: tokens, seconds, tokens/s, ms per decode step (the
 wall time over batches x new tokens: the prefill included), peak GPU memory, or the error. Every variant but the
 reference (the first static-* listed, else the first listed) also gets `greedy_vs`: the count of its sequences
 identical token for token to the reference's (`identical_sequences` of `sequences`) and the mean length of their
@@ -59,7 +59,7 @@ torch.profiler over one batch with --profile-steps decode steps after the timed 
 `bench.traces.step_table` (per decode step: ms per group gemm / attention / elementwise+copies / sampling / other
 and the top kernels, over the steps whose kernels the trace holds: steps_with_work of steps; outside the steps: the
 prefill and the loop's bookkeeping), the chrome trace kept gzipped beside the JSON
-(`<out>-profile-<variant>.json.gz`) when under 15 MiB (the device returns files up to 16).
+(`<out>-profile-<variant>.trace.json.gz`, git-ignored) when under 15 MiB (the device returns files up to 16).
 
 Where a static-512 pass goes on the H200 (r7, `bench/results/2026-12-01-h200-r7/`): with the whole-batch prefill
 (`-prefill0`) 7,413 tok/s, the prefill 8.5 s of the 17.7 s pass, 255 decode steps of 35.9 ms; a decode step is 22.6 ms
@@ -95,19 +95,23 @@ import sys
 import tempfile
 import time
 import traceback
-from datetime import datetime, timezone
 from pathlib import Path
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from bench.common import Record, Stopwatch  # noqa: E402
+from bench.traces import TRACE_SUFFIX  # noqa: E402
 
-QWEN3_8B = {"num_hidden_layers": 36, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
-            "head_dim": 128, "intermediate_size": 12288, "vocab_size": 151936, "max_position_embeddings": 40960,
-            "rope_theta": 1000000.0}
 TINY = {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1,
         "head_dim": 16, "intermediate_size": 64, "vocab_size": 384, "max_position_embeddings": 1024,
         "rope_theta": 10000.0}
+
+
+def h200_arch() -> dict:
+    """config/h200.yaml's `target.arch` (the Qwen3-8B shape)."""
+    from bench import shapes
+    return shapes.load(shapes.H200).arch.model_dump()
 
 
 def build(arch: dict, device: str, dtype: str, folder: Path):
@@ -278,7 +282,7 @@ class PhaseClock:
 def profile_decode(go, prompts, batch, steps, trace_out: Path) -> dict:
     """torch.profiler (CPU, and CUDA on a GPU) over one generate call of `batch` prompts with `steps` decode steps,
     after the variant's timed pass (compiled, graphs recorded), reduced by `bench.traces.step_table`; the chrome
-    trace is kept gzipped at `trace_out` when under `bench.traces.KEEP_MB`."""
+    trace is kept gzipped at `trace_out` when under `bench.traces.KEEP_MB` (bench.traces.keep)."""
     import gzip
     import shutil
 
@@ -295,11 +299,7 @@ def profile_decode(go, prompts, batch, steps, trace_out: Path) -> dict:
         res = {"steps_asked": steps, "table": traces.step_table(raw, "decode_step")}
         with open(raw, "rb") as f, gzip.open(Path(tmp) / "trace.json.gz", "wb") as g:
             shutil.copyfileobj(f, g)
-        mb = (Path(tmp) / "trace.json.gz").stat().st_size / 2**20
-        res["trace_mb"] = round(mb, 2)
-        if mb < traces.KEEP_MB:
-            shutil.copy(Path(tmp) / "trace.json.gz", trace_out)
-            res["trace_file"] = trace_out.name
+        res.update(traces.keep(Path(tmp) / "trace.json.gz", trace_out))
     return res
 
 
@@ -432,9 +432,6 @@ def main(argv=None):
                    "torch.profiler over one batch with --profile-steps decode steps after the timed pass")
     p.add_argument("--profile-steps", type=int, default=8, help="decode steps in a profile (default 8)")
     args = p.parse_args(argv)
-    import torch
-    import transformers
-
     tiny = args.tiny
     device = args.device or ("cpu" if tiny else "cuda")
     n = args.prompts or (16 if tiny else 512)
@@ -445,20 +442,19 @@ def main(argv=None):
     profiled = set(filter(None, args.profile.split(",")))
     if profiled - {v["name"] for v in variants}:
         raise SystemExit(f"--profile: {sorted(profiled - {v['name'] for v in variants})} not in --variants")
-    arch = TINY if tiny else QWEN3_8B
+    arch = TINY if tiny else h200_arch()
     dtype = "float32" if device == "cpu" else "bfloat16"
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "date": datetime.now(timezone.utc).isoformat(),
-              "torch": torch.__version__, "transformers": transformers.__version__,
-              "device": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu",
-              "config": {"arch": arch, "dtype": dtype, "prompts": n, "new_tokens": new, "prompt_lengths": lengths,
-                         "greedy": True, "stop_tokens": "ignored (exactly new_tokens per prompt)"},
-              "results": []}
-    t0 = time.time()
+    report = Record(out, argv)
+    if not device.startswith("cuda"):
+        report["device"] = "cpu"   # the device generating, not the first GPU of the machine
+    report.update(config={"arch": arch, "dtype": dtype, "prompts": n, "new_tokens": new, "prompt_lengths": lengths,
+                          "greedy": True, "stop_tokens": "ignored (exactly new_tokens per prompt)"}, results=[])
+    wall = Stopwatch()
     with tempfile.TemporaryDirectory() as tmp:
         model, tokenizer = build(arch, device, dtype, Path(tmp) / "target")
-        report["build_s"] = round(time.time() - t0, 1)
+        report["build_s"] = round(wall.s, 1)
         prompts = make_prompts(tokenizer, arch["vocab_size"], n, lengths)
         ref = next((v["name"] for v in variants if v.get("decoder") == "static"), variants[0]["name"])
         seqs = {}                                      # variant -> greedy sequences, held to the reference's
@@ -466,7 +462,7 @@ def main(argv=None):
             try:
                 r, seqs[var["name"]] = run_variant(
                     model, tokenizer, prompts, new, var, device, args.profile_steps if var["name"] in profiled else 0,
-                    out.with_name(f"{out.stem}-profile-{var['name']}.json.gz"))
+                    out.with_name(f"{out.stem}-profile-{var['name']}{TRACE_SUFFIX}"))
             except Exception as e:                     # OOM, an unsupported variant: recorded, the others still run
                 r = {"variant": var["name"], "error": f"{type(e).__name__}: {str(e)[:500]}",
                      "traceback": traceback.format_exc()[-2000:]}
@@ -483,12 +479,12 @@ def main(argv=None):
                                   "outside_ms": t["outside"]["ms"]}), flush=True)
             elif "error" in r.get("profile", {}):
                 print(json.dumps({"profile": r["variant"], "error": r["profile"]["error"]}), flush=True)
-            out.write_text(json.dumps(report, indent=2) + "\n")
+            report.save()
     ok = [r for r in report["results"] if "tokens_per_s" in r]
     if ok:
         best = max(ok, key=lambda r: r["tokens_per_s"])
         report["best"] = {"variant": best["variant"], "tokens_per_s": best["tokens_per_s"]}
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    report.save()
     print(f"best: {report.get('best')} -> {out}")
     return 0 if ok else 1
 

@@ -7,6 +7,8 @@
 - `step_table(path, annotation)`: a window of annotated steps (bench/regen.py `--profile`: decode steps): the work
   launched inside the annotated ranges, per step, and the rest, each in groups (`group`: gemm, attention,
   fp8 scale+cast, elementwise+copies, sampling, other) and top names.
+- `keep(trace, dest)`: a gzipped trace copied beside the results (named `*.trace.json.gz`, git-ignored) when small
+  enough for the device to bring back.
 Times in ms. CPU ops are those of the profiling thread only (torch.profiler records the thread that opens it).
 """
 from __future__ import annotations
@@ -14,10 +16,13 @@ from __future__ import annotations
 import gzip
 import json
 import re
+import shutil
 from bisect import bisect_right
 from collections import defaultdict
+from pathlib import Path
 
 KEEP_MB = 15   # a gzipped trace is kept beside the results below this: the device returns files of at most 16 MiB
+TRACE_SUFFIX = ".trace.json.gz"   # a kept trace's name ends so: git-ignored (.gitignore), traces stay out of git
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 PHASES = ("queue_wait", "drafter_fwd_bwd", "optimizer")   # record_function ranges of the trainer loop
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy", "aten::item",
@@ -32,6 +37,15 @@ GROUPS = (("attention", r"attention|attn|fmha|flash|sdpa|flex|decoding"),
           ("sampling", r"(^|[_:.])(argmax|argmin|softmax|multinomial|topk|sort|isin)"),
           ("elementwise+copies", r"^triton_|elementwise|vectorized|copy|memcpy|memset|fill|index|cat|gather|scatter"
                                  r"|reduce|^aten::"))
+
+
+def keep(trace, dest) -> dict:
+    """{trace_mb} of a gzipped trace, and a copy at `dest` ({trace_file: its name}) when under KEEP_MB."""
+    mb = Path(trace).stat().st_size / 2**20
+    if mb >= KEEP_MB:
+        return {"trace_mb": round(mb, 2)}
+    shutil.copy(trace, dest)
+    return {"trace_mb": round(mb, 2), "trace_file": Path(dest).name}
 
 
 def group(name: str) -> str:

@@ -334,6 +334,10 @@ def test_cpu_dry_run_at_equal_steps_end_to_end(tmp_path):
     assert 1e-3 < f["rel_err"] < 0.1 and set(f["rel_err_per_layer"]) == {"0", "2"}   # e4m3 rounding, not bf16's
     md = (out / "quality.md").read_text()
     assert "# Quality at equal steps" in md and "exactly 2 optimizer steps" in md and "| fp8 |" not in md
+    from bench.common import tree_label   # the envelope's tree (files hashed), not git's word; named in the title
+    assert "git" not in doc and len(doc["tree"]["hash"]) == 16 and md.splitlines()[0].endswith(
+        f"tree {tree_label(doc['tree'])}")
+    assert doc["command"].endswith("--parts fp8_features,train,eval,table") and "--cpu" in doc["command"]
 
 
 def test_a_part_that_raises_leaves_the_later_parts_their_turn(tmp_path, monkeypatch):
