@@ -20,7 +20,13 @@ $(STAMP): envs/requirements.txt pyproject.toml
 	touch $(STAMP)
 
 # The rules run the interpreter Snakemake runs in: no PATH set-up. The default config is read by the workflow itself
-# (a YAML error names its line and column); another one is handed over with --configfile.
+# (a YAML error names its line and column); another one is handed over with --configfile. A CONFIG that is not a file
+# is refused in one line before anything is built (Snakemake answers a missing --configfile with a traceback).
+ifneq ($(filter demo,$(MAKECMDGOALS)),)
+ifeq ($(wildcard $(CONFIG)),)
+$(error CONFIG=$(CONFIG): no such file; the configs are: $(wildcard config/*.yaml))
+endif
+endif
 demo: $(STAMP)
 	$(BIN)/snakemake --cores $(CORES) $(if $(filter-out config/config.yaml,$(CONFIG)),--configfile $(CONFIG))
 

@@ -11,29 +11,110 @@ import dataclasses
 import functools
 import hashlib
 import json
+import typing
 from pathlib import Path
 
 import yaml
 from pydantic import ValidationError
 
-from dflash.config_model import DflashConfig
+from dflash.config_model import DEVICE_PATTERN, NAME, PLACED_PATTERN, DflashConfig, OnDevice, Role, Section
+from dflash.device_names import normalize
+from dflash.errors import UserError
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEMA_PATH = REPO / "workflow" / "schemas" / "config.schema.yaml"
-# Keys that name or place a run but do not change what it computes: left out of the config hash.
-UNHASHED = ("run_name", "results_dir", "report", "evaluate", "strict_env")
-# train keys that change how a run is carried out, never the drafter it trains (logging, checkpoint cadence, timeouts,
-# stall and divergence checks, queue depth, allocator, launch, profiling, test hooks): left out of the result hash,
-# so changing one resumes (or restores) a run instead of training it anew. Every other key changes the result,
-# a new one too: keep this list short and explicit.
-OPERATIONAL = ("log_every", "checkpoint_every", "resume", "warmup_steps_excluded", "matmul_tflops",
-               "ready_timeout_s", "stall_timeout_s", "stop_timeout_s", "check_every", "queue_size",
-               "expandable_segments", "rendezvous", "profile", "fail_at_step", "diverge_at_step",
-               "eval_every", "eval_prompts", "eval_max_new_tokens")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A bad config: the message is one line naming the file and the key."""
+
+
+# ---- each key's role, declared on its field (dflash/config_model.py), and what derives from it --------------------
+def _section(annotation) -> type[Section] | None:
+    """The Section class a field holds (itself, in a tuple, or nullable), or None for a leaf."""
+    if isinstance(annotation, type) and issubclass(annotation, Section):
+        return annotation
+    return next((s for a in typing.get_args(annotation) if (s := _section(a)) is not None), None)
+
+
+def _fields(model: type[Section], prefix: str = ""):
+    """(dotted key, field info, its Section class or None) of every field, depth first."""
+    for name, field in model.model_fields.items():
+        sub = _section(field.annotation)
+        yield f"{prefix}{name}", field, sub
+        if sub is not None:
+            yield from _fields(sub, f"{prefix}{name}.")
+
+
+@functools.cache
+def roles(model: type[Section] = DflashConfig) -> dict[str, Role]:
+    """{dotted key: Role} of every leaf key of `model` (a list's items as `data.sources.name`). A leaf without exactly
+    one Role is refused: every key declares what its change redoes."""
+    out = {}
+    for key, field, sub in _fields(model):
+        tags = [m for m in field.metadata if isinstance(m, Role)]
+        if sub is None and len(tags) != 1:
+            raise TypeError(f"config key {key} declares {len(tags)} roles: give its field one "
+                            "(`Annotated[type, ROLE]`, dflash/config_model.py)")
+        if sub is not None and tags:
+            raise TypeError(f"config section {key} declares a role: its keys each declare their own")
+        if sub is None:
+            out[key] = tags[0]
+    return out
+
+
+def device_keys() -> tuple[str, ...]:
+    """The keys that name devices (marked ON_DEVICE in dflash/config_model.py)."""
+    return tuple(key for key, field, sub in _fields(DflashConfig)
+                 if sub is None and any(isinstance(m, OnDevice) for m in field.metadata))
+
+
+def _pick(value, model: type[Section], keep, prefix: str = ""):
+    """`value` (a section of the raw config) with only the keys whose Role `keep` takes; a section left empty is
+    dropped, a null section kept when `keep` takes any of its keys, a key the models do not know kept (an old run's
+    record hashes differently from a config without it)."""
+    out = {}
+    for key, v in value.items():
+        field = model.model_fields.get(key)
+        sub = _section(field.annotation) if field is not None else None
+        if field is None:
+            out[key] = v
+        elif sub is None:
+            if keep(roles()[prefix + key]):
+                out[key] = v
+        elif isinstance(v, dict):
+            if picked := _pick(v, sub, keep, f"{prefix}{key}."):
+                out[key] = picked
+        elif isinstance(v, (list, tuple)):
+            items = [_pick(x, sub, keep, f"{prefix}{key}.") if isinstance(x, dict) else x for x in v]
+            if any(items) or any(keep(r) for k, r in roles().items() if k.startswith(f"{prefix}{key}.")):
+                out[key] = items
+        elif any(keep(r) for k, r in roles().items() if k.startswith(f"{prefix}{key}.")):
+            out[key] = v
+    return out
+
+
+def pick(raw: dict, keep) -> dict:
+    """The raw config with only the keys whose Role `keep(role)` takes (nesting kept)."""
+    return _pick(raw, DflashConfig, keep)
+
+
+def trigger(raw: dict, rule: str) -> str:
+    """What reruns Snakemake rule `rule` (its `config` param): the keys whose Role names it, as one stable string."""
+    return json.dumps(pick(raw, lambda r: rule in r.reruns), sort_keys=True)
+
+
+def _top_level(hashed) -> tuple[str, ...]:
+    return tuple(k for k in DflashConfig.model_fields
+                 if not any(r.hashed in hashed for key, r in roles().items() if key == k or key.startswith(k + ".")))
+
+
+# Top-level keys wholly out of the config hash (names, evaluation and report settings): what the report's attribution
+# leaves out of a config's differences.
+UNHASHED = _top_level(("result", "run"))
+# Keys in the config hash but not in the result hash (Role hashed "run"): how a run is carried out, never the drafter it
+# trains. Changing one resumes (or restores) a run instead of training it anew.
+OPERATIONAL = tuple(k for k, r in roles().items() if r.hashed == "run")
 
 
 # ---- the JSON schema, generated from the models --------------------------------------------------------------
@@ -157,6 +238,11 @@ _WRONG_TYPE = {"int_type", "float_type", "string_type", "bool_type", "tuple_type
                "model_type", "model_attributes_type", "none_required"}
 
 
+# what a key of each name or device pattern must be, in words
+_PATTERNS = {NAME: "a folder name (letters, digits, _ . -, not starting with . or -)",
+             DEVICE_PATTERN: "a device (auto, cpu, cuda, cuda:N or N)", PLACED_PATTERN: "a device (cpu, cuda:N or N)"}
+
+
 def _message(error: ValidationError, source: str) -> str:
     """The first error in one line naming the file and the dotted key (pydantic's `loc`, less its union tags)."""
     e = error.errors()[0]
@@ -175,6 +261,11 @@ def _message(error: ValidationError, source: str) -> str:
     if e["type"] in _WRONG_TYPE:
         return (f"{source}: key '{_key(path)}' must be {node.get('type')}, "
                 f"got {type(e['input']).__name__} {e['input']!r}")
+    if e["type"] == "value_error":           # a validator's check: a section's names the keys it compares
+        text = str(e["ctx"]["error"])
+        return f"{source}: {text}" if "properties" in node else f"{source}: key '{_key(path)}' {text}, got {e['input']!r}"
+    if e["type"] == "string_pattern_mismatch" and e["ctx"]["pattern"] in _PATTERNS:
+        return f"{source}: key '{_key(path)}' must be {_PATTERNS[e['ctx']['pattern']]}, got {e['input']!r}"
     got = "" if e["type"] == "missing" else f", got {e['input']!r}"
     return f"{source}: key '{_key(path)}': {e['msg']}{got}"
 
@@ -220,18 +311,19 @@ def load(path: str | Path, overrides: dict | None = None) -> Loaded:
     return from_dict(data, str(path))
 
 
+def _digest(data: dict) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def config_hash(raw: dict) -> str:
-    """Stable hash of what the config computes (names and report settings excluded)."""
-    kept = {k: v for k, v in raw.items() if k not in UNHASHED}
-    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
+    """Stable hash of what the config computes and how fast: every key whose Role is hashed ("result" or "run")."""
+    return _digest(pick(raw, lambda r: r.hashed is not None))
 
 
 def result_hash(raw: dict) -> str:
-    """Stable hash of what decides the trained drafter: the config hash without the OPERATIONAL train keys. A
-    checkpoint resumes, and a finished run is restored, only under the same result hash."""
-    kept = {k: v for k, v in raw.items() if k != "train"}
-    kept["train"] = {k: v for k, v in (raw.get("train") or {}).items() if k not in OPERATIONAL}
-    return config_hash(kept)
+    """Stable hash of what decides the trained drafter: the keys whose Role is hashed "result". A checkpoint resumes,
+    and a finished run is restored, only under the same result hash."""
+    return _digest(pick(raw, lambda r: r.hashed == "result"))
 
 
 def inside(path: str | Path, *roots: str | Path) -> Path:
@@ -242,6 +334,44 @@ def inside(path: str | Path, *roots: str | Path) -> Path:
         if p == r or r in p.parents:
             return p
     raise ConfigError(f"path {path} is outside the allowed folders ({', '.join(str(r) for r in roots)})")
+
+
+def _value(cfg, key: str):
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def check_here(loaded: Loaded, stage: str | None = None, devices: bool = True) -> None:
+    """What a config needs of this machine and of the files already there, refused before any work in one line naming
+    the key and the file: a target layer id past the layers of the target folder used as it is (target.build none; a
+    target the config builds is checked by the model), and (`devices`) a CUDA device where torch has none, or fewer
+    GPUs than named. `stage`: only the keys that stage reads (those whose Role reruns it); None: every key."""
+    cfg, src, wanted = loaded.cfg, loaded.source, lambda key: stage is None or stage in roles()[key].reruns
+    ids, path = cfg.drafter.target_layer_ids, Path(cfg.target.path) / "config.json"
+    if ids and cfg.target.build == "none" and wanted("drafter.target_layer_ids") and path.is_file():
+        try:
+            hf = json.loads(path.read_text())
+            layers = int((hf.get("text_config") or hf)["num_hidden_layers"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            layers = None                            # unreadable: the stage that loads the target names the file
+        if layers is not None and max(ids) >= layers:
+            raise ConfigError(f"{src}: drafter.target_layer_ids has id {max(ids)}, past the {layers} layers of the "
+                              f"target {path} (ids 0-{layers - 1})")
+    cuda = [(key, v) for key in device_keys() if devices and wanted(key)
+            for v in (lambda x: x if isinstance(x, tuple) else (x,))(_value(cfg, key))
+            if normalize(v).startswith("cuda")]
+    if cuda:
+        import torch
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        for key, v in cuda:
+            index = int(normalize(v).partition(":")[2] or 0)
+            if n == 0:
+                build = "" if torch.version.cuda else f" (torch {torch.__version__} is built without CUDA)"
+                raise ConfigError(f"{src}: {key} names {v} but this machine has no CUDA GPU{build}: run this config "
+                                  f"on a GPU machine, or set {key} to cpu")
+            if index >= n:
+                raise ConfigError(f"{src}: {key} names {v} but this machine has {n} CUDA GPU(s) (cuda:0-cuda:{n - 1})")
 
 
 def _leaves(data, prefix=""):
@@ -269,7 +399,7 @@ def configfile_flags(argv: list[str]) -> list[str]:
     return files
 
 
-def for_workflow(path: str | Path, cli: dict) -> tuple[dict, list[str]]:
+def for_workflow(path: str | Path, cli: dict) -> tuple[Loaded, list[str]]:
     """The Snakefile's config: the YAML at `path` (read strictly) with Snakemake's `--config` values applied and
     validated as the stages validate it, and the `--set KEY=VALUE` arguments that give every stage the same config.
 
@@ -283,5 +413,4 @@ def for_workflow(path: str | Path, cli: dict) -> tuple[dict, list[str]]:
         if isinstance(value, str) and "." in key:
             value = yaml.safe_load(value)
         overrides[key] = value
-    resolved = resolve(set_dotted(data, overrides), str(path))[1]
-    return resolved, [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
+    return from_dict(set_dotted(data, overrides), str(path)), [f"{k}={json.dumps(v)}" for k, v in overrides.items()]

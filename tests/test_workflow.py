@@ -348,3 +348,47 @@ def test_run_by_hand_with_other_settings_is_not_taken_for_the_pipelines(after):
     assert "results/runs/tiny/summary.json was trained with another config" in r.out
     acceptance = after / "results/runs/tiny/acceptance.json"
     assert not acceptance.exists() or json.loads(acceptance.read_text())["checkpoint_step"] == 3
+
+
+# ---- issue 40 rules 5 and 6, issue 41 item 1: bad values refused by `snakemake -n`; roles decide the reruns -------
+@pytest.mark.parametrize("bad,named", [
+    ({"data__max_length": 256, "data__bucket_edges": [64, 128]}, "data.max_length (256) exceeds the largest "
+                                                                 "data.bucket_edges entry (128)"),
+    ({"train__gamma": 0}, "key 'train.gamma': Input should be greater than 0"),
+    ({"drafter__num_target_layers": 3}, "drafter.num_target_layers (3) disagrees with drafter.target_layer_ids"),
+], ids=["bucket_edges", "gamma", "num_target_layers"])
+def test_dry_run_refuses_what_a_stage_would(wf, bad, named):
+    """A value only a stage refused (or nothing did) is refused by `snakemake -n`, in one message line naming the
+    key and the file."""
+    r = snakemake(wf, "-n", "--configfile", write_config(wf, "bad.yaml", tiny_config(wf, **bad)))
+    assert r.returncode != 0 and f"config error: config/bad.yaml: {named}" in r.out, r.out[-2000:]
+    assert len(error_lines(r)) <= 4, r.out
+
+
+def test_dry_run_refuses_a_path_like_name(wf):
+    r = snakemake(wf, "-n", "--config", "dataset_name=..")
+    assert r.returncode != 0 and "config/config.yaml: key 'dataset_name' must be a folder name" in r.out, r.out[-2000:]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a CUDA GPU")
+def test_dry_run_refuses_cuda_devices_the_machine_lacks(wf):
+    """config/quality.yaml on a machine without CUDA built the corpus and the tokenizer for minutes, then died in
+    "Torch not compiled with CUDA enabled". `snakemake -n` refuses it in one line; planned for a cluster (the slurm
+    profile: the jobs run on its GPU nodes, which check themselves), it plans."""
+    r = snakemake(wf, "-n", "--configfile", "config/quality.yaml")
+    assert r.returncode != 0, r.out[-2000:]
+    assert ("config error: config/quality.yaml: target.pretrain.device names cuda:0 but this machine has no CUDA GPU"
+            in r.out), r.out[-2000:]
+    assert len(error_lines(r)) <= 4, r.out
+    r = snakemake(wf, "-n", "--workflow-profile", "workflow/profiles/slurm", "--configfile", "config/quality.yaml")
+    assert r.returncode == 0, r.out[-2000:]
+
+
+@pipeline
+def test_a_key_that_cannot_change_the_result_reruns_nothing(done):
+    """data.num_proc (how many processes tokenise) and train.log_every (how often a row is logged) rerun no rule:
+    data.num_proc reran the data stage, and the train stage then trained the finished run again."""
+    work = done[0]
+    write_config(work, "tiny-ops.yaml", tiny_config(work, data__num_proc=2, train__log_every=2))
+    r = snakemake(work, "-n", "--configfile", "config/tiny-ops.yaml")
+    assert r.returncode == 0 and "Nothing to be done" in r.out, r.out[-3000:]

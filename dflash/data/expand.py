@@ -72,15 +72,6 @@ def _read_source(spec: SourceSpec, cfg: DflashConfig):
     return read_rows(spec)
 
 
-def _check_config(cfg: DflashConfig):
-    d = cfg.data
-    if not d.bucket_edges:
-        raise UserError("data.bucket_edges is empty: give at least one length bucket")
-    if d.max_length > max(d.bucket_edges):
-        raise UserError(f"data.max_length ({d.max_length}) exceeds the largest data.bucket_edges entry "
-                        f"({max(d.bucket_edges)}): every kept sample must fit a bucket")
-
-
 def _synthetic(cfg: DflashConfig, tokenizer, vocab_size, stats, rejects):
     import numpy as np
     d = cfg.data
@@ -190,7 +181,6 @@ def expand_part(loaded: Loaded, shard: int, nshards: int, part_dir, cache_dir=No
     t_start = time.time()
     cfg = loaded.cfg
     d = cfg.data
-    _check_config(cfg)
     if not 0 <= shard < nshards:
         raise UserError(f"data shard {shard} of {nshards}: expected 0 <= shard < shards")
     part_dir = Path(part_dir)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from dflash.config import ConfigError
 from dflash.config_model import DrafterSection
 
 if TYPE_CHECKING:
@@ -141,9 +142,16 @@ class DrafterConfig:
         if mask_id is None:
             raise ValueError("drafter.mask_token_id is null and no mask token id was given (the tokenizer needs "
                              "a mask token)")
-        ids = sec.target_layer_ids
+        ids, L = sec.target_layer_ids, t.num_hidden_layers
         if ids is None:
-            ids = default_target_layer_ids(t.num_hidden_layers, sec.num_target_layers)
+            ids = default_target_layer_ids(L, sec.num_target_layers)
+            if not all(0 <= i < L for i in ids):
+                raise ConfigError(f"drafter.num_target_layers ({sec.num_target_layers}) spreads the ids {ids} over a "
+                                  f"target of {L} layers: give drafter.target_layer_ids (ids 0-{L - 1})")
+        past = [i for i in ids if i >= L]
+        if past:
+            raise ConfigError(f"drafter.target_layer_ids has id {past[0]}, past the {L} layers of the target "
+                              f"(ids 0-{L - 1})")
         return cls(
             vocab_size=t.vocab_size,
             hidden_size=t.hidden_size,

@@ -1,5 +1,8 @@
-# What the rules share: the config (read strictly, validated as the stages validate it), the paths of
-# dflash/paths.py, the interpreter, and the per-rule config sections that are the rules' rerun triggers.
+# What the rules share: the config (read strictly, validated as the stages validate it, checked against this
+# machine), the paths of dflash/paths.py, the interpreter, and each rule's rerun trigger: the config keys whose role
+# (dflash/config_model.py) names the rule.
+import contextlib
+import io
 import json
 import os
 import platform
@@ -7,7 +10,7 @@ import platform
 from snakemake.exceptions import WorkflowError
 
 from dflash import fingerprint, paths
-from dflash.config import ConfigError, configfile_flags, for_workflow
+from dflash.config import ConfigError, check_here, configfile_flags, for_workflow, trigger
 from dflash.errors import UserError
 from dflash.stages.target import check_out as check_target_out
 
@@ -20,15 +23,43 @@ if len(workflow.overwrite_configfiles) > 1 or len(_given) > 1:
     raise WorkflowError(f"give one --configfile (got {_files}): the stages read that single YAML, so several are not "
                         "merged; put the keys in one file, or give the differences as --config KEY=VALUE")
 # The stages read this file themselves (plus --config values as --set). It is neither an input nor a param:
-# a copy with the same content reruns nothing; a changed key reruns the rules whose params hold its section.
+# a copy with the same content reruns nothing; a changed key reruns the rules its role names (rerun_by).
 CONFIG_FILE = (os.path.relpath(workflow.overwrite_configfiles[0]) if workflow.overwrite_configfiles
                else "config/config.yaml")
+
+
+def _jobs_run_here() -> bool:
+    """Whether this machine runs the jobs: not when a cluster executor (slurm, ...) submits them from here, whose jobs
+    read this Snakefile again on their nodes (remote mode), where the machine is checked. The executor is read as
+    Snakemake reads its command line and profiles; a command line it cannot read counts as local."""
+    if workflow.remote_exec:
+        return True
+    from snakemake.cli import parse_args
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            executor = parse_args(sys.argv[1:])[1].executor
+    except (Exception, SystemExit):
+        return True
+    return executor in (None, "local", "dryrun", "touch")
+
+
 try:
-    _resolved, _sets = for_workflow(CONFIG_FILE, workflow.config_settings.config)
+    _loaded, _sets = for_workflow(CONFIG_FILE, workflow.config_settings.config)
 except ConfigError as e:
     raise WorkflowError(f"config error: {e}") from None
+try:
+    check_here(_loaded, devices=False)  # a target layer past the layers of the target folder
+    try:
+        check_here(_loaded)  # a CUDA device this machine lacks (a cluster executor's jobs run elsewhere)
+    except ConfigError:
+        if _jobs_run_here():
+            raise
+except ConfigError as e:
+    raise WorkflowError(f"config error: {e}") from None
+CFG = _loaded.cfg  # the typed config (defaults are the models'); `config` is the same as a plain dict
 config.clear()
-config.update(_resolved)
+config.update(_loaded.raw)
 
 # Rules call `python`: the interpreter Snakemake runs in (its folder first on PATH, inherited by every job), or
 # under --sdm conda the rule's environment (activated inside the job, so it comes first).
@@ -48,16 +79,16 @@ def config_args(wildcards, input):
 
 ENV = "../../envs/dflash.yaml"
 
-RESULTS = config["results_dir"]
-RUN = config["run_name"]
-DATASET = config["dataset_name"]
-TARGET_DIR = config["target"]["path"]
+RESULTS = CFG.results_dir
+RUN = CFG.run_name
+DATASET = CFG.dataset_name
+TARGET_DIR = CFG.target.path
 LOGS = paths.logs(RESULTS)
 BENCH = paths.benchmarks(RESULTS)
 # warm-up jobs: every device running a drafter replica and, with train.compile_target, every device running a target
-WARMUP_DEVICES = sorted({paths.device_slug(d) for d in config["train"]["drafters"]
-                         + (config["train"]["targets"] if config["train"]["compile_target"] else [])})
-TRAIN_GPUS = len({paths.device_slug(d) for d in config["train"]["targets"] + config["train"]["drafters"]} - {"cpu"})
+WARMUP_DEVICES = sorted({paths.device_slug(d) for d in CFG.train.drafters
+                         + (CFG.train.targets if CFG.train.compile_target else ())})
+TRAIN_GPUS = len({paths.device_slug(d) for d in CFG.train.targets + CFG.train.drafters} - {"cpu"})
 
 
 def forced(rule, outputs) -> bool:
@@ -68,24 +99,9 @@ def forced(rule, outputs) -> bool:
     return ds.forceall or rule in asked or any(str(o) in asked for o in outputs)
 
 
-def section(*keys):
-    """Config sections as one stable string (sorted keys): a rule whose sections change reruns (params)."""
-    return json.dumps({k: config[k] for k in keys}, sort_keys=True)
-
-
-# train keys that shape no compiled graph (optimiser, schedule, logging, supervision, the runtime that carries the
-# same compiled drafter, the loss weighting: applied after the compiled loss kernel): a change reruns train onward,
-# not the warm-up (train.objective changes the features' width and the loss kernel: it reruns the warm-up)
-TRAIN_ONLY = ("steps", "runtime", "optimizer", "lr", "muon_lr", "betas", "weight_decay", "warmup_ratio",
-              "min_lr_ratio", "time_budget_s", "grad_clip", "grad_accum", "checkpoint_every", "log_every", "resume",
-              "warmup_steps_excluded", "matmul_tflops", "ready_timeout_s", "stall_timeout_s", "fail_at_step",
-              "queue_size", "rendezvous", "check_every", "diverge_at_step", "stop_timeout_s", "profile",
-              "loss_weighting", "dpace_alpha", "eval_every", "eval_prompts", "eval_max_new_tokens")
-
-
-def warmup_section():
-    train = {k: v for k, v in config["train"].items() if k not in TRAIN_ONLY}
-    return json.dumps({"train": train, **{k: config[k] for k in ("drafter", "target", "seed")}}, sort_keys=True)
+def rerun_by(rule):
+    """The rule's rerun trigger (its `config` param): the config keys whose role names it, as one stable string."""
+    return trigger(config, rule)
 
 
 def env_key():

@@ -3,12 +3,11 @@
 # data.shards = 1: one job. data.shards = N > 1: N scatter jobs `data_part` (reading, regeneration, tokenising of
 # shard I; each its own GPU with engine hf, or its share of the servers with engine openai) and one gather job
 # `data` (length buckets, holdout, manifest). The content hash is the same for any N.
-DATA_SHARDS = int(config["data"].get("shards", 1))
-_regen = config["data"].get("regenerate", {})
+DATA_SHARDS = CFG.data.shards
+_regen = CFG.data.regenerate
 # a GPU per job only when it generates in-process on a GPU (openai: the servers hold the GPUs)
-DATA_GPU = int(_regen.get("enabled", True) and _regen.get("engine", "hf") == "hf"
-               and str(_regen.get("device", "auto")) != "cpu")
-DATA_SOURCES = [s["path"] for s in config["data"]["sources"] if s["kind"] != "hub"]
+DATA_GPU = int(_regen.enabled and _regen.engine == "hf" and _regen.device != "cpu")
+DATA_SOURCES = [s.path for s in CFG.data.sources if s.kind != "hub"]
 DATA_PARTS = [str(paths.dataset(RESULTS, DATASET)) + f".parts/part-{i}-of-{DATA_SHARDS}" for i in range(DATA_SHARDS)]
 
 
@@ -23,8 +22,7 @@ if DATA_SHARDS > 1:
         params:
             stage_config=config_args,
             shard=lambda wildcards: f"{wildcards.shard}/{DATA_SHARDS}",
-            config=section("data", "target", "seed"),
-            block_size=config["drafter"]["block_size"],
+            config=rerun_by("data"),
         wildcard_constraints:
             shard=r"\d+",
         threads: 1
@@ -50,8 +48,7 @@ if DATA_SHARDS > 1:
         params:
             stage_config=config_args,
             out=lambda wildcards, output: os.path.dirname(output.manifest),
-            config=section("data", "target", "seed"),
-            block_size=config["drafter"]["block_size"],
+            config=rerun_by("data"),
         threads: 1
         log:
             LOGS / f"data-{DATASET}.log",
@@ -74,8 +71,7 @@ else:
         params:
             stage_config=config_args,
             out=lambda wildcards, output: os.path.dirname(output.manifest),
-            config=section("data", "target", "seed"),
-            block_size=config["drafter"]["block_size"],
+            config=rerun_by("data"),
         threads: 1
         resources:
             gpu=DATA_GPU,

@@ -6,13 +6,13 @@ rule evaluate:
         target=TARGET_DIR,
         data=rules.data.output.manifest,
         holdout=rules.data.output.holdout,  # hashed in the manifest; a changed file reruns evaluate, which refuses it
-        prompts=config["evaluate"]["prompt_files"],
+        prompts=list(CFG.evaluate.prompt_files),
     output:
         paths.run(RESULTS, RUN) / "acceptance.json",
     params:
         stage_config=config_args,
         run_dir=lambda wildcards, input: os.path.dirname(input.summary),
-        config=section("evaluate", "drafter", "target", "seed"),
+        config=rerun_by("evaluate"),
     log:
         LOGS / "evaluate" / f"{RUN}.log",
     benchmark:

@@ -11,7 +11,7 @@ rule export:
         stage_config=config_args,
         run_dir=lambda wildcards, input: os.path.dirname(input.summary),
         data=lambda wildcards, input: os.path.dirname(input.data),
-        config=section("drafter", "target"),
+        config=rerun_by("export"),
     log:
         LOGS / "export" / f"{RUN}.log",
     benchmark:

@@ -30,7 +30,7 @@ rule report:
         stage_config=config_args,
         runs_dir=lambda wildcards, input: os.path.dirname(os.path.dirname(input.summary)),
         out=lambda wildcards, output: os.path.dirname(output.md),
-        report=section("report"),
+        config=rerun_by("report"),
     log:
         f"{RESULTS}/logs/report.log",
     benchmark:
@@ -50,7 +50,7 @@ rule gate:
         f"{REPORT_DIR}/gate.json",
     params:
         stage_config=config_args,
-        report=section("report"),
+        config=rerun_by("gate"),
     log:
         f"{RESULTS}/logs/gate.log",
     benchmark:

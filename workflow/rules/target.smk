@@ -2,9 +2,9 @@
 # target.path must already hold a model folder (the data rule takes it as input). Otherwise an existing target.path
 # must be a folder the target stage built (its build.json): a model the user points at is never replaced. The job holds
 # a GPU when the code build pre-trains on one (as the data rule's DATA_GPU).
-TARGET_GPU = int(config["target"]["build"] == "code" and str(config["target"]["pretrain"]["device"]) != "cpu")
+TARGET_GPU = int(CFG.target.build == "code" and CFG.target.pretrain.device != "cpu")
 
-if config["target"]["build"] != "none":
+if CFG.target.build != "none":
     # Snakemake removes a rule's output before its job: a folder this pipeline did not build is refused now
     try:
         check_target_out(TARGET_DIR, RESULTS)
@@ -16,8 +16,7 @@ if config["target"]["build"] != "none":
             directory(TARGET_DIR),
         params:
             stage_config=config_args,
-            config=section("target", "seed"),
-            corpus=config["data"]["builtin_corpus"]["max_conversations"],
+            config=rerun_by("target"),
         threads: 1
         resources:
             gpu=TARGET_GPU,

@@ -15,7 +15,7 @@ rule train:
         + (["--retrain"] if forced("train", rules.train.output) else []),
         data=lambda wildcards, input: os.path.dirname(input.data),
         run_dir=lambda wildcards, output: os.path.dirname(output.summary),
-        config=section("drafter", "train", "target", "seed"),
+        config=rerun_by("train"),
     resources:
         gpu=TRAIN_GPUS,
     log:

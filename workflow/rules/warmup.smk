@@ -10,7 +10,7 @@ rule warmup:
     params:
         stage_config=config_args,
         data=lambda wildcards, input: os.path.dirname(input.data),
-        config=warmup_section(),
+        config=rerun_by("warmup"),
     resources:
         gpu=lambda wildcards: 0 if wildcards.device == "cpu" else 1,
     log:
