@@ -1,8 +1,11 @@
-"""Config: one YAML, resolved against the typed models of dflash/config_model.py into a frozen `DflashConfig`.
+"""Config: one YAML (on top of the `base:` it may name), resolved against the typed models of
+dflash/config_model.py into a frozen `DflashConfig`.
 
-The models are the single source of keys, types, defaults and descriptions; `workflow/schemas/config.schema.yaml`
-is generated from them (`python -m dflash schema --write`; a test keeps the file equal to them). Errors are one line
-naming the config file and the key.
+The models are the single source of keys, types, defaults, descriptions, checks and roles;
+`workflow/schemas/config.schema.yaml` is generated from them (`python -m dflash schema --write`; a test keeps the file
+equal to them), and from each key's role come the config and result hashes (`pick`) and each Snakemake rule's rerun
+trigger (`trigger`). `check_here` refuses what the machine or the files on disk cannot give a config. Errors are one
+line naming the config file and the key.
 """
 from __future__ import annotations
 
@@ -203,6 +206,36 @@ def read_yaml(path: str | Path):
         raise ConfigError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
 
 
+def _merged(base: dict, over: dict) -> dict:
+    """`over` on top of `base`: mappings merged key by key, anything else (a list, a value, null) replaced."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def read_config(path: str | Path, _seen: tuple = ()):
+    """A config file's keys, on top of those of the file its `base:` names (relative to its own folder; a base may
+    name a base): a GPU config keeps only its differences. The merged keys are the config; `base` is not one of them
+    (a config and its base merged by hand hash the same)."""
+    path = Path(path)
+    data = read_yaml(path)
+    if not isinstance(data, dict) or "base" not in data:
+        return data
+    base = data.pop("base")
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: key 'base' must be the path of a config file, got {base!r}")
+    base_path = path.parent / base
+    if base_path.resolve() in _seen + (path.resolve(),):
+        raise ConfigError(f"{path}: base {base} names a config that names this one (a circle of bases)")
+    if not base_path.is_file():
+        raise ConfigError(f"{path}: base {base}: no such config file ({base_path})")
+    under = read_config(base_path, _seen + (path.resolve(),))
+    if not isinstance(under, dict):
+        raise ConfigError(f"{base_path}: the config must be a mapping of keys, got {type(under).__name__}")
+    return _merged(under, data)
+
+
 def set_dotted(data: dict, overrides: dict) -> dict:
     """Apply {"train.steps": 5, "run_name": "x"} to a nested dict, in place; returns it."""
     for dotted, value in overrides.items():
@@ -263,7 +296,9 @@ def _message(error: ValidationError, source: str) -> str:
                 f"got {type(e['input']).__name__} {e['input']!r}")
     if e["type"] == "value_error":           # a validator's check: a section's names the keys it compares
         text = str(e["ctx"]["error"])
-        return f"{source}: {text}" if "properties" in node else f"{source}: key '{_key(path)}' {text}, got {e['input']!r}"
+        if "properties" in node:
+            return f"{source}: {text}"
+        return f"{source}: key '{_key(path)}' {text}, got {e['input']!r}"
     if e["type"] == "string_pattern_mismatch" and e["ctx"]["pattern"] in _PATTERNS:
         return f"{source}: key '{_key(path)}' must be {_PATTERNS[e['ctx']['pattern']]}, got {e['input']!r}"
     got = "" if e["type"] == "missing" else f", got {e['input']!r}"
@@ -305,7 +340,7 @@ def from_dict(data: dict, source: str = "<config>") -> Loaded:
 
 
 def load(path: str | Path, overrides: dict | None = None) -> Loaded:
-    data = read_yaml(path) or {}
+    data = read_config(path) or {}
     if isinstance(data, dict):
         set_dotted(data, overrides or {})
     return from_dict(data, str(path))
@@ -405,7 +440,7 @@ def for_workflow(path: str | Path, cli: dict) -> tuple[Loaded, list[str]]:
 
     Snakemake reads `--config train="{steps: 5}"` with YAML's base loader (every scalar a string): nested values
     are read again as YAML, so 5 is an integer as it would be in the file."""
-    data = read_yaml(path) or {}
+    data = read_config(path) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the config must be a mapping of keys, got {type(data).__name__}")
     overrides = {}

@@ -252,3 +252,31 @@ def test_schema_command_writes_and_checks(tmp_path, repo, monkeypatch):
     assert cli.main(["schema", "--check"]) == 1
     assert cli.main(["schema", "--write"]) == 0 and (tmp_path / "schema.yaml").read_text() == C.schema_text()
     assert cli.main(["schema", "--check"]) == 0
+
+
+def test_a_config_names_a_base_and_keeps_only_its_differences(tmp_path, repo):
+    """`base: FILE` (relative to the naming file's folder, bases of bases too): the merged keys are the config, hashed
+    as if written out in full; mappings merge key by key, lists and values replace. A missing base, a circle of bases
+    and a base that is not a mapping are one line naming the file."""
+    (tmp_path / "gpu").mkdir()
+    (tmp_path / "gpu" / "h200.yaml").write_text((repo / "config" / "h200.yaml").read_text())
+    long = write(tmp_path, {"base": "gpu/h200.yaml", "run_name": "long", "data": {"bucket_edges": [4096],
+                                                                                "max_length": 4096}})
+    loaded = C.load(long)
+    full = C.load(repo / "config" / "h200.yaml", {"run_name": "long", "data.bucket_edges": [4096],
+                                                  "data.max_length": 4096})
+    assert loaded.raw == full.raw and loaded.hash == full.hash and "base" not in loaded.raw
+    assert loaded.cfg.data.regenerate == full.cfg.data.regenerate                    # merged, not replaced
+    (tmp_path / "longer.yaml").write_text("base: c.yaml\ntrain: {steps: 7}\n")
+    assert C.load(tmp_path / "longer.yaml").raw == C.load(long, {"train.steps": 7}).raw
+    assert C.for_workflow(tmp_path / "longer.yaml", {})[0].raw == C.load(tmp_path / "longer.yaml").raw
+    (tmp_path / "a.yaml").write_text("base: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\n")
+    with pytest.raises(C.ConfigError, match=r"b\.yaml: base a\.yaml names a config that names this one"):
+        C.load(tmp_path / "a.yaml")
+    (tmp_path / "c.yaml").write_text("base: nope.yaml\n")
+    with pytest.raises(C.ConfigError, match=r"c\.yaml: base nope\.yaml: no such config file"):
+        C.load(tmp_path / "c.yaml")
+    (tmp_path / "c.yaml").write_text("base: [x]\n")
+    with pytest.raises(C.ConfigError, match=r"c\.yaml: key 'base' must be the path of a config file"):
+        C.load(tmp_path / "c.yaml")
