@@ -124,7 +124,7 @@ OPERATIONAL = tuple(k for k, r in roles().items() if r.hashed == "run")
 # Key order of a schema node in the YAML file (any other key follows).
 _ORDER = ("$schema", "$id", "title", "type", "additionalProperties", "required", "pattern", "enum", "minimum",
           "exclusiveMinimum", "maximum", "exclusiveMaximum", "minItems", "maxItems", "items", "default",
-          "description", "properties")
+          "description", "reruns", "hashed", "properties")
 
 
 def _ordered(node: dict) -> dict:
@@ -158,6 +158,11 @@ def json_schema() -> dict:
     raw = DflashConfig.model_json_schema()
     schema = _plain(raw, raw.get("$defs", {}))
     schema["title"] = DflashConfig.model_config["title"]
+    for key, role in roles().items():            # each key's role, for readers (JSON Schema ignores these keywords)
+        node = schema
+        for part in key.split("."):
+            node = (node if "properties" in node else node["items"])["properties"][part]
+        node.update(reruns=list(role.reruns), hashed=role.hashed)
     return _ordered(schema)
 
 

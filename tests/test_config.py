@@ -185,7 +185,9 @@ def test_schema_file_is_generated_from_the_models(repo):
     schema = yaml.safe_load(C.schema_text())
     assert schema == C.json_schema()
     train = schema["properties"]["train"]["properties"]
-    assert train["steps"] == {"type": "integer", "minimum": 1, "default": 120, "description": "Optimizer steps."}
+    assert train["steps"] == {"type": "integer", "minimum": 1, "default": 120, "description": "Optimizer steps.",
+                              "reruns": ["train"], "hashed": "result"}          # its role, for readers
+    assert train["log_every"]["reruns"] == [] and train["log_every"]["hashed"] == "run"
     assert train["gamma"]["type"] == ["number", "null"] and "$ref" not in json.dumps(schema)
     assert schema["properties"]["drafter"]["properties"]["num_layers"]["default"] == \
         C.from_dict({}).cfg.drafter.num_layers == 2
