@@ -393,21 +393,12 @@ class RendezvousSection(Section):
     nnodes: Annotated[int, TRAIN_OPS] = Field(1, ge=1, description=(
         "Nodes, each running as many ranks; rank r (entry r of targets + drafters, or of drafters co-located)"
         " runs on node r // ranks-per-node, and a GPU may appear once per node."))
-    node_rank: Annotated[int, TRAIN_OPS] = Field(0, ge=0, description=(
-        "This node's rank (ignored with a c10d endpoint)."))
     endpoint: Annotated[str | None, TRAIN_OPS] = Field(None, description=(
         "host:port of the c10d rendezvous; null is local."))
     id: Annotated[str, TRAIN_OPS] = Field("dflash", description="Rendezvous id.")
     backend: Annotated[Literal["auto", "nccl", "gloo"], TRAIN_OPS] = Field("auto", description=(
         "Process-group backend; auto is nccl on GPU, gloo on CPU."))
 
-
-    @model_validator(mode="after")
-    def _node(self):
-        if self.node_rank >= self.nnodes:
-            raise ValueError(f"train.rendezvous.node_rank ({self.node_rank}) must be below train.rendezvous.nnodes "
-                             f"({self.nnodes})")
-        return self
 
 class TrainSection(Section):
     runtime: Annotated[Literal["auto", "threads", "distributed"], TRAIN] = Field("auto", description=(
@@ -550,7 +541,8 @@ class TrainSection(Section):
     expandable_segments: Annotated[bool, TRAIN_OPS] = Field(True, description=(
         "Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True."))
     matmul_tflops: Annotated[float | None, TRAIN_OPS] = Field(None, gt=0, description=(
-        "Measured bf16 matmul ceiling for MFU; null measures it on GPU."))
+        "The bf16 matmul ceiling (TFLOP/s per GPU) MFU is measured against; null: no MFU (the matmul section of "
+        "bench/h200.py measures it)."))
     profile: ProfileSection | None = Field(None, description=(
         "torch.profiler over a window of optimizer steps of replica 0 (CPU ops of its thread, every GPU "
         "kernel); the chrome trace is written to `out` (.json or .json.gz)."))

@@ -27,4 +27,4 @@ def test_every_key_has_a_row_with_its_default():
     assert len(keys) > 100
     for key in keys:
         assert f"| `{key}` |" in text, key
-    assert "| `train.lr` | number | `0.0006` |" in text and "(> 0)" in text
+    assert "| `train.lr` | number | `0.0006` |" in text and "(> 0; reruns" in text

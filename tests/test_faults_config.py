@@ -84,8 +84,7 @@ def test_hash_lists_and_rule_triggers_derive_from_the_roles(repo):
 
 
 # keys whose other value needs another key with it (each change still of one role)
-_WITH = {"train.rendezvous.node_rank": {"train.rendezvous.nnodes": 2},
-         "data.regenerate.engine": {"data.regenerate.servers": ["http://127.0.0.1:8000/v1"]}}
+_WITH = {"data.regenerate.engine": {"data.regenerate.servers": ["http://127.0.0.1:8000/v1"]}}
 
 
 def _other_values(key: str, value) -> list:
@@ -179,7 +178,6 @@ def test_data_num_proc_is_out_of_both_hashes_and_the_dataset_is_the_same(tmp_pat
     ({"evaluate": {"device": "gpu"}}, ["'evaluate.device' must be a device", "'gpu'"]),
     ({"train": {"drafters": ["cpu", "auto"]}}, ["'train.drafters.1' must be a device"]),
     ({"train": {"profile": {"out": "../../elsewhere.json"}}}, ["'train.profile.out'", "inside the run folder"]),
-    ({"train": {"rendezvous": {"node_rank": 2, "nnodes": 2}}}, ["train.rendezvous.node_rank (2)", "nnodes"]),
     ({"target": {"arch": {"num_attention_heads": 4, "num_key_value_heads": 3}}},
      ["target.arch.num_attention_heads (4)", "target.arch.num_key_value_heads (3)"]),
 ], ids=lambda x: json.dumps(x) if isinstance(x, dict) else "")

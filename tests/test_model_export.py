@@ -138,7 +138,8 @@ def test_from_target_takes_null_sizes_from_the_target():
         DrafterConfig.from_target(target, sec, mask_token_id=None)
     # the typed config section of the pipeline works too
     from dflash.config import from_dict
-    typed = from_dict({"drafter": {"num_layers": 2, "target_layer_ids": [0, 11]}}).cfg.drafter
+    typed = from_dict({"target": {"build": "none"},
+                       "drafter": {"num_layers": 2, "target_layer_ids": [0, 11]}}).cfg.drafter
     cfg2 = DrafterConfig.from_target(target, typed, mask_token_id=5)
     assert cfg2.target_layer_ids == [0, 11] and cfg2.num_layers == 2 and cfg2.block_size == 16
 

@@ -138,7 +138,8 @@ def test_slurm_profile_plans_the_8gpu_job(wf):
     # train.compile_target: the target GPUs are warmed up too (their compiled layers), one job per GPU
     cfg = yaml.safe_load((wf / "config" / "seed-8gpu.yaml").read_text())
     cfg["train"]["compile_target"] = True
-    r = snakemake(wf, "-n", "-p", "--configfile", write_config(wf, "ct.yaml", cfg))
+    r = snakemake(wf, "-n", "-p", "--workflow-profile", "workflow/profiles/slurm", "--configfile",
+                  write_config(wf, "ct.yaml", cfg))
     assert r.returncode == 0, r.out[-3000:]
     assert r.out.count("rule warmup:") == 8 and all(f"--device cuda{i}" in r.out for i in range(8))
 
