@@ -219,7 +219,7 @@ def test_report_md_answers_a_new_users_three_questions_first(tmp_path):
     assert where == f"- **Where the drafter is:** `{tmp_path / 'runs' / 'demo' / 'drafter'}/`: config.json, " \
         "model.safetensors and a model card (README.md), the folder the reference package, SGLang and vLLM load " \
         "(docs/serving.md)."
-    assert good == "- **How good it is:** tau 6.43 (tokens per target forward, greedy, 16 held-out prompts x 64 " \
+    assert good == "- **How good it is:** tau 6.432 (tokens per target forward, greedy, 16 held-out prompts x 64 " \
         "tokens): up to about 6.43x the speed of plain decoding where verifying a block costs one decoding step (a " \
         "large target on a GPU); measured 3.22x plain decoding's tokens/s (cuda:0, bfloat16); lossless: its output " \
         "equals plain greedy decoding on every prompt."
@@ -237,7 +237,7 @@ def test_report_md_says_what_is_missing_or_wrong_about_the_newest_drafter(tmp_pa
     assert where == f"- **Where the drafter is:** not exported yet: the export stage writes it to " \
         f"`{tmp_path / 'a' / 'runs' / 'demo' / 'drafter'}/`."
     assert good == "- **How good it is:** not evaluated yet: the evaluate stage writes its tau to acceptance.json " \
-        "(tau 1.94 while training, at step 120)."
+        "(tau 1.940 while training, at step 120)."
     assert fast == "- **How long and how fast it trained:** 120 steps in 1 min 12 s of training on cpu Xeon " \
         "(1 min 18 s of wall clock from the first step to the summary, in-training evaluations included), 12.00 " \
         "Ktok/s trained."

@@ -68,13 +68,13 @@ def _how_good(run: Run) -> str:
     acc = run.snapshot.get("acceptance") if isinstance(run.snapshot.get("acceptance"), dict) else None
     if acc is None:
         live = (run.snapshot.get("eval") or {}).get("tau")
-        while_training = f" (tau {live:.2f} while training, at step {run.snapshot['eval'].get('step')})" \
+        while_training = f" (tau {live:.3f} while training, at step {run.snapshot['eval'].get('step')})" \
             if to_float(live) is not None else ""
         return f"not evaluated yet: the evaluate stage writes its tau to acceptance.json{while_training}"
     tau, hot = tau_of(acc), proposal_text(acc)
     setting = f"{acc.get('num_prompts', '?')} held-out prompts x {acc.get('max_new_tokens', '?')} tokens"
     if tau is not None:   # README: with a large target on a GPU, verifying a block costs about one decoding step
-        good = f"tau {tau:.2f} (tokens per target forward, greedy, {setting}): up to about {tau:.2f}x the speed of " \
+        good = f"tau {tau:.3f} (tokens per target forward, greedy, {setting}): up to about {tau:.2f}x the speed of " \
                f"plain decoding where verifying a block costs one decoding step (a large target on a GPU)"
     else:
         good = f"tau {hot} ({setting})" if hot else "no tau in acceptance.json"
