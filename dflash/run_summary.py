@@ -55,7 +55,9 @@ class Throughput(ThroughputCore):
 
     samples_per_s: float | None = Field(description="Sequences per second, measured as ktok_per_s.")
     draft_positions_per_s: float | None = Field(description="Scored block positions per second.")
-    measured_seconds: float | None = Field(description="The wall seconds measured (after the warm-up).")
+    measured_seconds: float | None = Field(description=(
+        "The wall seconds measured (after the warm-up; the pauses for in-training evaluations and checkpoints left "
+        "out)."))
     mfu: float | None = Field(description="Model FLOPs utilisation against `train.matmul_tflops`, the measured bf16 "
                                 "matmul ceiling (null on CPU); FP8 GEMMs (`train.precision: fp8`) run above it, so "
                                 "with FP8 it can pass 1.")
@@ -143,12 +145,16 @@ class RunSummary(SummaryCore):
         "Mean seconds per optimizer step of queue_wait, target, drafter, optimizer, seen by drafter replica 0 (on a "
         "shared GPU the parts overlap, so they can add up to more than the step)."))
     loss: float | None = Field(description=(
-        "Weighted mean loss over every scored position of the last logging interval (global normalisation)."))
+        "Weighted mean loss over the scored positions of the last optimizer steps (global normalisation), each step's "
+        "sums weighted 0.9^age (age 0: the last step; the last 10 steps carry 65%, the last 20 88%): independent of "
+        "train.log_every (dflash/train/metrics.py DECAY)."))
     ce: float | None = Field(description="Its cross-entropy term (against the data's tokens).")
     kl: float | None = Field(description="Its KL term (to the target's distribution); null unless train.objective "
                              "is kl or ce+kl.")
-    acc_per_position: list[float | None] | None = Field(description="Top-1 accuracy per block position k = 1..B-1.")
-    acceptance_estimate: float | None = Field(description="Expected accepted prefix estimated from the accuracies.")
+    acc_per_position: list[float | None] | None = Field(description=(
+        "Top-1 accuracy per block position k = 1..B-1, over the same weighted steps as loss."))
+    acceptance_estimate: float | None = Field(description=(
+        "Expected accepted prefix estimated from the accuracies, over the same weighted steps as loss."))
     eval: LiveEval | None = Field(description=(
         "tau measured while training (train.eval_every) and its cost (`LiveEval`); null when off."))
     workers: list[dict] = Field(description="One row per worker: name, role, device, steps, ready_s, ...")
@@ -159,7 +165,8 @@ class RunSummary(SummaryCore):
     replicas_identical: bool | None = Field(description="All replica checksums equal (null: none taken).")
     check_every: int = Field(description="train.check_every of the divergence guard.")
     diverged: dict | None = Field(description="{step, replicas} of a divergence, else null.")
-    queue_depth_mean: float | None = Field(description="Mean feature-queue depth over the logged rows.")
+    queue_depth_mean: float | None = Field(description=(
+        "Mean feature-queue depth seen at the optimizer steps of this process (a resumed run: its own steps)."))
     checkpoint: CheckpointRef | None = Field(description=(
         "The checkpoint the run ended with (null: none at its last step); evaluate and export read exactly it."))
 

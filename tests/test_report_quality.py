@@ -43,7 +43,8 @@ def test_a_data_change_that_lowers_tau_is_a_quality_regression_caused_by_the_dat
     reg = json.loads((out / "regressions.json").read_text())
     assert reg["latest_quality_verdict"] == "regression" and reg["latest_regressed"] == ["quality"]
     md = (out / "report.md").read_text()
-    assert md.splitlines()[2].startswith("**Latest run — quality regression.**")
+    verdict = next(line for line in md.splitlines() if line.startswith("**Latest run"))   # after the three answers
+    assert verdict.startswith("**Latest run — quality regression.**") and md.index(verdict) < md.index("## Runs")
     assert f"- **{summary(3)['run_id']}** (regression): Quality regression" in md.split("## Quality (tau)")[1]
     header, *rows = (out / "history.csv").read_text().splitlines()
     cols = header.split(",")

@@ -87,7 +87,7 @@ def safe_name(run_id: str) -> str:
     return name or "_"
 
 
-def _time(text) -> datetime | None:
+def parse_time(text) -> datetime | None:
     """An ISO-8601 time (naive ones read as UTC), or None."""
     try:
         t = datetime.fromisoformat(str(text))
@@ -178,7 +178,7 @@ def read_acceptance(path: Path, summary: dict) -> tuple[dict | None, dict | None
     if not isinstance(data, dict):
         return None, _skip(path, f"expected a JSON object, got {type(data).__name__}; no tau for run {rid}")
     other = data.get("run_id")
-    made, done = _time(data.get("created_at")), _time(summary.get("finished_at"))
+    made, done = parse_time(data.get("created_at")), parse_time(summary.get("finished_at"))
     if isinstance(other, str) and other != rid:
         return None, _skip(path, f"evaluates run {other}, not run {rid} of this folder; rerun evaluate")
     if made and done and made < done:

@@ -1,11 +1,13 @@
-"""report.md: the latest verdicts (Ktok/s and tau) in one sentence, a table of runs, quality, the anomalies, the plots
-(relative links)."""
+"""report.md: first what a new user asks of the newest run (where its drafter is, how good it is, how long and how fast
+it trained), then the latest verdicts (Ktok/s and tau) in one sentence, a table of runs, quality, the anomalies, the
+plots (relative links)."""
 from __future__ import annotations
 
+from datetime import datetime
 from pathlib import Path
 
 from dflash.config_model import ReportSection
-from dflash.report.history import Run
+from dflash.report.history import Run, hardware_of, parse_time, proposal_text, tau_of, to_float
 from dflash.report.placement import gpu_roles
 from dflash.report.plots import read_metrics, tau_points, time_key
 from dflash.report.regress import changed_text
@@ -34,6 +36,96 @@ def _placement(run: Run | None, split: dict | None) -> list[str]:
     if run is not None and run.snapshot and not gpu_roles(run.snapshot):     # (a restored run: no details to judge)
         return ["## Placement", "", "A target:drafter split is suggested for GPU runs only (the newest run used no GPU).", ""]
     return []
+
+
+def duration(seconds: float) -> str:
+    """72.1 s, 3 min 5 s, 2 h 4 min."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    m, s = divmod(round(seconds), 60)
+    return f"{m} min {s} s" if m < 60 else f"{m // 60} h {m % 60} min"
+
+
+def _where(run: Run) -> str:
+    """Where the run's drafter is: its run folder's `drafter/`, the export stage's folder, when this run's export is
+    there."""
+    if run.folder is None:
+        return "its run folder is gone (the history keeps its figures only)"
+    out = run.folder / "drafter"
+    config = out / "config.json"
+    if not config.is_file():
+        return f"not exported yet: the export stage writes it to `{out}/`"
+    finished = parse_time(run.snapshot.get("finished_at"))
+    made = datetime.fromtimestamp(config.stat().st_mtime, tz=finished.tzinfo) if finished else None
+    if made is not None and made < finished:
+        return f"`{out}/` holds an export made before this run finished (an earlier run's): rerun the export stage"
+    return (f"`{out}/`: config.json, model.safetensors and a model card (README.md), the folder the reference package, "
+            f"SGLang and vLLM load (docs/serving.md)")
+
+
+def _how_good(run: Run) -> str:
+    """tau of the run's evaluation (acceptance.json), its measured speed-up over plain decoding and losslessness."""
+    acc = run.snapshot.get("acceptance") if isinstance(run.snapshot.get("acceptance"), dict) else None
+    if acc is None:
+        live = (run.snapshot.get("eval") or {}).get("tau")
+        while_training = f" (tau {live:.3f} while training, at step {run.snapshot['eval'].get('step')})" \
+            if to_float(live) is not None else ""
+        return f"not evaluated yet: the evaluate stage writes its tau to acceptance.json{while_training}"
+    tau, hot = tau_of(acc), proposal_text(acc)
+    setting = f"{acc.get('num_prompts', '?')} held-out prompts x {acc.get('max_new_tokens', '?')} tokens"
+    if tau is not None:   # README: with a large target on a GPU, verifying a block costs about one decoding step
+        good = f"tau {tau:.3f} (tokens per target forward, greedy, {setting}): up to about {tau:.2f}x the speed of " \
+               f"plain decoding where verifying a block costs one decoding step (a large target on a GPU)"
+    else:
+        good = f"tau {hot} ({setting})" if hot else "no tau in acceptance.json"
+    speedup = to_float(acc.get("speedup"))
+    where = ", ".join(str(acc[k]) for k in ("device", "dtype") if acc.get(k)) or "this evaluation"
+    if speedup is None:
+        good += "; speed-up not measured"
+    else:
+        good += f"; measured {speedup:.2f}x plain decoding's tokens/s ({where}" + (
+            "; slower: here a speculative step costs more than the plain steps it saves)" if speedup < 1 else ")")
+    lossless = acc.get("lossless")
+    if lossless is True:
+        return good + "; lossless: its output equals plain greedy decoding on every prompt"
+    if lossless is False:
+        return good + "; **not lossless**: its output differs from plain greedy decoding (acceptance.json `sets`)"
+    return good + "; losslessness not checked"
+
+
+def _how_long(run: Run) -> str:
+    """Steps, training time (GPU-seconds on GPUs), the wall clock from the first step to the summary, Ktok/s."""
+    s = run.snapshot
+    steps, train_s = s.get("steps"), to_float(s.get("train_seconds"))
+    text = f"{steps} steps" if steps is not None else "steps not recorded"
+    if train_s is not None:
+        gpus = len(gpu_roles(s))
+        text += f" in {duration(train_s)} of training on " + (
+            f"{gpus} GPU{'s' if gpus > 1 else ''}, {train_s * gpus / 3600:.2f} GPU-hours" if gpus else
+            hardware_of(s))
+    start, end = parse_time(s.get("started_at")), parse_time(s.get("finished_at"))
+    if start and end:
+        resumed = f", resumed at step {s['resumed_from_step']}" if s.get("resumed_from_step") else ""
+        text += f" ({duration((end - start).total_seconds())} of wall clock from the first step to the summary, " \
+                f"in-training evaluations included{resumed})"
+    ktok = to_float((s.get("throughput") or {}).get("ktok_per_s"))
+    return text + (f", {ktok:.2f} Ktok/s trained" if ktok is not None else ", Ktok/s not measured")
+
+
+def answers(run: Run | None) -> list[str]:
+    """The three questions a new user asks of the newest run, answered first."""
+    if run is None:
+        return []
+    if not run.snapshot:   # restored from history.csv: its flat figures only
+        tau, ktok = run.num("tau"), run.num("ktok_per_s")
+        return [f"Newest run `{_cell(run.run_id)}` (restored from history.csv, its run folder and snapshot gone): "
+                f"tau {_num(tau) or 'not measured'}, {_num(ktok) or 'not measured'} Ktok/s trained.", ""]
+    status = run.snapshot.get("status")
+    return [f"Newest run `{_cell(run.run_id)}`" + (f" (**{status}**: see Anomalies)" if status != "completed" else "")
+            + ":", "",
+            f"- **Where the drafter is:** {_where(run)}.",
+            f"- **How good it is:** {_how_good(run)}.",
+            f"- **How long and how fast it trained:** {_how_long(run)}.", ""]
 
 
 def tau_while_training(run: Run | None) -> list[str]:
@@ -101,7 +193,7 @@ def _quality(records: list[dict], settings: ReportSection, sampled: dict[str, st
 
 def render(runs: list[Run], records: list[dict], plots: dict[str, Path], out: Path, settings: ReportSection,
            skipped: list[dict], placement: dict | None = None) -> str:
-    lines = ["# dflash report: throughput and quality", ""]
+    lines = ["# dflash report: throughput and quality", ""] + answers(runs[-1] if runs else None)
     sampled = {r.run_id: r.row.get("tau_by_proposal") or "" for r in runs}
     if not records:
         lines += ["No runs in the history yet.", ""]

@@ -2,9 +2,15 @@
 
 Step statistics stay on the device as one small tensor per step and are read (one host sync) only at logging
 intervals, so the hot loop never calls .item(). The summary (summary.json) is summary.py's.
+
+What summary.json reports never depends on the operational keys (train.log_every, checkpoint_every, eval_every), which
+only add rows: its loss, ce, kl, per-position accuracy and acceptance estimate are the step statistics weighted
+DECAY**age over every optimizer step (age 0: the last one), not the last row's interval; Ktok/s, the time split and the
+queue depth count every step of the measured window, and the pauses for evaluations and checkpoints are left out.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -21,6 +27,10 @@ from dflash.train.failures import check_finite
 
 log = logging.getLogger("dflash.train")
 SPLIT = ("queue_wait", "target", "drafter", "optimizer")
+# summary.json's final figures weight each step's statistics DECAY**age: the last 10 steps carry 65% of the weight,
+# the last 20 88%, whatever the logging interval
+DECAY = 0.9
+SMOOTHED = "smoothed_stats"   # the key of those weighted sums in the last row a checkpoint keeps (rows_upto)
 
 
 def loss_stats(out, tokens: int) -> torch.Tensor:
@@ -73,9 +83,10 @@ class DeviceTimer:
 
 def log_due(train_cfg: TrainSection, step: int, start_step: int) -> bool:
     """Whether step ends a logging interval (its row is written and checked): the last excluded warm-up step, every
-    train.log_every steps and the final one."""
+    train.log_every steps, every in-training evaluation's (train.eval_every: each tau gets its own row, whatever the
+    logging interval) and the final one."""
     return step == start_step + train_cfg.warmup_steps_excluded or step % train_cfg.log_every == 0 \
-        or step == train_cfg.steps
+        or bool(train_cfg.eval_every) and step % train_cfg.eval_every == 0 or step == train_cfg.steps
 
 
 def interval_loss(total: list[float]) -> tuple[dict, float | None]:
@@ -83,6 +94,20 @@ def interval_loss(total: list[float]) -> tuple[dict, float | None]:
     scored). RunMetrics.flush and check_pending both read an interval through this."""
     st = split_stats(total)
     return st, (st["loss_sum"] / st["weight_sum"] if st["weight_sum"] else None)
+
+
+def _finite(x):
+    return x if x is None or math.isfinite(x) else None
+
+
+def figures(st: dict, distills: bool) -> dict:
+    """The figures of summed step statistics (split_stats): the loss and its ce and kl terms (normalised as the loss;
+    kl only when the objective distills), the per-position top-1 accuracy and the acceptance estimate."""
+    w = st["weight_sum"]
+    return {"loss": _finite(st["loss_sum"] / w) if w else None, "ce": _finite(st["ce_sum"] / w) if w else None,
+            "kl": _finite(st["kl_sum"] / w) if w and distills else None,
+            "acc_per_position": [c / n if n else None for c, n in zip(st["correct"], st["count"])],
+            "acceptance_estimate": st["accepted"] / st["blocks"] if st["blocks"] else None}
 
 
 def check_pending(pending: list[tuple[int, torch.Tensor, object]]) -> None:
@@ -105,10 +130,6 @@ def seconds(items) -> float:
     return total
 
 
-def _finite(x):
-    return x if x is None or math.isfinite(x) else None
-
-
 class RunMetrics:
     def __init__(self, ctx, progress: bool = True):
         self.ctx = ctx
@@ -125,6 +146,9 @@ class RunMetrics:
         self.totals = {"tokens": 0.0, "positions": 0.0, "samples": 0, "seconds": 0.0, "steps": 0}
         self.split_total = dict.fromkeys(SPLIT, 0.0)
         self.split_steps = 0
+        self.smoothed: torch.Tensor | None = None   # the step statistics weighted DECAY**age (summary.json's figures)
+        self.queue_depth = [0, 0]                   # the feature-queue depth summed over this process's steps, steps
+        self.pause_s = 0.0                          # seconds paused (checkpoints) since the last row
         self.split_set: dict[str, float] = {}
         self.last: dict = {}
         self.t_measure = None
@@ -136,6 +160,7 @@ class RunMetrics:
         self.evals: list[dict] = []          # in-training evaluations (train.eval_every), as LiveEval records them
         self.pending_evals: list[dict] = []  # those not yet in a metrics.jsonl row
         self.eval_measured_s = 0.0           # their seconds inside the measured window (taken out of Ktok/s)
+        self.paused_measured_s = 0.0         # those of the pauses (checkpoints) inside it (taken out too)
         self.started_at = datetime.now(timezone.utc)
         from dflash.model import uses_target
         self.distills = uses_target(self.cfg.train.objective)
@@ -151,9 +176,13 @@ class RunMetrics:
 
     def start(self, start_step: int, history: list[dict] | None = None):
         """Begin at `start_step`; a resumed run's earlier rows (kept in its checkpoint) are written back first,
-        so metrics.jsonl holds the whole run even when the file was deleted (Snakemake deletes a job's outputs)."""
+        so metrics.jsonl holds the whole run even when the file was deleted (Snakemake deletes a job's outputs), and
+        the weighted step statistics the checkpoint kept (rows_upto) go on from there."""
         self.ctx.run_dir.mkdir(parents=True, exist_ok=True)
-        self.rows = [r for r in (history or []) if r.get("step", 0) <= start_step] if start_step else []
+        kept = [r for r in (history or []) if r.get("step", 0) <= start_step] if start_step else []
+        if kept and kept[-1].get("step") == start_step and kept[-1].get(SMOOTHED):
+            self.smoothed = torch.tensor(kept[-1][SMOOTHED], dtype=torch.float64)
+        self.rows = [{k: v for k, v in r.items() if k != SMOOTHED} for r in kept]
         # elapsed_s counts over resumes: a resumed run's rows continue from the last row kept (the last logged step
         # at or before the checkpoint's; the seconds of steps after that row and before the checkpoint are not counted)
         self.elapsed_base = float(self.rows[-1].get("elapsed_s") or 0.0) if self.rows else 0.0
@@ -183,6 +212,11 @@ class RunMetrics:
         """Called by replica 0 after every optimizer step."""
         self.pending.append((step, stats, gnorm, lr, times, qdepth))
         self.step = step
+        # on the device, no host sync: older steps' statistics decay by DECAY per step
+        prev = self.smoothed
+        self.smoothed = stats if prev is None else stats + DECAY * prev.to(stats.device)
+        self.queue_depth[0] += qdepth
+        self.queue_depth[1] += 1
         if self.first_step_s is None:
             import dflash
             self.first_step_s = round(time.time() - dflash.PROCESS_START, 2)
@@ -197,6 +231,7 @@ class RunMetrics:
         with self.lock:
             evals, self.pending_evals = self.pending_evals, []
         eval_s = sum(e["pause_s"] for e in evals)   # training paused for evaluations in this interval
+        pause_s, self.pause_s = self.pause_s, 0.0      # and for checkpoints (paused)
         step = pending[-1][0]
         dev = pending[-1][1].device
         if dev.type == "cuda":
@@ -204,35 +239,35 @@ class RunMetrics:
         now = time.perf_counter()
         st, loss = interval_loss(torch.stack([p[1] for p in pending]).sum(0).tolist())   # the one host sync
         n_micro = len(self.ctx.placement.drafters) * self.cfg.train.grad_accum
-        split = {k: sum(seconds(p[4][k]) for p in pending) / len(pending) for k in SPLIT}
+        split = {k: sum(seconds(p[4][k]) for p in pending) for k in SPLIT}   # the interval's seconds of each part
         measured = self.t_measure is not None and pending[0][0] > self.exclude_until
         if measured:
             self.eval_measured_s += eval_s
+            self.paused_measured_s += pause_s
             self.totals["tokens"] += st["tokens"]
             self.totals["positions"] += st["positions"]
             self.totals["samples"] += len(pending) * n_micro * self.cfg.train.batch_size
             self.totals["steps"] += len(pending)
-            self.totals["seconds"] = now - self.t_measure - self.eval_measured_s
+            self.totals["seconds"] = now - self.t_measure - self.eval_measured_s - self.paused_measured_s
             for k in split:
-                self.split_total[k] += split[k] * len(pending)
+                self.split_total[k] += split[k]
             self.split_steps += len(pending)
         if step == self.exclude_until and self.t_measure is None:
             self.t_measure = now
-        window = now - getattr(self, "_t_last", self.t_start) - eval_s
+        window = now - getattr(self, "_t_last", self.t_start) - eval_s - pause_s
         self._t_last = now
         gnorm = float(pending[-1][2])
+        fig = figures(st, self.distills)
         row = {
             "step": step, "elapsed_s": round(self.elapsed_base + now - self.t_start, 3),
             # training seconds the replicas agreed on at this step (over resumes, pauses left out), x GPUs
             "train_s": round(self.train_s, 3), "gpu_s": self.gpu_seconds(self.train_s),
-            "loss": _finite(loss), "lr": pending[-1][3], "grad_norm": _finite(gnorm),
+            "loss": fig["loss"], "lr": pending[-1][3], "grad_norm": _finite(gnorm),
             # the objective's parts, normalised as the loss: CE against the data, KL to the target (kl, ce+kl)
-            "ce": _finite(st["ce_sum"] / st["weight_sum"]) if st["weight_sum"] else None,
-            "kl": _finite(st["kl_sum"] / st["weight_sum"]) if st["weight_sum"] and self.distills else None,
+            "ce": fig["ce"], "kl": fig["kl"],
             "ktok_per_s": st["tokens"] / window / 1e3 if window > 0 else None,
-            "acc_per_position": [c / n if n else None for c, n in zip(st["correct"], st["count"])],
-            "acceptance_estimate": st["accepted"] / st["blocks"] if st["blocks"] else None,
-            "time_split_s": {k: round(v, 5) for k, v in split.items()},
+            "acc_per_position": fig["acc_per_position"], "acceptance_estimate": fig["acceptance_estimate"],
+            "time_split_s": {k: round(v / len(pending), 5) for k, v in split.items()},
             "queue_depth": pending[-1][5], "measured": measured,
             # tau of held-out prompts (train.eval_every), its step and training seconds, the pause; null between
             "tau": evals[-1]["tau"] if evals else None, "tau_step": evals[-1]["step"] if evals else None,
@@ -260,8 +295,48 @@ class RunMetrics:
         return self.t_measure, self.t_measure + self.totals["seconds"]
 
     def rows_upto(self, step: int) -> list[dict]:
+        """The rows a checkpoint at `step` keeps (trainer.json `metrics`); when the last is `step`'s, it carries the
+        weighted step statistics too (SMOOTHED), from which a run resumed there goes on (start)."""
         with self.lock:
-            return [r for r in self.rows if r["step"] <= step]
+            rows = [r for r in self.rows if r["step"] <= step]
+        state = self._smoothed() if rows and rows[-1]["step"] == step == self.step else None
+        if state is not None and all(map(math.isfinite, state)):
+            rows[-1] = {**rows[-1], SMOOTHED: state}
+        return rows
+
+    def _smoothed(self) -> list[float] | None:
+        if self.smoothed is None:
+            return None
+        if self.smoothed.device.type == "cuda":
+            torch.cuda.synchronize(self.smoothed.device)
+        return self.smoothed.tolist()
+
+    def final(self) -> dict:
+        """summary.json's loss, ce, kl, acc_per_position and acceptance_estimate: the figures of the step statistics
+        weighted DECAY**age over every optimizer step of the run (age 0: its last step; a run resumed from a checkpoint
+        of an older version weights only its own steps). None everywhere before the first step."""
+        state = self._smoothed()
+        if state is None:
+            return dict.fromkeys(("loss", "ce", "kl", "acc_per_position", "acceptance_estimate"))
+        return figures(split_stats(state), self.distills)
+
+    def queue_depth_mean(self) -> float | None:
+        """The feature-queue depth seen at each optimizer step of this process, averaged."""
+        total, steps = self.queue_depth
+        return total / steps if steps else None
+
+    @contextlib.contextmanager
+    def paused(self):
+        """`with metrics.paused():` what stops training without being training (a checkpoint being written) is left
+        out of Ktok/s, the row's window and the GPU utilisation, as the in-training evaluations are."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            t1 = time.perf_counter()
+            self.pause_s += t1 - t0
+            if self.sampler is not None:
+                self.sampler.exclude(t0, t1)
 
     def refresh(self):
         if self.bar is None:

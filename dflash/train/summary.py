@@ -17,8 +17,7 @@ def write(ctx, metrics, workers: list[dict], status: str, devices: list[dict], c
     """`checksums`: each replica's exact weight checksum (a list of ints) at the end; `failure`: what stopped a
     failed run ({"kind": "diverged" | "non_finite" | "worker", "message", ...})."""
     metrics.close()
-    rows = metrics.rows
-    last = rows[-1] if rows else {}
+    final = metrics.final()   # weighted over every step: the same whatever train.log_every
     after = compile_guard.counters()
     before = metrics.graphs_after_warmup or after
     manifest = read_manifest(ctx)
@@ -44,9 +43,8 @@ def write(ctx, metrics, workers: list[dict], status: str, devices: list[dict], c
         # figures of a run whose replicas diverged or whose loss blew up are not throughput to compare against
         "throughput": metrics.throughput() if finite else dict.fromkeys(metrics.throughput()),
         "time_split_s": metrics.time_split(),
-        "loss": last.get("loss"), "ce": last.get("ce"), "kl": last.get("kl"),
-        "acc_per_position": last.get("acc_per_position"),
-        "acceptance_estimate": last.get("acceptance_estimate"),
+        "loss": final["loss"], "ce": final["ce"], "kl": final["kl"],
+        "acc_per_position": final["acc_per_position"], "acceptance_estimate": final["acceptance_estimate"],
         "eval": metrics.eval_summary(),   # tau measured while training (train.eval_every), its cost; None when off
         "workers": workers,
         "devices": devices,
@@ -59,7 +57,7 @@ def write(ctx, metrics, workers: list[dict], status: str, devices: list[dict], c
         "check_every": ctx.cfg.train.check_every,
         "diverged": ({"step": failure.get("step"), "replicas": failure.get("replicas")}
                      if failure and failure.get("kind") == "diverged" else None),
-        "queue_depth_mean": (sum(r["queue_depth"] for r in rows) / len(rows)) if rows else None,
+        "queue_depth_mean": metrics.queue_depth_mean(),
         "checkpoint": checkpoint.describe(ctx.run_dir, metrics.step),   # what evaluate and export read, exactly
     }
     RunSummary.model_validate(summary)   # exactly the keys and types dflash/run_summary.py describes
