@@ -77,8 +77,10 @@ def test_loss_recipes_match_across_runtimes_and_resume(tmp_path):
         assert a["kl"] > 0 and a["loss"] == pytest.approx(a["ce"] + a["kl"], rel=1e-6)   # float32 sums
         for key in ("loss", "ce", "kl"):
             assert a[key] == pytest.approx(b[key], rel=1e-4), (key, a, b)
-    s = json.loads((run_dir(dist_cfg) / "summary.json").read_text())
-    assert s["status"] == "completed" and s["replicas_identical"] is True and s["kl"] == rows[dist_cfg][-1]["kl"]
+    s, t = (json.loads((run_dir(c) / "summary.json").read_text()) for c in (dist_cfg, thr_cfg))
+    assert s["status"] == "completed" and s["replicas_identical"] is True and s["kl"] > 0
+    for key in ("loss", "ce", "kl"):   # summary.json's figures weight every step alike (DECAY) in both runtimes
+        assert s[key] == pytest.approx(t[key], rel=1e-4), (key, s[key], t[key])
     final = run_dir(thr_cfg) / "checkpoints" / "step-000004" / "model.safetensors"
     first = {k: v.clone() for k, v in load_file(str(final)).items()}
     final.write_bytes(final.read_bytes()[:1000])
