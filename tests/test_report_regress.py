@@ -262,11 +262,19 @@ def test_a_drop_of_half_is_a_regression_even_at_the_widest_threshold(tmp_path):
     assert recs[1]["verdict"] == "regression"
 
 
-def test_a_cap_narrower_than_its_floor_is_refused_naming_both_keys(tmp_path):
-    from dflash.errors import UserError
-    from dflash.report import build
-    write_run(tmp_path / "runs", summary(1, 12.0), metrics=False)
+def test_a_cap_narrower_than_its_floor_is_refused_naming_both_keys():
+    """Refused when the config is read (a validator of the report section), before any report is built."""
+    import dflash.config as C
     for report, named in ((dict(threshold=-0.3), "report.threshold_cap (-0.25) is narrower than report.threshold"),
                           (dict(tau_threshold=-0.4), "report.tau_threshold_cap (-0.3) is narrower than report.tau_")):
-        with pytest.raises(UserError, match=named.replace("(", r"\(").replace(")", r"\)")):
-            build(tmp_path / "runs", tmp_path / "report", settings(**report))
+        with pytest.raises(C.ConfigError, match=named.replace("(", r"\(").replace(")", r"\)")):
+            C.from_dict({"report": report})
+
+
+def test_config_changes_name_hashed_keys_only():
+    """A key in neither hash (data.num_proc: how many processes tokenise) is no config change; a result key is, and
+    a key an older run recorded that the models no longer know is still compared."""
+    from dflash.report.regress import config_changes
+    assert config_changes({"data": {"num_proc": 1}}, {"data": {"num_proc": 4}}) == []
+    assert [c["key"] for c in config_changes({"train": {"lr": 1e-3}}, {"train": {"lr": 6e-4}})] == ["train.lr"]
+    assert [c["key"] for c in config_changes({"train": {"gone": 1}}, {"train": {"gone": 2}})] == ["train.gone"]

@@ -25,7 +25,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dflash.config import UNHASHED
+from dflash.config import pick
 from dflash.config_model import ReportSection
 from dflash.errors import UserError
 from dflash.report.history import Run, evaluation_settings, to_float
@@ -34,14 +34,6 @@ CATEGORIES = ("environment", "data", "config", "code")
 ENV_KEYS = ("python", "cuda", "cudnn", "cpu", "lock_hash")
 DATA_SKIP = ("created_at", "content_hash", "length_histogram", "buckets", "regeneration")
 ALWAYS_REGRESSION = -0.5        # a Ktok/s change at or below this is a regression whatever the threshold
-
-
-def check(settings: ReportSection) -> None:
-    """Refuse report settings whose cap is narrower than their floor (the `report` section of the config)."""
-    for floor, cap in (("threshold", "threshold_cap"), ("tau_threshold", "tau_threshold_cap")):
-        if getattr(settings, cap) > getattr(settings, floor):
-            raise UserError(f"report.{cap} ({getattr(settings, cap)}) is narrower than report.{floor} "
-                            f"({getattr(settings, floor)}): the cap must be at or below the floor; lower report.{cap}")
 
 
 # ---- diffs -------------------------------------------------------------------------------------------------
@@ -156,7 +148,8 @@ def _mean_len(d: dict) -> float | None:
 
 
 def config_changes(old: dict, new: dict) -> list[dict]:
-    strip = lambda c: {k: v for k, v in (c or {}).items() if k not in UNHASHED}  # noqa: E731
+    """The hashed keys that differ (a key in neither hash, e.g. data.num_proc, changes nothing a run measures)."""
+    strip = lambda c: pick(c or {}, lambda role: role.hashed is not None)  # noqa: E731
     return flat_diff(strip(old), strip(new))
 
 

@@ -45,9 +45,6 @@ def check(train_cfg: TrainSection, placement) -> None:
                 raise UserError(f"{key}: {d} ({torch.cuda.get_device_name(d)}) has compute capability "
                                 f"{cap[0]}.{cap[1]}, and FP8 matmuls need >= 8.9 (Ada, Hopper); drop {key} from "
                                 f"the config (FP8 is off by default)")
-    if train_cfg.fp8_lm_head and train_cfg.loss_kernel != "fused":
-        raise UserError("train.fp8_lm_head=true needs train.loss_kernel: fused (the FP8 head runs inside the fused "
-                        f"loss), not {train_cfg.loss_kernel}")
     try:
         import torchao  # noqa: F401
     except ImportError:
