@@ -105,6 +105,9 @@ def describe_files(folder: str | Path, skip=(), hash_limit: int | None = None) -
     return out
 
 
+SNAKEMAKE = {".snakemake_timestamp"}   # what Snakemake writes into a directory() output after its job
+
+
 def _listed(record: Path) -> set[str] | None:
     """The names a record's `files` lists (a dict or a list), None when it lists none or cannot be read."""
     try:
@@ -132,7 +135,7 @@ def check_ours(path: str | Path, record: str, remedy: str = "move it away, or gi
         raise UserError(f"{path}: a file, where a folder is to be written: {remedy}")
     if not path.is_dir():
         return
-    names = files_in(path)
+    names = [n for n in files_in(path) if n not in SNAKEMAKE]
     if not names:
         return
     fits = re.compile(layout).fullmatch if layout else (lambda n: False)

@@ -206,6 +206,7 @@ def test_a_file_added_to_a_built_target_is_named_and_kept(tmp_path, capsys):
     cfg.write_text(yaml.safe_dump({"results_dir": str(tmp_path), "target": target_section(tmp_path / "t", "random"),
                                    "data": {"builtin_corpus": {"max_conversations": 60}}}))
     assert main(["target", "--config", str(cfg), "--no-progress"]) == 0
+    (tmp_path / "t" / ".snakemake_timestamp").write_text("")               # what Snakemake adds to a directory()
     assert main(["target", "--config", str(cfg), "--no-progress"]) == 0     # its own folder: rebuilt
     (tmp_path / "t" / "NOTES.md").write_text("mine")
     assert main(["target", "--config", str(cfg), "--no-progress"]) == 1
