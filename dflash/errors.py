@@ -29,3 +29,32 @@ def written_path(e: BaseException | None) -> str | None:
             return str(e.filename)
         e = e.__cause__ or e.__context__
     return None
+
+
+# OSErrors that are the user's to fix, and what to do: a full disk (ENOSPC) has its own line (disk_full)
+_FIXES = {
+    "EACCES": ("permission denied", "make it {how} for this user, or give another path"),
+    "EPERM": ("operation not permitted", "make it {how} for this user, or give another path"),
+    "EROFS": ("on a read-only file system", "give a path on a writable disk"),
+    "EISDIR": ("a folder, where a file is expected", "give the path of a file"),
+    "ENOTDIR": ("a file, where a folder is expected (the path or one of its parents)", "give another path"),
+    "EEXIST": ("a file is in the way of a folder there", "move it away, or give another path"),
+    "ENOENT": ("no such file or folder", "check the path"),
+}
+
+
+def io_error(e: BaseException | None, path=None, action: str = "write") -> UserError | None:
+    """One line for an OSError in `e`'s chain that the user fixes (permissions, a read-only disk, a folder where a file
+    belongs or the reverse), naming `path` (else the file the error names) and what to do; None for any other error.
+    `action`: "read" or "write", what was being done to the path."""
+    import errno
+    for _ in range(8):
+        if e is None:
+            return None
+        if isinstance(e, OSError) and e.errno is not None and errno.errorcode.get(e.errno) in _FIXES:
+            what, fix = _FIXES[errno.errorcode[e.errno]]
+            where = path if path is not None else (e.filename or "a file")
+            how = "readable" if action == "read" else "writable"
+            return UserError(f"{where}: cannot {action} it: {what}; {fix.format(how=how)}")
+        e = e.__cause__ or e.__context__
+    return None

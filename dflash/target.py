@@ -7,14 +7,21 @@ Public:
 - `mask_token_id(tokenizer, vocab_size=None)` -> id of the drafter's mask token
 - `stop_token_ids(tokenizer, model=None)` -> ids that end an assistant turn (for generate)
 - `has_weights(path)` -> whether the folder holds weight files
+- `write_build(out_dir, info)`: build.json, the target stage's record, with every file it wrote (size, mtime, sha256)
+- `target_files(path)` -> a target folder's fingerprint (every file's size, mtime, sha256)
+- `target_problem(path, files=None)` -> what changed since build.json (or `files`) recorded the folder, or None;
+  `check_target(target_cfg)` raises it for a target the pipeline builds; every load (`load_tokenizer`,
+  `load_target`) checks it first.
 """
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
+from dflash.atomic import describe_files, files_in, sha256
 from dflash.config_model import TargetSection
-from dflash.errors import UserError
+from dflash.errors import UserError, io_error
 
 log = logging.getLogger("dflash.target")
 
@@ -28,9 +35,127 @@ def _path(target_cfg: TargetSection) -> Path:
     if not path.is_dir():
         raise UserError(f"target.path {path}: no such directory (build it with the `target` stage, "
                         f"or point target.path at a transformers model folder)")
+    check_target(target_cfg)
     if not (path / "config.json").is_file():
         raise UserError(f"target.path {path}: not a transformers model folder (no config.json)")
     return path
+
+
+# ---- the target's files: recorded when built, checked at every load ---------------------------------------------
+BUILD = "build.json"        # the target stage's record in every folder it builds
+HASH_ALWAYS = 16 << 20      # files up to 16 MiB (configs, the tokenizer, small weights) are hashed at every check
+LOADED = (".json", ".safetensors", ".bin", ".pt", ".pth", ".jinja", ".py", ".model", ".tiktoken")   # what loaders read
+_intact: set = set()        # (folder, record, its files' sizes and times) found intact in this process
+
+
+def write_build(out_dir, info: dict) -> dict:
+    """Write out_dir/build.json: `info` plus `files`, every file the build wrote with its size, mtime and sha256 (the
+    hash is taken once, here), so that a file changed or added later is found (`target_problem`)."""
+    info["files"] = describe_files(out_dir, skip={BUILD})
+    (Path(out_dir) / BUILD).write_text(json.dumps(info, indent=2) + "\n")
+    return info
+
+
+def target_files(path) -> dict:
+    """A target folder's fingerprint: every file's size, mtime and sha256 (hidden ones left out). Hashing costs about
+    what loading the target costs (it reads every byte too), once, where the fingerprint is taken; `target_problem`
+    checks it again with a stat per file (and hashes only files up to HASH_ALWAYS, or one whose mtime moved)."""
+    return describe_files(path, skip=_hidden(files_in(path)))
+
+
+def _hidden(names) -> set:
+    return {n for n in names if any(part.startswith(".") for part in n.split("/"))}
+
+
+def _changed(folder: Path, files: dict) -> str | None:
+    """The first file of `files` ({name: {size, mtime_ns, sha256}}) that is not as recorded in `folder`, with why.
+    Sizes and mtimes are compared for every file (one stat each); the sha256 of files up to HASH_ALWAYS always, of a
+    larger one when its mtime moved (a copy keeps the content): the check stays cheap for a many-GB target."""
+    for name, rec in sorted(files.items()):
+        p = folder / name
+        try:
+            st = p.stat()
+            if st.st_size != rec.get("size"):
+                return f"{p}: {st.st_size} bytes, {rec.get('size')} when recorded"
+            moved = st.st_mtime_ns != rec.get("mtime_ns")
+            if rec.get("sha256") and (moved or st.st_size <= HASH_ALWAYS):
+                if sha256(p) != rec["sha256"]:
+                    return f"{p}: its content differs from the one recorded (sha256)"
+            elif moved:
+                return f"{p}: modified (its mtime moved; too large to hash at every check)"
+        except FileNotFoundError:
+            return f"{p}: missing"
+        except OSError as e:
+            raise io_error(e, p, "read") or UserError(f"{p}: cannot read it ({e})") from None
+    return None
+
+
+def target_problem(path, files: dict | None = None) -> str | None:
+    """What changed in the target folder `path` since its files were recorded, in one line naming the file; None when
+    intact or nothing is recorded. `files`: a record taken earlier (`target_files`, e.g. when a drafter was trained on
+    it): the line says only what changed. None: the `files` of its build.json (a folder the target stage built), and
+    the line says what to do. A file added beside the recorded ones counts when a loader reads it (LOADED)."""
+    path = Path(path)
+    record = path / BUILD
+    built = files is None
+    if built:
+        if not record.is_file():
+            return None
+        try:
+            files = json.loads(record.read_text()).get("files")
+        except (OSError, ValueError, AttributeError) as e:
+            return f"{record}: unreadable ({type(e).__name__}): rerun the target stage (snakemake -R target)"
+        if not isinstance(files, dict):
+            return None   # built before build.json listed its files
+    names = files_in(path)
+    try:   # ctime too: a write moves it even when the mtime is set back
+        key = (str(path.resolve()), json.dumps(files, sort_keys=True),
+               tuple((n, st.st_size, st.st_mtime_ns, st.st_ctime_ns) for n in names for st in [(path / n).stat()]))
+    except OSError:
+        key = None
+    if key in _intact:
+        return None
+    why = _changed(path, files)
+    added = [n for n in names if n not in files and n != BUILD and not _hidden([n]) and Path(n).suffix in LOADED]
+    if why is None and added:
+        why = f"{path / added[0]}: added"
+    if why is None:
+        _intact.add(key)
+        return None
+    if not built:
+        return why
+    return (f"{why}, since the target stage built {path} ({BUILD} records its files): rerun the target stage "
+            f"(snakemake -R target), or put the file back as it was; to use the model as it is now, set target.build: "
+            f"none (the folder is then your input)")
+
+
+def check_target(target_cfg: TargetSection) -> None:
+    """A target the pipeline builds (target.build not none) as its build.json records it, or a UserError naming the
+    file that changed and what to do (`target_problem`). A folder used with build none is the user's input."""
+    problem = target_problem(target_cfg.path) if target_cfg.build != "none" else None
+    if problem:
+        raise UserError(problem)
+
+
+def weights_problem(path) -> str | None:
+    """A safetensors weight file of the folder `path` that is cut short or damaged, checked from its header alone (a
+    few KB per file): 'FILE: why' or None."""
+    for f in sorted(Path(path).glob("*.safetensors")):
+        try:
+            with open(f, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                size = f.stat().st_size
+                if size < 8 or n > size - 8:
+                    return f"{f}: {size} bytes, shorter than its header says"
+                header = json.loads(fh.read(n))
+            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError):
+            return f"{f}: its header is not a safetensors header"
+        except OSError as e:
+            raise io_error(e, f, "read") or UserError(f"{f}: cannot read it ({e})") from None
+        if 8 + n + end != size:
+            return f"{f}: {size} bytes, its header says {8 + n + end}"
+    return None
 
 
 def has_weights(path) -> bool:
@@ -106,12 +231,19 @@ def load_target(target_cfg: TargetSection, device="cpu", dtype=None, seed=0):
     dtype = resolve_dtype(dtype if dtype is not None else target_cfg.dtype, device)
     trust = target_cfg.trust_remote_code
     attn = target_cfg.attn_implementation
+    if not has_weights(path) and target_cfg.build != "random":
+        raise UserError(f"target.path {path}: no weight files (*.safetensors or pytorch_model*.bin) and "
+                        f"target.build is {target_cfg.build!r} (only `random` builds weights at load time)")
+    damaged = weights_problem(path)
+    if damaged:
+        raise UserError(f"{damaged}: the weight file is cut short or damaged; copy it again from the model (a target "
+                        f"this pipeline built: rerun the target stage)")
+    from safetensors import SafetensorError
     try:
         if has_weights(path):
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation=attn,
                                                          trust_remote_code=trust)
-            model.to(device)
-        elif target_cfg.build == "random":
+        else:
             config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust)
             torch.manual_seed(seed)
             default_dtype = torch.get_default_dtype()
@@ -122,11 +254,11 @@ def load_target(target_cfg: TargetSection, device="cpu", dtype=None, seed=0):
                                                              trust_remote_code=trust)
             finally:
                 torch.set_default_dtype(default_dtype)
-        else:
-            raise UserError(f"target.path {path}: no weight files (*.safetensors or pytorch_model*.bin) and "
-                            f"target.build is {target_cfg.build!r} (only `random` builds weights at load time)")
-    except (OSError, ValueError, KeyError) as e:
-        raise UserError(f"target.path {path}: cannot load the model: {str(e).splitlines()[0]}") from None
+    except (OSError, ValueError, KeyError, SafetensorError) as e:   # a .bin torch.load cannot read: OSError
+        raise io_error(e, action="read") or UserError(
+            f"target.path {path}: cannot load the model: {(str(e).splitlines() or [type(e).__name__])[0]}; copy the "
+            f"model's files again (a target this pipeline built: rerun the target stage)") from None
+    model.to(device)
     model.eval()
     model.requires_grad_(False)
     return model

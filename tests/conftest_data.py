@@ -115,7 +115,7 @@ def build_talking_target() -> Path:
         src = build_tiny_target()
         path = Path(tempfile.mkdtemp(prefix="dflash-talking-target-")) / "talking"
         shutil.copytree(src, path)
-        for f in path.glob("*.safetensors"):
+        for f in [*path.glob("*.safetensors"), path / "build.json"]:   # other weights: not the tiny build any more
             f.unlink()
         config = AutoConfig.from_pretrained(str(path))
         config.initializer_range = 0.5

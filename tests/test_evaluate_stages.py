@@ -116,7 +116,9 @@ def test_export_then_evaluate_the_exported_folder(run, caplog):
     cfg_file, run_dir, d = run
     assert main(["export", "--config", str(cfg_file)]) == 0
     out = run_dir / "drafter"
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "export.json", "model.safetensors"]
+    record = json.loads((out / "export.json").read_text())   # the stage's record: what it wrote, so it is told apart
+    assert sorted(record["files"]) == ["README.md", "config.json", "model.safetensors"]
     conf = json.loads((out / "config.json").read_text())
     assert conf["block_size"] == 4 and conf["dflash_config"]["mask_token_id"] == d.cfg.mask_token_id
     # the serving contract (docs/serving.md): the mask token's text is written; target layer 1 of this 2-layer target

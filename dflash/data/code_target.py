@@ -15,12 +15,12 @@ source makes its conversations from them.
 build.json: corpus (roots, cap, files, bytes, skipped, hash of the file list and contents, pre-training and held-out
 file counts, conversations, tokens), tokenizer (size, text it was trained on, bytes per token), params, pretrain
 (device, steps, tokens seen, epochs, seconds, first-step seconds, tokens/s, what stopped it, loss curve), heldout
-and pretrain_eval ({nll, perplexity, windows, tokens}), seconds (total) and phase_seconds.
+and pretrain_eval ({nll, perplexity, windows, tokens}), seconds (total), phase_seconds and files (every file written:
+size, mtime, sha256; `dflash.target.write_build`).
 """
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import time
 from pathlib import Path
@@ -30,6 +30,7 @@ from dflash.data import code_corpus
 from dflash.data.pretrain import compile_layers, loss_summary, mean_nll, pretrain
 from dflash.data.tiny_target import EOS, cpu_threads, generation_config, qwen3_config, render, train_tokenizer
 from dflash.errors import UserError
+from dflash.target import write_build
 
 log = logging.getLogger("dflash.target")
 ENCODE_BATCH = 1024        # documents per call into the tokenizer's (multi-threaded) batch encoder
@@ -157,5 +158,4 @@ def _build(target_cfg: TargetSection, out_dir: Path, seed: int, progress: bool) 
         "heldout": heldout, "pretrain_eval": seen,
         "seconds": round(time.perf_counter() - t0, 3), "phase_seconds": {k: round(v, 3) for k, v in times.items()},
     }
-    (out_dir / "build.json").write_text(json.dumps(info, indent=2) + "\n")
-    return info
+    return write_build(out_dir, info)

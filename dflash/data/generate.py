@@ -52,7 +52,9 @@ def _batching(model, prompts, longest, max_new_tokens, batch_size, static, compi
         batch_size = auto_batch_size(model, width, max_new_tokens, cpu_batch_size)
         if static and prompts:
             batch_size = -(-len(prompts) // -(-len(prompts) // max(1, batch_size)))
-        log.info("regeneration batch size %d (from free GPU memory)", batch_size)
+        on_gpu = next(model.parameters()).device.type == "cuda"
+        log.info("regeneration batch size %d (%s)", batch_size,
+                 "from free GPU memory" if on_gpu else "on the CPU: data.regenerate.cpu_batch_size")
         if static:
             dec = decoder_for(model, batch_size, need, compile, **options)
     return (dec.B, dec) if static else (batch_size, None)

@@ -13,7 +13,8 @@ Public:
 Resumability: conversations are processed in chunks of `data.regenerate.chunk_size`; a finished chunk is one JSONL
 file written atomically (`chunk-<hash>.jsonl`: one {"hash", "messages"} or {"hash", "reject"} per conversation).
 A rerun loads every chunk file and regenerates only the conversations none holds, so a `kill -9` costs at most
-the chunk in flight and a conversation is never regenerated twice. Shards share the folder.
+the chunk in flight and a conversation is never regenerated twice. Shards share the folder. A torn chunk (cut by a copy
+or a damaged disk) is set aside as `<name>.torn` with one warning line, and its conversations are regenerated.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import os
 import random
 import time
 from pathlib import Path
@@ -29,7 +31,7 @@ from dflash.atomic import atomic_write_text
 from dflash.config_model import DflashConfig, RegenerateSection
 from dflash.data.generate import regenerate
 from dflash.data.tokenise import prompt_ids, render
-from dflash.errors import UserError
+from dflash.errors import UserError, io_error
 
 log = logging.getLogger("dflash.data")
 
@@ -58,7 +60,8 @@ def cache_key(cfg: DflashConfig) -> str:
 
 
 def load_cache(folder: Path) -> dict[str, dict]:
-    """{conv_hash: entry} of every finished chunk (a torn file cannot exist: chunks are written atomically)."""
+    """{conv_hash: entry} of every finished chunk (chunks are written atomically; a torn one, e.g. cut by a copy, is
+    set aside by `load_cache_file`)."""
     out = {}
     for f in sorted(Path(folder).glob("chunk-*.jsonl")):
         out.update(load_cache_file(f))
@@ -240,10 +243,8 @@ class CacheIndex:
         self.folder = Path(folder)
         self.where: dict[bytes, str] = {}
         for f in sorted(self.folder.glob("chunk-*.jsonl")):
-            with open(f) as fh:
-                for line in fh:
-                    if line.strip():
-                        self.where[bytes.fromhex(json.loads(line)["hash"][:32])] = f.name
+            for h in load_cache_file(f):
+                self.where[bytes.fromhex(h[:32])] = f.name
         self._file, self._entries = None, {}
 
     def __contains__(self, h: str) -> bool:
@@ -262,7 +263,33 @@ class CacheIndex:
 
 
 def load_cache_file(path) -> dict[str, dict]:
-    return {e["hash"]: e for e in (json.loads(x) for x in Path(path).read_text().splitlines() if x.strip())}
+    """{conv_hash: entry} of one chunk file. A torn or damaged one (a line that is not an entry) is set aside as
+    `<name>.torn`, named in one warning line, and gives nothing: its conversations are regenerated."""
+    path = Path(path)
+    try:
+        entries = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+        for e in entries:
+            if not (isinstance(e, dict) and isinstance(e.get("hash"), str) and ("messages" in e or "reject" in e)):
+                raise ValueError(f"not a cache entry: {str(e)[:60]!r}")
+            bytes.fromhex(e["hash"][:32])
+        return {e["hash"]: e for e in entries}
+    except (ValueError, UnicodeDecodeError) as e:
+        torn = path.with_name(path.name + ".torn")
+        try:
+            os.replace(path, torn)
+        except FileNotFoundError:   # another data shard, which shares the folder, set it aside first
+            return {}
+        except OSError as moved:
+            raise io_error(moved, path) or UserError(f"{path}: a torn regeneration cache chunk that cannot be set "
+                                                     f"aside ({moved}): delete it and rerun") from None
+        log.warning("%s: a torn regeneration cache chunk (%s: %s); set aside as %s, its conversations are "
+                    "regenerated (delete it when you like)", path, type(e).__name__, e, torn.name)
+        return {}
+    except FileNotFoundError:       # set aside by another data shard since the folder was listed
+        return {}
+    except OSError as e:
+        raise io_error(e, path, "read") or UserError(f"{path}: cannot read this regeneration cache chunk ({e}); "
+                                                     f"delete it and rerun") from None
 
 
 def regenerate_stream(convs, total: int, tokenizer, cfg: DflashConfig, cache_dir, stats: dict, progress=True,
@@ -275,7 +302,10 @@ def regenerate_stream(convs, total: int, tokenizer, cfg: DflashConfig, cache_dir
 
     r = cfg.data.regenerate
     cache_dir = Path(cache_dir)
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise io_error(e, cache_dir) or e
     index = CacheIndex(cache_dir)
     stats.update({"enabled": True, "engine": r.engine, "max_new_tokens": r.max_new_tokens,
                   "temperature": r.temperature, "conversations": 0, "cached": 0, "tokens": 0, "seconds": 0.0,

@@ -2,13 +2,13 @@
 
 `build_target(target_cfg, out_dir)` writes a transformers folder into `out_dir` (the caller makes it atomic):
 - `tiny`: tokenizer + Qwen3ForCausalLM of `target.arch`, pre-trained `target.pretrain.steps` steps on the
-  chat-formatted built-in corpus; safetensors weights; `build.json` with the loss curve and seconds.
+  chat-formatted built-in corpus; safetensors weights; `build.json` with the loss curve, seconds and every file
+  written (`dflash.target.write_build`).
 - `random`: config.json of `target.arch` + the tiny tokenizer, no weights (`load_target` makes them).
 """
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 from pathlib import Path
@@ -16,6 +16,7 @@ from pathlib import Path
 from dflash.config_model import ArchSection, TargetSection
 from dflash.data import corpus as corpus_mod
 from dflash.data.pretrain import compile_layers, loss_summary, pretrain
+from dflash.target import write_build
 
 log = logging.getLogger("dflash.target")
 
@@ -128,8 +129,7 @@ def _build_target(target_cfg: TargetSection, out_dir, seed, corpus_size, progres
         generation_config(tokenizer).save_pretrained(out_dir)
         tokenizer.save_pretrained(out_dir)
         info["seconds"] = round(time.time() - t0, 3)
-        (out_dir / "build.json").write_text(json.dumps(info, indent=2) + "\n")
-        return info
+        return write_build(out_dir, info)
     if build != "tiny":
         raise ValueError(f"target.build {build!r}: the target stage only builds `tiny` or `random`")
 
@@ -163,5 +163,4 @@ def _build_target(target_cfg: TargetSection, out_dir, seed, corpus_size, progres
         "seconds": round(time.time() - t0, 3),
         "threads": torch.get_num_threads(),
     })
-    (out_dir / "build.json").write_text(json.dumps(info, indent=2) + "\n")
-    return info
+    return write_build(out_dir, info)

@@ -1,5 +1,6 @@
 """Reference-format drafter directories: config.json + model.safetensors (keys exactly as DFlashDraftModel names
-them; no embedding, no LM head), written atomically; loaded with safetensors only."""
+them; no embedding, no LM head), written atomically with the modes the umask gives (safetensors alone writes 0600);
+loaded with safetensors only."""
 from __future__ import annotations
 
 import json
@@ -35,10 +36,10 @@ def reference_config(cfg: DrafterConfig, extra: dict | None = None, dtype: torch
     return config
 
 
-def save_drafter(drafter: DFlashDrafter, out_dir, extra: dict | None = None, dtype: torch.dtype | None = None,
-                 mask_token: str | None = None) -> Path:
-    """Write `out_dir` (replaced in one rename). `extra` adds keys to config.json; `dtype` casts the weights
-    (default: as they are); `mask_token` as in `reference_config`."""
+def write_drafter(drafter: DFlashDrafter, folder, extra: dict | None = None, dtype: torch.dtype | None = None,
+                  mask_token: str | None = None) -> Path:
+    """Write config.json and model.safetensors into `folder` (the caller makes it atomic). `extra` adds keys to
+    config.json; `dtype` casts the weights (default: as they are); `mask_token` as in `reference_config`."""
     from safetensors.torch import save_file
     sd = drafter.state_dict()
     expected = reference_keys(drafter.cfg.num_layers)
@@ -47,11 +48,18 @@ def save_drafter(drafter: DFlashDrafter, out_dir, extra: dict | None = None, dty
                            f"extra {sorted(set(sd) - set(expected))}, missing {sorted(set(expected) - set(sd))}")
     tensors = {k: (v.to(dtype) if dtype is not None else v).detach().cpu().contiguous() for k, v in sd.items()}
     config = reference_config(drafter.cfg, extra, dtype or next(iter(tensors.values())).dtype, mask_token)
-    out_dir = Path(out_dir)
+    folder = Path(folder)
+    save_file(tensors, str(folder / WEIGHTS), metadata={"format": "pt"})
+    (folder / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return folder
+
+
+def save_drafter(drafter: DFlashDrafter, out_dir, extra: dict | None = None, dtype: torch.dtype | None = None,
+                 mask_token: str | None = None) -> Path:
+    """`write_drafter` into `out_dir`, replaced in one rename, its files' modes as the umask gives."""
     with atomic_dir(out_dir) as tmp:
-        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-    return out_dir
+        write_drafter(drafter, tmp, extra, dtype, mask_token)
+    return Path(out_dir)
 
 
 def load_drafter(path, embed_tokens, lm_head, device=None, dtype: torch.dtype | None = None) -> DFlashDrafter:

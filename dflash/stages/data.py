@@ -1,5 +1,6 @@
 """Stage `data`: expand sources into tokenised, length-bucketed Arrow shards, holdout.jsonl and manifest.json
-under results/data/<dataset_name>/, atomically (the folder is replaced in one rename).
+under results/data/<dataset_name>/, atomically (the folder is replaced in one rename; never one the stage did not make,
+nor one holding a file it did not write: it is refused, naming them).
 
 Three forms (the Snakemake rules use the last two when data.shards > 1):
   python -m dflash data                       the whole expansion in one process
@@ -27,6 +28,14 @@ def add_arguments(p):
                    help="torch CPU threads for CPU regeneration (default 1; 0 leaves torch's)")
 
 
+# What the data stage writes, beside its record (manifest.json lists the dataset's files exactly; Snakemake removes it
+# and holdout.jsonl before a rerun, leaving the bucket folders): a file that fits neither was put there by hand
+ARROW = r"(data-\d+-of-\d+\.arrow|dataset_info\.json|state\.json)"
+DATASET_LAYOUT = rf"train/bucket-\d+/{ARROW}|holdout\.jsonl"
+PART_LAYOUT = rf"samples/{ARROW}|holdout\.jsonl"
+REMEDY = "give --out a new folder, or the dataset folder (<results_dir>/data/<dataset_name>)"
+
+
 def _shard(text):
     from dflash.errors import UserError
     try:
@@ -44,6 +53,7 @@ def run(loaded: Loaded, args) -> int:
     from dflash.config import REPO, inside
     from dflash.data import expand as E
     from dflash.data import gather
+    from dflash.data.shards import MANIFEST
     from dflash.data.tiny_target import cpu_threads
     from dflash.errors import UserError
 
@@ -54,7 +64,7 @@ def run(loaded: Loaded, args) -> int:
         if not args.out:
             raise UserError("--shard needs --out (the part folder)")
         inside(args.out, loaded.cfg.results_dir, REPO)
-        with cpu_threads(args.threads), atomic_dir(args.out, "part.json") as tmp:
+        with cpu_threads(args.threads), atomic_dir(args.out, "part.json", PART_LAYOUT, REMEDY) as tmp:
             part = E.expand_part(loaded, i, n, tmp, cache_dir=args.cache, progress=not args.no_progress)
         log.info("data part %d/%d: %d samples, %d holdout, regenerated %d tokens (%d conversations cached) -> %s",
                  i, n, len(part["samples"]), len(part["holdout"]), part["regeneration"].get("tokens", 0),
@@ -62,7 +72,7 @@ def run(loaded: Loaded, args) -> int:
         return 0
     out = args.out or paths.dataset(loaded.cfg.results_dir, loaded.cfg.dataset_name)
     inside(out, loaded.cfg.results_dir, REPO)
-    with cpu_threads(args.threads), atomic_dir(out) as tmp:
+    with cpu_threads(args.threads), atomic_dir(out, MANIFEST, DATASET_LAYOUT, REMEDY) as tmp:
         if args.gather:
             m = gather.finish(loaded, [gather.read_part(p) for p in args.gather], tmp)
         else:

@@ -14,6 +14,9 @@ from dflash.config import Loaded
 log = logging.getLogger("dflash.evaluate")
 
 
+OURS = ("drafter", "sets")   # keys of every acceptance.json: an existing --out without them is not the stage's
+
+
 def add_arguments(p):
     p.add_argument("--run-dir", default=None, help="run folder (default: <results_dir>/runs/<run_name>)")
     p.add_argument("--drafter", default=None,
@@ -34,26 +37,33 @@ def run(loaded: Loaded, args) -> int:
     import torch
 
     from dflash import paths
-    from dflash.atomic import atomic_write_json
+    from dflash.atomic import atomic_write_json, check_file_ours
     from dflash.config import REPO, inside
     from dflash.data.shards import HOLDOUT, MANIFEST, verify_file
-    from dflash.errors import UserError
+    from dflash.errors import UserError, io_error
     from dflash.evaluate import DFlashDraft
     from dflash.evaluate import acceptance as A
     from dflash.evaluate import loading as L
     from dflash.stages import check_run_config
-    from dflash.target import load_target, load_tokenizer, resolve_device, stop_token_ids
+    from dflash.target import load_target, load_tokenizer, resolve_device, stop_token_ids, target_files
     from dflash.train.checkpoint import ended_with, load_drafter
 
     cfg, ev = loaded.cfg, loaded.cfg.evaluate
     run_dir = Path(args.run_dir) if args.run_dir else paths.run(cfg.results_dir, cfg.run_name)
     out = Path(args.out) if args.out else run_dir / "acceptance.json"
+    failed = out.with_name(out.stem + ".failed.json")
+    for f in (out, failed):   # before minutes of decoding: a folder, or a file that is not ours, is refused now
+        check_file_ours(f, OURS, "evaluate")
     holdout = Path(args.holdout or paths.dataset(cfg.results_dir, cfg.dataset_name) / HOLDOUT)
     if not args.holdout or (holdout.parent / MANIFEST).is_file():   # a dataset's holdout: as the data stage wrote it
-        verify_file(holdout.parent, holdout.name)
+        try:
+            verify_file(holdout.parent, holdout.name)
+        except OSError as e:   # e.g. a folder, or a file this user cannot read
+            raise io_error(e, holdout, "read") or e
     if args.same_config and not args.drafter:
         check_run_config(loaded, run_dir)
     path = Path(args.drafter) if args.drafter else ended_with(run_dir)
+    trained_on = None if args.drafter else _trained_on(cfg.target, run_dir)
     device = resolve_device(ev.device)
     tok = load_tokenizer(cfg.target)
     target = load_target(cfg.target, device=device, seed=cfg.seed)
@@ -107,7 +117,8 @@ def run(loaded: Loaded, args) -> int:
     doc = {
         "run_name": cfg.run_name,
         "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "drafter": source, "checkpoint_step": step, "target": str(cfg.target.path), "device": str(device),
+        "drafter": source, "checkpoint_step": step, "target": str(cfg.target.path),
+        "target_files": trained_on or target_files(cfg.target.path), "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
         "temperature": ev.temperature, "block_size": bsz, "max_new_tokens": ev.max_new_tokens,
         "num_prompts": total, "stop_token_ids": stops,
@@ -115,7 +126,7 @@ def run(loaded: Loaded, args) -> int:
         "sets": results,
     }
     if not doc["lossless"] and dtype == torch.float32:
-        failed = atomic_write_json(out.with_name(out.stem + ".failed.json"), doc)
+        atomic_write_json(failed, doc)
         raise UserError(f"greedy speculative decoding differs from plain greedy decoding on "
                         f"{sum(len(r['mismatches']) for r in results.values())} prompt(s) in float32: a bug "
                         f"(details in {failed})")
@@ -128,3 +139,25 @@ def run(loaded: Loaded, args) -> int:
         log.warning("greedy speculative decoding differs from plain greedy decoding (in %s, batch-dependent "
                     "rounding can flip near-tied argmaxes); details in %s", dtype, out)
     return 0
+
+
+def _trained_on(target_cfg, run_dir):
+    """The fingerprint of the target the run was trained on (summary.json's `target_files`), checked against the
+    target folder now: a target changed since is refused, naming the file. None when the summary records none."""
+    import json
+    from pathlib import Path
+
+    from dflash.errors import UserError
+    from dflash.target import target_problem
+    summary = Path(run_dir, "summary.json")
+    try:
+        files = json.loads(summary.read_text()).get("target_files")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(files, dict):
+        return None
+    problem = target_problem(target_cfg.path, files)
+    if problem:
+        raise UserError(f"{problem}, since the run was trained on it ({summary} records its files): its tau would be "
+                        f"measured with another target; retrain on it (snakemake -R train), or put the file back")
+    return files

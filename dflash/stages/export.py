@@ -1,11 +1,22 @@
 """Stage `export`: the trained drafter in the reference inference format (config.json + model.safetensors, as
 z-lab `dflash` 0.1.0 `DFlashDraftModel`, SGLang and vLLM load it) plus a README.md model card, under
-results/runs/<run>/drafter/ (written in one rename)."""
+results/runs/<run>/drafter/ (written in one rename, its files' modes as the umask gives: readable by a server under
+another account) and export.json, the stage's record (the checkpoint, every file's size and sha256). A folder without
+export.json, or holding a file the stage did not write, is never replaced: it is refused, naming them."""
 import logging
 
 from dflash.config import Loaded
 
 log = logging.getLogger("dflash.export")
+
+RECORD = "export.json"
+
+
+def check_out(out) -> None:
+    """Where export may write its folder: nowhere that holds what it did not write (`dflash.atomic.check_ours`).
+    Checked before anything loads; the Snakefile can call it when it is read, before Snakemake removes the output."""
+    from dflash.atomic import check_ours
+    check_ours(out, RECORD, "give --out a new folder, or the run's drafter folder")
 
 
 def add_arguments(p):
@@ -21,28 +32,30 @@ def add_arguments(p):
 
 
 def run(loaded: Loaded, args) -> int:
-    import shutil
     from pathlib import Path
 
     import torch
     from transformers import AutoConfig
 
     from dflash import paths
-    from dflash.atomic import atomic_dir, read_json
+    from dflash.atomic import atomic_dir, atomic_write_json, describe_files, read_json
     from dflash.errors import UserError
     from dflash.evaluate.modelcard import model_card
-    from dflash.model import save_drafter, serving_problems
+    from dflash.model import serving_problems
+    from dflash.model.export import write_drafter
     from dflash.stages import check_run_config
-    from dflash.target import load_tokenizer
+    from dflash.target import check_target, load_tokenizer
     from dflash.train.checkpoint import ended_with, load_drafter
 
     cfg = loaded.cfg
     run_dir = Path(args.run_dir) if args.run_dir else paths.run(cfg.results_dir, cfg.run_name)
     out = Path(args.out) if args.out else run_dir / "drafter"
+    check_out(out)
     if args.same_config and not args.checkpoint:
         check_run_config(loaded, run_dir)
     ckpt = Path(args.checkpoint) if args.checkpoint else ended_with(run_dir)
     tpath = Path(cfg.target.path)
+    check_target(cfg.target)
     if not (tpath / "config.json").is_file():
         raise UserError(f"{tpath}: target folder has no config.json (run the target stage, or set target.path)")
     tconf = AutoConfig.from_pretrained(str(tpath), trust_remote_code=cfg.target.trust_remote_code)
@@ -63,15 +76,14 @@ def run(loaded: Loaded, args) -> int:
         raise UserError(f"{run_dir / 'acceptance.json'} evaluated {acceptance.get('drafter')}, not {ckpt}: evaluate "
                         f"this drafter first (snakemake -R evaluate)")
     manifest = _read(Path(args.data or paths.dataset(cfg.results_dir, cfg.dataset_name)) / "manifest.json")
-    with atomic_dir(out) as tmp:
-        save_drafter(drafter, tmp / "weights", dtype=dtype, mask_token=mask_token)
-        for f in (tmp / "weights").iterdir():
-            shutil.move(str(f), tmp / f.name)
-        (tmp / "weights").rmdir()
+    with atomic_dir(out, RECORD) as tmp:
+        write_drafter(drafter, tmp, dtype=dtype, mask_token=mask_token)
         card = model_card(cfg, tconf, dcfg, ckpt, summary, acceptance, manifest, read_json(tmp / "config.json"))
         (tmp / "README.md").write_text(card)
         for problem in serving_problems(tmp):   # e.g. a target layer id the serving stacks read differently
             log.warning("serving contract (docs/serving.md): %s", problem)
+        atomic_write_json(tmp / RECORD, {"checkpoint": str(ckpt), "target": str(tpath), "dtype": args.dtype,
+                                         "files": describe_files(tmp, skip={RECORD})})
     log.info("drafter from %s (%d layers, block %d, target layers %s) -> %s", ckpt, dcfg.num_layers,
              dcfg.block_size, dcfg.target_layer_ids, out)
     return 0

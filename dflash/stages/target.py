@@ -17,13 +17,13 @@ def add_arguments(p):
                    help="torch CPU threads for pre-training (default 1: fastest on a shared small machine; 0 leaves torch's)")
 
 
-RECORD = "build.json"   # written by build_target into every target folder it makes
+RECORD = "build.json"   # dflash.target.BUILD: written by the builders into every target folder they make, listing its files
 
 
 def check_out(out, results_dir) -> None:
-    """Where the target stage may build: inside results_dir or the repository, and never over a folder it did not
-    make (a model the user points at is an input: build none). Checked by the stage and by the Snakefile when it is
-    read, before Snakemake removes the rule's output."""
+    """Where the target stage may build: inside results_dir or the repository, never over a folder it did not make (a
+    model the user points at is an input: build none), nor over one holding files it did not write (build.json lists
+    its own). Checked by the stage and by the Snakefile when it is read, before Snakemake removes the rule's output."""
     from dflash.atomic import check_ours
     from dflash.config import REPO, ConfigError, inside
     try:

@@ -10,6 +10,9 @@ from dflash.config_model import TrainSection
 log = logging.getLogger("dflash.warmup")
 
 
+OURS = ("device", "env_hash")   # keys of every warm-up record: an existing --out without them is not the stage's
+
+
 def add_arguments(p):
     p.add_argument("--device", required=True, help="device to warm up (cpu, cuda:N, N, or the file form cuda0)")
     p.add_argument("--data", default=None, help="dataset folder (default: <results_dir>/data/<dataset_name>)")
@@ -55,13 +58,14 @@ def run(loaded: Loaded, args) -> int:
 
     import torch
 
-    from dflash.atomic import atomic_write_json
     from dflash import paths
+    from dflash.atomic import atomic_write_json, check_file_ours
     from dflash.fingerprint import compile_cache_dir
     from dflash.train import compile_guard
     from dflash.train.context import prepare, set_shapes
 
     device = warmup_device(args.device, loaded.cfg.train)
+    out = check_file_ours(args.out or paths.compile_record(loaded.cfg.results_dir, args.device), OURS, "warmup")
     ctx = prepare(loaded, data_dir=args.data)
     target = loaded.cfg.train.compile_target and device in ctx.placement.targets
     drafter = device in ctx.placement.drafters
@@ -82,7 +86,6 @@ def run(loaded: Loaded, args) -> int:
     total = {k: sum(r[k] for r in records) for k in ("graphs", "cache_hits", "cache_misses", "seconds")}
     record = {"device": str(device), **total, "seconds": round(total["seconds"], 3), "per_role": records,
               "env_hash": ctx.env["hash"], "cache_dir": str(cache)}
-    out = args.out or paths.compile_record(loaded.cfg.results_dir, args.device)
     atomic_write_json(out, record)
     for r in records:
         log.info("warm-up %s (%s): %d shape(s), %d graph(s), %d cache hit(s), %.1f s", device, r["role"],
