@@ -152,7 +152,7 @@ def _mismatch(root: Path, m: dict) -> str | None:
     extra = sorted(have - set(files))
     if extra:
         return f"{root / extra[0]}: {_kind(extra[0])} not in the dataset manifest (the folder was changed after the " \
-               f"data stage)"
+               f"data stage): move it out of the dataset folder (a rerun of the data stage keeps it and refuses)"
     for name, digest in sorted(files.items()):
         path = root / name
         if not path.is_file():
@@ -189,7 +189,7 @@ def verify_dataset(root) -> dict:
     m = read_manifest(root)
     problem = _mismatch(root, m)
     if problem:
-        raise UserError(f"{problem}; rerun the data stage to rebuild the dataset")
+        raise UserError(problem if "move it out" in problem else f"{problem}; rerun the data stage to rebuild the dataset")
     return m
 
 

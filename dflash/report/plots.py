@@ -28,13 +28,14 @@ DPI = 80
 
 
 def _save(fig, path: Path) -> Path:
-    """Atomic like every output: render to a temporary sibling, then rename."""
+    """Atomic like every output: render to a temporary sibling, then rename (modes as the umask gives)."""
+    from dflash.atomic import follow_umask
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
     os.close(fd)
     try:
         fig.savefig(tmp, dpi=DPI, metadata={"Software": None})
-        os.chmod(tmp, 0o644)
+        follow_umask(tmp)
         os.replace(tmp, path)
     finally:
         plt.close(fig)

@@ -1,4 +1,14 @@
 # Stage 'export': the trained drafter in the reference inference format (+ README.md model card).
+from dflash.stages.export import check_out as check_export_out
+
+# Snakemake removes a directory() output before its job: a drafter folder holding files the export did not write
+# (a user's) is refused now, naming them, instead of being removed without a word.
+try:
+    check_export_out(paths.run(RESULTS, RUN) / "drafter")
+except (ConfigError, UserError) as e:
+    raise WorkflowError(str(e)) from None
+
+
 rule export:
     input:
         summary=rules.train.output.summary,
