@@ -142,10 +142,19 @@ def _run(args) -> int:
         if disk_full(e):
             results = loaded.cfg.results_dir if loaded is not None else "the results folder"
             return _fail(args, f"dflash {args.stage}: error: {_no_space(args, e, results)}", 1)
+        if _denied(e):
+            return _fail(args, f"dflash {args.stage}: error: {e.filename}: {e.strerror}: give this account access "
+                               f"to it (ls -ld shows who may write it), or point the config at another folder", 1)
         if args.log:  # the traceback goes to the log file as well as to the console
             logging.getLogger(f"dflash.{args.stage}").exception("dflash %s failed", args.stage)
             return 1
         raise
+
+
+def _denied(e: Exception) -> bool:
+    """A path this process may not write or read (a write-protected folder, a read-only file system), named."""
+    import errno
+    return isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) and bool(e.filename)
 
 
 def _no_space(args, e: Exception, results: str) -> str:

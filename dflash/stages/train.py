@@ -1,4 +1,6 @@
-"""Stage `train`: the target/drafter pipeline (threads runtime in one process, or distributed: a process per device)."""
+"""Stage `train`: the target/drafter pipeline (threads runtime in one process, or distributed: a process per device).
+One writer per run folder (dflash/train/writer.py), checked writable before anything is loaded or trained."""
+import contextlib
 import logging
 import os
 
@@ -23,24 +25,26 @@ def run(loaded: Loaded, args) -> int:
     import yaml
 
     from dflash.atomic import atomic_write_text
-    from dflash.train import checkpoint
+    from dflash.train import checkpoint, writer
     from dflash.train.context import prepare
     from dflash.train.run import train
     from dflash.train.runtime import distributed, threads
 
     ctx = prepare(loaded, run_dir=args.run_dir, data_dir=args.data)
     if distributed.is_rank():   # one rank of a distributed run: the lifecycle over the ranks' transport
-        return train(ctx, distributed.Ranks(), progress=False)
-    done = None if args.retrain else checkpoint.restore(ctx)
-    if done is not None:
-        log.info("run %s finished at step %d (%s) with this config's result keys and this data: summary.json and "
-                 "metrics.jsonl restored, nothing trained (--retrain, or snakemake -R train, trains it anew)",
-                 cfg.run_name, done["checkpoint"]["step"], ctx.run_dir / done["checkpoint"]["path"])
-        return 0
-    if ctx.placement.runtime == "distributed":
-        return distributed.launch(ctx, args)
-    ctx.run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(ctx.run_dir / "config.yaml", yaml.safe_dump(loaded.raw, sort_keys=False))
-    log.info("run %s: %s runtime, targets %s, drafters %s, attention %s", cfg.run_name, ctx.placement.runtime,
-             [str(d) for d in ctx.placement.targets], [str(d) for d in ctx.placement.drafters], ctx.backend)
-    return train(ctx, threads.Threads(), progress=not args.no_progress)
+        with writer.hold(ctx.run_dir) if distributed.writes(ctx) else contextlib.nullcontext():
+            return train(ctx, distributed.Ranks(), progress=False)
+    writer.check_writable(ctx.run_dir)
+    with writer.hold(ctx.run_dir):   # one writer per run folder, for this process's life (and its ranks')
+        done = None if args.retrain else checkpoint.restore(ctx)
+        if done is not None:
+            log.info("run %s finished at step %d (%s) with this config's result keys and this data: summary.json "
+                     "and metrics.jsonl restored, nothing trained (--retrain, or snakemake -R train, trains it anew)",
+                     cfg.run_name, done["checkpoint"]["step"], ctx.run_dir / done["checkpoint"]["path"])
+            return 0
+        if ctx.placement.runtime == "distributed":
+            return distributed.launch(ctx, args)
+        atomic_write_text(ctx.run_dir / "config.yaml", yaml.safe_dump(loaded.raw, sort_keys=False))
+        log.info("run %s: %s runtime, targets %s, drafters %s, attention %s", cfg.run_name, ctx.placement.runtime,
+                 [str(d) for d in ctx.placement.targets], [str(d) for d in ctx.placement.drafters], ctx.backend)
+        return train(ctx, threads.Threads(), progress=not args.no_progress)
