@@ -66,11 +66,20 @@ def wait_unlocked(cfg, timeout=120) -> None:
 def test_a_second_train_on_a_folder_a_live_train_writes_is_refused_naming_it(tmp_path, capsys):
     """Snakemake killed with -9 leaves its train job running; `--unlock` and `--rerun-incomplete` (which deletes the
     job's outputs) then start a second train on the same run folder. It is refused in one line naming the live
-    process (pid, host, start, command), before it loads anything; the first one runs on, and stopped it checkpoints.
+    process (pid, host, start, command), before it loads the target or the data; the first one runs on, and stopped
+    it checkpoints.
     The lock is that process: its record stays when it ends and blocks nothing."""
     cfg = prepared(tmp_path, steps=400, checkpoint_every=0)
     parent = subprocess.Popen(["bash", "-c", f"{sys.executable} -m dflash train --config {cfg} --no-progress "
                                              f"2>/dev/null & wait"], cwd=REPO, start_new_session=True)
+    try:
+        refused_while_it_trains(cfg, parent, capsys)
+    finally:   # whatever happened, nothing of this test runs on
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(parent.pid, signal.SIGKILL)
+
+
+def refused_while_it_trains(cfg, parent, capsys):
     wait_for_rows(cfg, 2, parent)
     pid = lock_record(cfg)["pid"]
     parent.send_signal(signal.SIGKILL)             # kill -9 of Snakemake: its job lives on
@@ -93,6 +102,8 @@ def test_a_second_train_on_a_folder_a_live_train_writes_is_refused_naming_it(tmp
     assert lock_record(cfg)["pid"] == pid          # the stale record stays and blocks nothing
     with writer.hold(run_dir(cfg)):
         assert lock_record(cfg)["pid"] == os.getpid()
+
+
 
 
 HOLDER = textwrap.dedent("""
@@ -162,7 +173,10 @@ def test_sighup_of_a_closed_terminal_checkpoints_and_exits_129(tmp_path):
         reader.join()
         os.close(master)                            # the terminal is gone: writes to it fail with EIO
     proc.send_signal(signal.SIGHUP)
-    assert proc.wait(timeout=120) == 128 + signal.SIGHUP, log.read_text()[-3000:]
+    try:
+        assert proc.wait(timeout=120) == 128 + signal.SIGHUP, log.read_text()[-3000:]
+    finally:
+        proc.kill()
     s = json.loads((run_dir(cfg) / "summary.json").read_text())
     assert s["status"] == "interrupted" and 3 <= s["steps"] < 400
     assert s["checkpoint"]["path"] == f"checkpoints/step-{s['steps']:06d}"
@@ -328,8 +342,25 @@ def test_the_distributed_launcher_is_the_one_writer_and_sighup_checkpoints(tmp_p
     assert main(["train", "--config", str(cfg), "--no-progress"]) == 1
     assert f"another train is writing this run folder: pid {proc.pid} " in capsys.readouterr().err
     proc.send_signal(signal.SIGHUP)
-    _, err = proc.communicate(timeout=120)
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
     assert proc.returncode == 128 + signal.SIGHUP, err[-3000:]
     s = json.loads((run_dir(cfg) / "summary.json").read_text())
     assert s["status"] == "interrupted" and s["replicas_identical"] is True and 3 <= s["steps"] < 400
     assert s["checkpoint"]["path"] == f"checkpoints/step-{s['steps']:06d}"
+
+
+def test_a_write_protected_output_folder_of_any_stage_is_one_line(tmp_path, capsys):
+    """Rule 7's class at the command line: a PermissionError (or a read-only file system) that reaches it from any
+    stage names the path and what to do, without a traceback (here the env stage's results/env/)."""
+    out = tmp_path / "results" / "env"
+    out.mkdir(parents=True)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"results_dir: {tmp_path / 'results'}\n")
+    with write_protected(out):
+        code = main(["env", "--config", str(cfg)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1, err
+    assert err[0].startswith(f"dflash env: error: {out}: ") and "give this account access" in err[0], err

@@ -7,7 +7,8 @@ catches what happens to it later (a truncated copy, rotten bytes). Resume takes 
 match its manifest, saying in one line which ones it skipped and why, when the run was interrupted with the same
 result-changing config and data (`identity`, `finished`, `resumable`). summary.json names the checkpoint a run
 ended with (`describe`); evaluate and export read exactly that one (`ended_with`). A completed run keeps its outputs
-in checkpoints/finished.json, and a rerun with the same identity writes them back instead of training (`restore`).
+in checkpoints/finished.json, and a rerun with the same identity writes them back instead of training (`restore`);
+a run another config moved to checkpoints.previous/ comes back when its config does (`swap`).
 `load_drafter` is the package's one loader of drafter weights (evaluate, export, `drafter.init_from`): the drafter's
 shape comes from the folder's config.json, never from the YAML.
 """

@@ -138,6 +138,7 @@ def check_writable(run_dir) -> None:
             raise
         where = Path(e.filename) if e.filename else run_dir
         where = where.parent if where.name.startswith(".writable.") else where
+        where = next(p for p in (where, *where.parents) if p.exists())   # a folder it could not make: its parent
         raise UserError(f"{where}: not writable ({e.strerror}); train writes its checkpoints and outputs there: make "
                         f"it writable (chmod -R u+w {where}) or train into another run folder (run_name or "
                         f"--run-dir)") from None
