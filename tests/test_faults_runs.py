@@ -220,7 +220,8 @@ def test_going_back_to_the_pipeline_config_restores_the_run_a_hand_run_moved_asi
     """The pipeline's run finishes; a run by hand with another train.lr in its folder moves it aside
     (checkpoints.previous/) and finishes too. Going back to the pipeline's config (Snakemake deletes the outputs of
     the job it reruns) restores the pipeline's run byte for byte, nothing trained, and the hand run takes its place
-    in checkpoints.previous/: going back to that one restores it the same way."""
+    in checkpoints.previous/: going back to that one restores it the same way. `snakemake -R train` (--retrain),
+    which evaluate's refusal of the hand run advises, restores too; only this config's own run is trained anew."""
     cfg = prepared(tmp_path, steps=4, checkpoint_every=2)
     train_ok(cfg)
     pipeline = outputs(cfg)
@@ -228,7 +229,7 @@ def test_going_back_to_the_pipeline_config_restores_the_run_a_hand_run_moved_asi
     assert (run_dir(cfg) / "checkpoints.previous" / "finished.json").is_file()
     by_hand = outputs(cfg)
     assert by_hand != pipeline
-    for want, args in ((pipeline, []), (by_hand, ["--set", "train.lr=0.001"])):
+    for want, args in ((pipeline, []), (by_hand, ["--set", "train.lr=0.001"]), (pipeline, ["--retrain"])):
         for name in want:
             (run_dir(cfg) / name).unlink()
         caplog.clear()
@@ -243,6 +244,10 @@ def test_going_back_to_the_pipeline_config_restores_the_run_a_hand_run_moved_asi
     # evaluate and export read the checkpoint summary.json names: the one restored
     from dflash.train import checkpoint
     assert checkpoint.ended_with(run_dir(cfg)) == run_dir(cfg) / "checkpoints" / "step-000004"
+    caplog.clear()
+    train_ok(cfg, "--retrain")                     # this config's own run: trained anew
+    assert any("starting from scratch: the run finished at step 4" in r.getMessage() for r in caplog.records)
+    assert json.loads(outputs(cfg)["summary.json"])["run_id"] != json.loads(pipeline["summary.json"])["run_id"]
 
 
 # ---- rule 7: a write-protected run folder ------------------------------------------------------------------------

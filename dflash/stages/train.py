@@ -15,7 +15,8 @@ def add_arguments(p):
     p.add_argument("--no-progress", action="store_true", help="no live progress bar")
     p.add_argument("--retrain", action="store_true",
                    help="train a finished run anew (its checkpoints set aside) instead of restoring its outputs; the "
-                        "workflow passes it when train is forced (snakemake -R train, --forceall)")
+                        "workflow passes it when train is forced (snakemake -R train, --forceall). Where the run "
+                        "folder holds another config's run, this config's finished run moved aside is still restored")
 
 
 def run(loaded: Loaded, args) -> int:
@@ -36,7 +37,7 @@ def run(loaded: Loaded, args) -> int:
             return train(ctx, distributed.Ranks(), progress=False)
     writer.check_writable(ctx.run_dir)
     with writer.hold(ctx.run_dir):   # one writer per run folder, for this process's life (and its ranks')
-        done = None if args.retrain else checkpoint.restore(ctx)
+        done = checkpoint.restore(ctx, retrain=args.retrain)
         if done is not None:
             log.info("run %s finished at step %d (%s) with this config's result keys and this data: summary.json "
                      "and metrics.jsonl restored, nothing trained (--retrain, or snakemake -R train, trains it anew)",

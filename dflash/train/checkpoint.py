@@ -200,6 +200,12 @@ def _same(saved: dict, want: dict) -> bool:
     return all(saved.get(k) == v for k, v in want.items())
 
 
+def _holds(run_dir, folder: str, want: dict) -> bool:
+    """Whether the newest intact checkpoint of `folder` was made with identity `want`."""
+    path = _newest_intact(run_dir, folder)
+    return path is not None and _same(read_json(path / TRAINER), want)
+
+
 def _newest_intact(run_dir, folder: str) -> Path | None:
     """The newest checkpoint of `folder` whose files match its manifest (quietly: a look, not a resume)."""
     return next((p for p in candidates(run_dir, folder) if verify(p) is None), None)
@@ -258,21 +264,25 @@ def record_finished(run_dir, final: dict) -> None:
                       {"checkpoint": final, "outputs": {n: Path(run_dir, n).read_text() for n in OUTPUTS}})
 
 
-def restore(setup) -> dict | None:
+def restore(setup, retrain: bool = False) -> dict | None:
     """A finished run whose config (result keys) and data did not change is never trained again: when the newest
     checkpoint of `checkpoints/` (or of `checkpoints.previous/`, where a run by hand with other settings moved it) is
     the intact final one of a finished run with this identity, write back the outputs it finished with (Snakemake
     deletes a job's outputs before a rerun it forces for a timestamp, an identical fingerprint or an incomplete
     marker) and return its record; from `checkpoints.previous/` the two folders swap first (the other run is kept
     there). The record is checkpoints/finished.json, or where that is gone the run's intact summary.json naming
-    that very checkpoint (metrics.jsonl as it is, else the rows the checkpoint keeps), then written anew. Otherwise
-    None and nothing is touched."""
+    that very checkpoint (metrics.jsonl as it is, else the rows the checkpoint keeps), then written anew. `retrain`
+    (--retrain: snakemake -R train) trains this config's run in checkpoints/ anew; where checkpoints/ holds another
+    config's run (one by hand, which evaluate refuses, saying to retrain), this config's finished run is still
+    restored from checkpoints.previous/. Otherwise None and nothing is touched."""
     run_dir = Path(setup.run_dir)
     if not setup.cfg.train.resume:
         return None
     _finish_swap(run_dir)
     want = identity(setup)
     for folder in ("checkpoints", PREVIOUS):
+        if retrain and (folder == "checkpoints" or _holds(run_dir, "checkpoints", want)):
+            continue
         record = _finished_run(run_dir, folder, want, setup)
         if record is None:
             continue
