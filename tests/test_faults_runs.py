@@ -369,3 +369,32 @@ def test_a_write_protected_output_folder_of_any_stage_is_one_line(tmp_path, caps
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and len(err) == 1, err
     assert err[0].startswith(f"dflash env: error: {out}: ") and "give this account access" in err[0], err
+
+
+@pytest.mark.slow
+def test_two_nodes_share_the_run_folder_with_one_writer(tmp_path, capsys):
+    """train.rendezvous.nnodes 2 (both nodes on this machine, gloo, a co-located rank on each): a launcher on each node
+    restores in turn, then the writer rank (drafter rank 0) holds the folder for the run: neither launcher is
+    refused, and the record names that rank. A finished run is then restored by both launchers, nothing launched."""
+    import socket as so
+    with so.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    cfg = prepared(tmp_path, steps=4, checkpoint_every=2, targets=["cpu", "cpu"], drafters=["cpu", "cpu"],
+                   runtime="distributed", rendezvous={"nnodes": 2, "endpoint": f"localhost:{port}", "id": "t2n"})
+    nodes = [start(cfg, "--no-progress", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    try:
+        errs = [p.communicate(timeout=400)[1] for p in nodes]
+    finally:
+        for p in nodes:
+            p.kill()
+    assert [p.returncode for p in nodes] == [0, 0], "\n".join(e[-2000:] for e in errs)
+    s = json.loads((run_dir(cfg) / "summary.json").read_text())
+    assert s["status"] == "completed" and s["steps"] == 4 and s["replicas_identical"] is True
+    writer_rank = json.loads((run_dir(cfg) / "ranks" / "rank-0.json").read_text())["pid"]
+    assert lock_record(cfg)["pid"] == writer_rank
+    nodes = [start(cfg, "--no-progress", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    errs = [p.communicate(timeout=300)[1] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0] and all("restored, nothing trained" in e for e in errs), errs

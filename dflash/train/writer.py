@@ -6,7 +6,8 @@ that live process, however either was started and whatever happened meanwhile: k
 and `--rerun-incomplete` leave the first process running, and the lock is that process, not a file anyone deletes
 (the file is no stage's output and stays; the kernel drops the lock when the process ends, however it ends, so a
 stale record never blocks). The distributed runtime has one writer: its launcher holds the lock for the ranks it
-starts (they find HELD in their environment); ranks that torchrun started itself: the writer rank takes it.
+starts (they find HELD in their environment); with several nodes (a launcher on each) the launchers take it in turn to
+restore a finished run, and the writer rank holds it for the run, as where torchrun started the ranks itself.
 `check_writable(run_dir)`: every folder train writes into is writable, or one line names it.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ import shlex
 import socket
 import sys
 import tempfile
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -33,15 +35,16 @@ _held: dict[str, int] = {}   # run folder -> this process's lock fd (closed, nev
 
 
 @contextlib.contextmanager
-def hold(run_dir):
-    """This process is the one writer of `run_dir` while the block runs: UserError naming the live writer otherwise."""
+def hold(run_dir, wait_s: float = 0):
+    """This process is the one writer of `run_dir` while the block runs: UserError naming the live writer otherwise
+    (after waiting up to `wait_s` for it to let go)."""
     run_dir = Path(run_dir).resolve()
     key = str(run_dir)
     if os.environ.get(HELD) == f"{os.getppid()}:{key}":   # a rank the launcher started: it holds the lock for us
         yield
         return
     run_dir.mkdir(parents=True, exist_ok=True)
-    fd = _acquire(run_dir / NAME)
+    fd = _acquire(run_dir / NAME, time.monotonic() + wait_s)
     before = os.environ.get(HELD)
     os.environ[HELD] = f"{os.getpid()}:{key}"
     if fd is not None:
@@ -58,7 +61,7 @@ def hold(run_dir):
             os.close(fd)
 
 
-def _acquire(path: Path) -> int | None:
+def _acquire(path: Path, deadline: float) -> int | None:
     """The locked fd of `path` with this process's record in it; None where the file system has no locks."""
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -67,6 +70,9 @@ def _acquire(path: Path) -> int | None:
         except BlockingIOError:
             record = _read(fd)
             os.close(fd)
+            if time.monotonic() < deadline:
+                time.sleep(0.2)
+                continue
             raise UserError(_refusal(path, record)) from None
         except OSError as e:   # ENOLCK, EOPNOTSUPP: a file system without locks
             os.close(fd)
