@@ -191,28 +191,30 @@ def outputs(cfg) -> dict:
 
 def test_a_finished_run_without_its_record_is_restored_from_its_summary(tmp_path, caplog):
     """checkpoints/finished.json gone (or never written: a kill between summary.json and it), summary.json and the
-    final checkpoint intact: restored, not retrained; metrics.jsonl rebuilt from the rows the final checkpoint
-    keeps where it is gone too, and finished.json written anew."""
+    final checkpoint intact: restored, not retrained, and finished.json written anew (as it was)."""
     cfg = prepared(tmp_path, steps=4, checkpoint_every=2)
     train_ok(cfg)
     before, record = outputs(cfg), (run_dir(cfg) / "checkpoints" / "finished.json").read_text()
     (run_dir(cfg) / "checkpoints" / "finished.json").unlink()
-    (run_dir(cfg) / "metrics.jsonl").unlink()
     caplog.clear()
     train_ok(cfg)
     assert outputs(cfg) == before
     assert (run_dir(cfg) / "checkpoints" / "finished.json").read_text() == record
     assert any("restored, nothing trained" in r.getMessage() for r in caplog.records)
+    assert not any("step 1/4" in r.getMessage() for r in caplog.records)
     assert not (run_dir(cfg) / "checkpoints.previous").exists()
-    # a summary that is not the finished run's (another run's, or failed) restores nothing
-    s = json.loads(before["summary.json"])
-    (run_dir(cfg) / "checkpoints" / "finished.json").unlink()
-    (run_dir(cfg) / "summary.json").write_text(json.dumps({**s, "status": "failed"}))
+    # a summary that is not the finished run's (failed, or naming another checkpoint), or no metrics.jsonl beside
+    # it, restores nothing
     from dflash.config import load
     from dflash.train import checkpoint
     from dflash.train.context import prepare
-    assert checkpoint.restore(prepare(load(str(cfg)))) is None
-    (run_dir(cfg) / "summary.json").write_text(json.dumps({**s, "checkpoint": {**s["checkpoint"], "manifest": "0"}}))
+    s = json.loads(before["summary.json"])
+    (run_dir(cfg) / "checkpoints" / "finished.json").unlink()
+    for summary in ({**s, "status": "failed"}, {**s, "checkpoint": {**s["checkpoint"], "manifest": "0"}}):
+        (run_dir(cfg) / "summary.json").write_text(json.dumps(summary))
+        assert checkpoint.restore(prepare(load(str(cfg)))) is None
+    (run_dir(cfg) / "summary.json").write_bytes(before["summary.json"])
+    (run_dir(cfg) / "metrics.jsonl").unlink()
     assert checkpoint.restore(prepare(load(str(cfg)))) is None
 
 

@@ -270,8 +270,8 @@ def restore(setup, retrain: bool = False) -> dict | None:
     the intact final one of a finished run with this identity, write back the outputs it finished with (Snakemake
     deletes a job's outputs before a rerun it forces for a timestamp, an identical fingerprint or an incomplete
     marker) and return its record; from `checkpoints.previous/` the two folders swap first (the other run is kept
-    there). The record is checkpoints/finished.json, or where that is gone the run's intact summary.json naming
-    that very checkpoint (metrics.jsonl as it is, else the rows the checkpoint keeps), then written anew. `retrain`
+    there). The record is checkpoints/finished.json, or where that is gone the run's outputs as they are, with
+    summary.json naming that very checkpoint (its manifest's hash), then written anew. `retrain`
     (--retrain: snakemake -R train) trains this config's run in checkpoints/ anew; where checkpoints/ holds another
     config's run (one by hand, which evaluate refuses, saying to retrain), this config's finished run is still
     restored from checkpoints.previous/. Otherwise None and nothing is touched."""
@@ -314,8 +314,8 @@ def _finished_run(run_dir: Path, folder: str, want: dict, setup) -> dict | None:
 
 
 def _record(run_dir: Path, folder: str) -> dict | None:
-    """`folder`'s finished.json; where it is gone, one rebuilt from the run's summary.json of a completed run
-    ("rebuilt": True; metrics.jsonl as it is, else the rows its final checkpoint keeps)."""
+    """`folder`'s finished.json; where it is gone, one rebuilt from the run's outputs as they are, summary.json that
+    of a completed run ("rebuilt": True; `_finished_run` checks it names that very checkpoint)."""
     try:
         record = read_json(run_dir / folder / FINISHED)
         if isinstance(record["checkpoint"]["path"], str) and all(isinstance(record["outputs"][n], str)
@@ -327,17 +327,14 @@ def _record(run_dir: Path, folder: str) -> dict | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     try:
-        text = (run_dir / "summary.json").read_text()
-        summary = json.loads(text)
+        outputs = {n: (run_dir / n).read_text() for n in OUTPUTS}
+        summary = json.loads(outputs["summary.json"])
         final = summary["checkpoint"]
         if summary["status"] != "completed" or not isinstance(final["path"], str):
             return None
-        metrics = run_dir / "metrics.jsonl"
-        rows = metrics.read_text() if metrics.is_file() else "".join(
-            json.dumps(r) + "\n" for r in read_json(run_dir / folder / Path(final["path"]).name / TRAINER)["metrics"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return {"checkpoint": final, "outputs": {"summary.json": text, "metrics.jsonl": rows}, "rebuilt": True}
+    return {"checkpoint": final, "outputs": outputs, "rebuilt": True}
 
 
 def set_aside(run_dir, why: str) -> Path:
