@@ -142,10 +142,28 @@ def _run(args) -> int:
         if disk_full(e):
             results = loaded.cfg.results_dir if loaded is not None else "the results folder"
             return _fail(args, f"dflash {args.stage}: error: {_no_space(args, e, results)}", 1)
+        if _denied(e):
+            return _fail(args, f"dflash {args.stage}: error: {_denied_path(e)}: {e.strerror}: give this account "
+                               f"access to it (ls -ld shows who may write it), or point the config at another folder",
+                         1)
         if args.log:  # the traceback goes to the log file as well as to the console
             logging.getLogger(f"dflash.{args.stage}").exception("dflash %s failed", args.stage)
             return 1
         raise
+
+
+def _denied(e: Exception) -> bool:
+    """A path this process may not write or read (a write-protected folder, a read-only file system), named."""
+    import errno
+    return isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) and bool(e.filename)
+
+
+def _denied_path(e: OSError):
+    """The path refused: the file, or where it could not be made (an atomic write's temporary file, a folder) the
+    nearest folder that exists."""
+    from pathlib import Path
+    p = Path(e.filename)
+    return next((q for q in (p, *p.parents) if q.exists()), p)
 
 
 def _no_space(args, e: Exception, results: str) -> str:

@@ -223,6 +223,49 @@ def test_a_finished_run_is_restored_never_retrained(tmp_path):
     assert C.restore(fake_setup(tmp_path, steps=8)) is None
 
 
+def test_a_run_moved_aside_comes_back_when_its_config_does(tmp_path, caplog):
+    """Rule 5 (issue 40): a run with other settings moved this config's run to checkpoints.previous/. Going back,
+    a finished one is restored and an interrupted one resumed from there: the two folders swap, nothing is lost."""
+    mine, other = fake_setup(tmp_path, steps=8), fake_setup(tmp_path, steps=8, result_hash="c2")
+    saved(mine)
+    finish(mine, 8)
+    assert C.resumable(other) is None                                    # the other run sets mine aside
+    saved(other, (4,))                                                   # and is interrupted at step 4
+    assert C.restore(mine)["checkpoint"]["path"] == "checkpoints/step-000008"
+    assert (mine.run_dir / "summary.json").read_text() == "summary of the finished run\n"
+    assert sorted(p.name for p in (mine.run_dir / "checkpoints").iterdir()) == [C.FINISHED, "step-000004",
+                                                                               "step-000008"]
+    assert [p.name for p in (mine.run_dir / C.PREVIOUS).iterdir()] == ["step-000004"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, "dflash.train"):
+        assert C.resumable(other) == C.step_dir(mine.run_dir, 4)         # back again: the other run resumes
+    assert any("interrupted run of this config and data (step-000004) is resumed" in r.getMessage()
+               for r in caplog.records)
+    assert (mine.run_dir / C.PREVIOUS / C.FINISHED).is_file()
+    assert C.resumable(fake_setup(tmp_path, steps=8, result_hash="c3")) is None   # a third config: set aside
+    assert [p.name for p in (mine.run_dir / C.PREVIOUS).iterdir()] == ["step-000004"]
+
+
+def test_a_swap_cut_short_is_finished(tmp_path):
+    """checkpoints/ and checkpoints.previous/ swap in three renames; a kill between them leaves checkpoints.swap/,
+    which the next look puts where it belongs."""
+    mine, other = fake_setup(tmp_path, steps=8), fake_setup(tmp_path, steps=8, result_hash="c2")
+    saved(mine)
+    finish(mine, 8)
+    C.set_aside(mine.run_dir, "test")
+    saved(other, (4,))
+    os.replace(mine.run_dir / "checkpoints", mine.run_dir / C.SWAP)     # killed after the first rename
+    assert C.restore(mine) is not None
+    assert not (mine.run_dir / C.SWAP).exists()
+    assert [p.name for p in (mine.run_dir / C.PREVIOUS).iterdir()] == ["step-000004"]
+    C.set_aside(mine.run_dir, "test")
+    saved(other, (4,))
+    os.replace(mine.run_dir / C.PREVIOUS, mine.run_dir / C.SWAP)        # killed after the second rename
+    assert C.resumable(other) == C.step_dir(mine.run_dir, 4)
+    assert sorted(p.name for p in (mine.run_dir / C.PREVIOUS).iterdir()) == [C.FINISHED, "step-000004",
+                                                                            "step-000008"]
+
+
 def test_finished_is_one_predicate():
     """resumable and restore ask one question of a checkpoint's trainer state (extend it there)."""
     setup = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(steps=8)))

@@ -7,12 +7,15 @@ catches what happens to it later (a truncated copy, rotten bytes). Resume takes 
 match its manifest, saying in one line which ones it skipped and why, when the run was interrupted with the same
 result-changing config and data (`identity`, `finished`, `resumable`). summary.json names the checkpoint a run
 ended with (`describe`); evaluate and export read exactly that one (`ended_with`). A completed run keeps its outputs
-in checkpoints/finished.json, and a rerun with the same identity writes them back instead of training (`restore`).
+in checkpoints/finished.json, and a rerun with the same identity writes them back instead of training (`restore`);
+a run another config moved to checkpoints.previous/ comes back when its config does (`swap`).
 `load_drafter` is the package's one loader of drafter weights (evaluate, export, `drafter.init_from`): the drafter's
 shape comes from the folder's config.json, never from the YAML.
 """
 from __future__ import annotations
 
+import errno
+import json
 import logging
 import os
 import random
@@ -64,6 +67,10 @@ def save(run_dir, step: int, data_index: int, drafter, optimizer, scheduler, ext
             atomic_write_json(tmp / MANIFEST, {"step": step, "hash": HASH,
                                                "files": {n: _describe(tmp / n) for n in FILES}})
     except Exception as e:
+        if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise UserError(f"{e.filename or out.parent}: not writable ({e.strerror}) while writing the checkpoint; "
+                            f"make {out.parent} writable and rerun: training resumes from the previous "
+                            f"checkpoint") from None
         if disk_full(e):
             free = shutil.disk_usage(out.parent).free if out.parent.is_dir() else 0
             raise UserError(f"{out}: no space left on device while writing the checkpoint ({free / 2**20:.0f} MiB "
@@ -117,9 +124,10 @@ def verify(path, names=FILES) -> str | None:
     return None
 
 
-def candidates(run_dir) -> list[Path]:
-    """The run's `checkpoints/step-N/` folders, newest first (whatever their state)."""
-    root = Path(run_dir, "checkpoints")
+def candidates(run_dir, folder: str = "checkpoints") -> list[Path]:
+    """The run's `checkpoints/step-N/` folders (or those of `folder`: PREVIOUS), newest first (whatever their
+    state)."""
+    root = Path(run_dir, folder)
     dirs = [d for d in root.iterdir() if d.is_dir() and step_of(d) is not None] if root.is_dir() else []
     return sorted(dirs, key=step_of, reverse=True)
 
@@ -150,30 +158,57 @@ def finished(state: dict, setup) -> bool:
 
 def resumable(setup) -> Path | None:
     """The checkpoint to resume from: the newest intact one, if the run was interrupted (not `finished`) with the same
-    result-changing config and data. Otherwise the run trains from scratch and the old checkpoints are moved to
+    result-changing config and data; an interrupted run of this identity that another one moved to
+    `checkpoints.previous/` (a run by hand with other settings in between) is moved back and resumed, the other run
+    taking its place there. Otherwise the run trains from scratch and the old checkpoints are moved to
     `checkpoints.previous/` (replacing an older one): a finished run that is not restored (`restore`: --retrain, or
     no record of its outputs), another config or data, `train.resume: false`. Checkpoints none of which is intact:
     UserError naming them."""
     run_dir = Path(setup.run_dir)
-    if not candidates(run_dir):
-        return None
+    _finish_swap(run_dir)
+    here = candidates(run_dir)
     if not setup.cfg.train.resume:
-        set_aside(run_dir, "train.resume is false")
+        if here:
+            set_aside(run_dir, "train.resume is false")
         return None
-    path = latest(run_dir)
-    if path is None:
-        raise UserError(f"{run_dir / 'checkpoints'}: no intact checkpoint to resume from (each is named above with "
-                        f"its fault); move that folder away to train from scratch, or set train.resume: false")
-    saved = read_json(path / TRAINER)
-    want = identity(setup)
-    if any(saved.get(k) != v for k, v in want.items()):
-        set_aside(run_dir, f"they were made with another config or data "
-                           f"({ {k: saved.get(k) for k in want} } != {want})")
-        return None
-    if finished(saved, setup):
-        set_aside(run_dir, f"the run finished at step {saved['step']} ({path.name}), so this rerun trains a new run")
-        return None
-    return path
+    want, why = identity(setup), None
+    if here:
+        path = latest(run_dir)
+        if path is None:
+            raise UserError(f"{run_dir / 'checkpoints'}: no intact checkpoint to resume from (each is named above "
+                            f"with its fault); move that folder away to train from scratch, or set train.resume: false")
+        saved = read_json(path / TRAINER)
+        if any(saved.get(k) != v for k, v in want.items()):
+            why = f"they were made with another config or data ({ {k: saved.get(k) for k in want} } != {want})"
+        elif finished(saved, setup):
+            set_aside(run_dir, f"the run finished at step {saved['step']} ({path.name}), so this rerun trains a new "
+                               f"run")
+            return None
+        else:
+            return path
+    back = _newest_intact(run_dir, PREVIOUS)
+    state = read_json(back / TRAINER) if back is not None else {}
+    if back is not None and _same(state, want) and not finished(state, setup):
+        swap(run_dir, f"the interrupted run of this config and data ({back.name}) is resumed")
+        return step_dir(run_dir, step_of(back))
+    if why:
+        set_aside(run_dir, why)
+    return None
+
+
+def _same(saved: dict, want: dict) -> bool:
+    return all(saved.get(k) == v for k, v in want.items())
+
+
+def _holds(run_dir, folder: str, want: dict) -> bool:
+    """Whether the newest intact checkpoint of `folder` was made with identity `want`."""
+    path = _newest_intact(run_dir, folder)
+    return path is not None and _same(read_json(path / TRAINER), want)
+
+
+def _newest_intact(run_dir, folder: str) -> Path | None:
+    """The newest checkpoint of `folder` whose files match its manifest (quietly: a look, not a resume)."""
+    return next((p for p in candidates(run_dir, folder) if verify(p) is None), None)
 
 
 # ---- a finished run's outputs --------------------------------------------------------------------------------
@@ -229,29 +264,77 @@ def record_finished(run_dir, final: dict) -> None:
                       {"checkpoint": final, "outputs": {n: Path(run_dir, n).read_text() for n in OUTPUTS}})
 
 
-def restore(setup) -> dict | None:
+def restore(setup, retrain: bool = False) -> dict | None:
     """A finished run whose config (result keys) and data did not change is never trained again: when the newest
-    checkpoint is the intact final one of a finished run with this identity, write back the outputs it finished
-    with (Snakemake deletes a job's outputs before a rerun it forces for a timestamp, an identical fingerprint or an
-    incomplete marker) and return its record; otherwise None and nothing is touched."""
+    checkpoint of `checkpoints/` (or of `checkpoints.previous/`, where a run by hand with other settings moved it) is
+    the intact final one of a finished run with this identity, write back the outputs it finished with (Snakemake
+    deletes a job's outputs before a rerun it forces for a timestamp, an identical fingerprint or an incomplete
+    marker) and return its record; from `checkpoints.previous/` the two folders swap first (the other run is kept
+    there). The record is checkpoints/finished.json, or where that is gone the run's outputs as they are, with
+    summary.json naming that very checkpoint (its manifest's hash), then written anew. `retrain`
+    (--retrain: snakemake -R train) trains this config's run in checkpoints/ anew; where checkpoints/ holds another
+    config's run (one by hand, which evaluate refuses, saying to retrain), this config's finished run is still
+    restored from checkpoints.previous/. Otherwise None and nothing is touched."""
     run_dir = Path(setup.run_dir)
-    try:
-        record = read_json(run_dir / "checkpoints" / FINISHED)
-        final, outputs = record["checkpoint"], record["outputs"]
-        path = run_dir / final["path"]
-    except (OSError, ValueError, KeyError, TypeError):
+    if not setup.cfg.train.resume:
         return None
-    if not setup.cfg.train.resume or not _within(path, run_dir) or candidates(run_dir)[:1] != [path] \
-            or verify(path) is not None or _describe(path / MANIFEST)[HASH] != final.get("manifest") \
-            or not all(isinstance(outputs.get(n), str) for n in OUTPUTS):
+    _finish_swap(run_dir)
+    want = identity(setup)
+    for folder in ("checkpoints", PREVIOUS):
+        if retrain and (folder == "checkpoints" or _holds(run_dir, "checkpoints", want)):
+            continue
+        record = _finished_run(run_dir, folder, want, setup)
+        if record is None:
+            continue
+        if folder == PREVIOUS:
+            swap(run_dir, f"the finished run of this config and data ({record['checkpoint']['path']}) is restored")
+        for name in OUTPUTS:
+            atomic_write_text(run_dir / name, record["outputs"][name])
+        if record.pop("rebuilt", False):
+            log.warning("%s was missing: rebuilt from %s and the checkpoint it names", run_dir / "checkpoints" /
+                        FINISHED, run_dir / "summary.json")
+            atomic_write_json(run_dir / "checkpoints" / FINISHED, record)
+        return record
+    return None
+
+
+def _finished_run(run_dir: Path, folder: str, want: dict, setup) -> dict | None:
+    """The record ({"checkpoint", "outputs"}) of the finished run whose final checkpoint is the newest of `folder`,
+    when it is intact and has identity `want`; None otherwise."""
+    record = _record(run_dir, folder)
+    if record is None:
+        return None
+    final = record["checkpoint"]
+    path = run_dir / folder / Path(final["path"]).name
+    if final["path"] != f"checkpoints/{path.name}" or candidates(run_dir, folder)[:1] != [path] \
+            or verify(path) is not None or _describe(path / MANIFEST)[HASH] != final.get("manifest"):
         return None
     saved = read_json(path / TRAINER)
-    want = identity(setup)
-    if any(saved.get(k) != v for k, v in want.items()) or not finished(saved, setup):
+    return record if _same(saved, want) and finished(saved, setup) else None
+
+
+def _record(run_dir: Path, folder: str) -> dict | None:
+    """`folder`'s finished.json; where it is gone, one rebuilt from the run's outputs as they are, summary.json that
+    of a completed run ("rebuilt": True; `_finished_run` checks it names that very checkpoint)."""
+    try:
+        record = read_json(run_dir / folder / FINISHED)
+        if isinstance(record["checkpoint"]["path"], str) and all(isinstance(record["outputs"][n], str)
+                                                                 for n in OUTPUTS):
+            return record
         return None
-    for name in OUTPUTS:
-        atomic_write_text(run_dir / name, outputs[name])
-    return record
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    try:
+        outputs = {n: (run_dir / n).read_text() for n in OUTPUTS}
+        summary = json.loads(outputs["summary.json"])
+        final = summary["checkpoint"]
+        if summary["status"] != "completed" or not isinstance(final["path"], str):
+            return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return {"checkpoint": final, "outputs": outputs, "rebuilt": True}
 
 
 def set_aside(run_dir, why: str) -> Path:
@@ -262,6 +345,27 @@ def set_aside(run_dir, why: str) -> Path:
     os.replace(run_dir / "checkpoints", prev)
     log.warning("starting from scratch: %s; old checkpoints moved to %s", why, prev)
     return prev
+
+
+SWAP = "checkpoints.swap"   # the one folder name in flight while checkpoints/ and checkpoints.previous/ swap
+
+
+def swap(run_dir, why: str) -> None:
+    """Exchange `checkpoints/` and `checkpoints.previous/` (either may be missing), with one log line: a run moved
+    aside comes back and nothing is lost. Three renames; a kill between them is finished by `_finish_swap`."""
+    run_dir = Path(run_dir)
+    cur, prev, tmp = run_dir / "checkpoints", run_dir / PREVIOUS, run_dir / SWAP
+    if cur.exists():
+        os.replace(cur, tmp)
+    os.replace(prev, cur)
+    _finish_swap(run_dir)
+    log.warning("%s: moved back from %s; the checkpoints that were in its place moved there", why, prev)
+
+
+def _finish_swap(run_dir: Path) -> None:
+    tmp = run_dir / SWAP
+    if tmp.exists():
+        os.replace(tmp, run_dir / ("checkpoints" if not (run_dir / "checkpoints").exists() else PREVIOUS))
 
 
 # ---- reading -------------------------------------------------------------------------------------------------
@@ -305,20 +409,24 @@ def _torch_load(path: Path):
 
 
 def _same_config(path: Path, cfg):
-    """Refuse a checkpoint whose config.json describes another drafter than `cfg` (a DrafterConfig), naming the
-    keys; compared in the reference form (what the folder says), the weights' dtype aside."""
+    """Refuse a drafter folder (a checkpoint or an export) whose config.json describes another drafter than `cfg` (a
+    DrafterConfig), naming the fields. The architecture is compared (config.json as the drafter reads it), not the
+    file: what a folder adds that no drafter reads (an export's dflash_config.mask_token, the weights' dtype, keys a
+    later export writes) is no difference."""
+    from dataclasses import fields
+
+    from dflash.model import DrafterConfig
     try:
-        saved = read_json(path / CONFIG)
+        saved = DrafterConfig.from_hf_dict(read_json(path / CONFIG))
     except FileNotFoundError:
         raise UserError(f"{path / CONFIG}: missing (a checkpoint written before checkpoints described their "
                         f"drafter; train anew)") from None
-    except (OSError, ValueError) as e:
-        raise UserError(f"{path / CONFIG}: unreadable ({type(e).__name__}: {e})") from None
-    want = cfg.to_hf_dict()
-    diff = [k for k in dict.fromkeys([*saved, *want]) if k != "dtype" and saved.get(k) != want.get(k)]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{path / CONFIG}: not a DFlash drafter config ({type(e).__name__}: {e})") from None
+    diff = [f.name for f in fields(cfg) if getattr(saved, f.name) != getattr(cfg, f.name)]
     if diff:
         raise UserError(f"{path / CONFIG}: the drafter there differs from the one configured: "
-                        + ", ".join(f"{k} {saved.get(k)} there vs {want.get(k)} here" for k in diff))
+                        + ", ".join(f"{k} {getattr(saved, k)} there vs {getattr(cfg, k)} here" for k in diff))
 
 
 def load_drafter(path, embed=None, head=None, device=None, dtype=None, expect=None):

@@ -1,12 +1,19 @@
-"""What stops a training run, in both runtimes: the exceptions, the test hook that injects one, and the record of a
-failure that summary.json keeps (`{"kind": "diverged" | "non_finite" | "worker" | "stall" | "not_ready", "worker",
-"message", ...}`)."""
+"""What stops a training run, in both runtimes: the stop signals, the exceptions, the test hook that injects one, and
+the record of a failure that summary.json keeps (`{"kind": "diverged" | "non_finite" | "worker" | "stall" |
+"not_ready", "worker", "message", ...}`)."""
 from __future__ import annotations
 
 import math
+import signal
 from typing import Callable
 
 from dflash.config_model import TrainSection
+
+
+# Every way a run is stopped short of SIGKILL: the replicas finish their step and checkpoint, the run exits 128 + the
+# signal. Ctrl-C, what SLURM and scancel send, a scheduler's early warning, a closed terminal or SSH connection (the
+# writes to the terminal that fail afterwards are dropped by logging and tqdm; the --log file keeps the log).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 
 
 class StopRun(Exception):

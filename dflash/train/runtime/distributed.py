@@ -11,10 +11,11 @@ Co-located (train.targets == train.drafters): D ranks, rank r runs a target and 
 computes its own micro-batches' features (T = 0 target-only ranks, nothing sent).
 
 Supervision: the elastic agent (in a thread of this launcher) stops every rank when one fails; we name it (rank,
-role, device, exit code). Stop signals (SIGINT, SIGTERM, SIGUSR1) reach the launcher, which forwards SIGUSR1 to
-its local ranks: they agree to stop after the current step, drafter rank 0 writes a checkpoint, and all exit 0.
-SIGTERM from the agent itself (a peer failed) ends a rank at once. Where the replicas stopped reaches the target
-ranks through a key of the launch's TCPStore (a client of its own, public API).
+role, device, exit code). Stop signals (failures.STOP_SIGNALS: SIGINT, SIGTERM, SIGUSR1, SIGHUP) reach the
+launcher (the ranks run in sessions of their own), which forwards SIGUSR1 to its local ranks: they agree to stop after
+the current step, drafter rank 0 writes a checkpoint, and all exit 0. The launcher is the run folder's one writer
+(dflash/train/writer.py). SIGTERM from the agent itself (a peer failed) ends a rank at once. Where the replicas
+stopped reaches the target ranks through a key of the launch's TCPStore (a client of its own, public API).
 """
 from __future__ import annotations
 
@@ -44,7 +45,6 @@ from dflash.train.trainer import Micro
 log = logging.getLogger("dflash.train")
 HEADER = 4  # index, tokens, batch, length
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 STOP_KEY = "dflash/stop_index"
 
 
@@ -96,6 +96,12 @@ def is_rank() -> bool:
     return "LOCAL_RANK" in os.environ
 
 
+def writes(ctx) -> bool:
+    """Whether this rank is the run's writer (drafter rank 0: rank T of the placement), which holds the run folder's
+    lock where no launcher of ours holds it (ranks started by torchrun itself)."""
+    return int(os.environ["RANK"]) == ctx.placement.target_ranks
+
+
 def launch(ctx, args) -> int:
     """The launcher: start the ranks of this node (each runs `python -m dflash train`, which runs the lifecycle over
     `Ranks`), forward stop signals to them, name a failed rank."""
@@ -131,7 +137,7 @@ def launch(ctx, args) -> int:
             except ProcessLookupError:
                 pass
 
-    previous = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
+    previous = {s: signal.signal(s, on_signal) for s in failures.STOP_SIGNALS}
     try:
         t = threading.Thread(target=agent, name="elastic-agent", daemon=True)
         t.start()
@@ -142,11 +148,11 @@ def launch(ctx, args) -> int:
             signal.signal(s, h)
     if "error" in result:
         raise result["error"]
-    failures = result.get("failures") or {}
-    for rank, f in sorted(failures.items(), key=lambda kv: kv[1].timestamp):
+    failed = result.get("failures") or {}
+    for rank, f in sorted(failed.items(), key=lambda kv: kv[1].timestamp):
         print(f"dflash train: rank {rank} = {ctx.placement.role(rank)} failed with exit code {f.exitcode}",
               file=sys.stderr)
-    if failures:
+    if failed:
         return 1
     return 128 + got["signum"] if "signum" in got else 0
 
@@ -233,8 +239,9 @@ class Ranks:
                           {"rank": rank, "name": self.name, "device": str(device), "pid": os.getpid(),
                            "backend": backend, "host": os.uname().nodename})
         self.stop = False
-        for s in (signal.SIGINT, signal.SIGUSR1):   # SIGTERM stays fatal: the agent sends it when a peer failed
-            signal.signal(s, lambda *a: setattr(self, "stop", True))
+        for s in failures.STOP_SIGNALS:   # SIGTERM stays fatal: the agent sends it when a peer failed
+            if s != signal.SIGTERM:
+                signal.signal(s, lambda *a: setattr(self, "stop", True))
         # where the replicas stopped, for the target ranks: a key in the launch's own store (a client of it)
         self.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                                    timeout=datetime.timedelta(seconds=300))

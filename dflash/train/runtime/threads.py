@@ -7,8 +7,8 @@ Micro-batch i of the stream goes to replica i % D; optimizer step s consumes mic
 M = D * grad_accum, so the data order is a function of the step alone (exact resume). Compiled calls are safe from
 several threads (dflash.compile_threads, on while the workers run), and every compile happens in the lifecycle's
 warm-up, before any worker thread starts. The supervisor (main thread) starts workers, waits for them to be ready, and stops
-everything within seconds when any worker fails, naming it; SIGINT, SIGTERM and SIGUSR1 make every replica stop
-after its current step and write a checkpoint.
+everything within seconds when any worker fails, naming it; every stop signal (failures.STOP_SIGNALS: SIGINT,
+SIGTERM, SIGUSR1, SIGHUP) makes every replica stop after its current step and write a checkpoint.
 
 GPU streams: a tensor crosses from one worker to another only after its producer's kernels are complete (the
 features: a CUDA event the reader's stream waits on, then record_stream; gradients: GradSync below).
@@ -30,6 +30,7 @@ import torch
 from dflash import compile_threads
 from dflash.config_model import TrainSection
 from dflash.device_names import device_name
+from dflash.errors import UserError
 from dflash.train import compile_guard, failures
 from dflash.train.metrics import DeviceTimer
 from dflash.train.run import Local
@@ -38,7 +39,6 @@ from dflash.train.trainer import Micro
 
 log = logging.getLogger("dflash.train")
 POLL = 0.1  # seconds between checks of the stop flag in every blocking wait
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 
 class Stopped(Exception):
@@ -298,7 +298,8 @@ class Threads:
         targets = [TargetWorker(t, p.ctx, work, inboxes, [r.device for r in p.replicas], shared) for t in p.targets]
         drafters = [DrafterWorker(rep, inboxes[rep.rank], shared) for rep in p.replicas]
         self.workers = [feeder, *targets, *drafters]
-        previous = {s: signal.signal(s, lambda signum, frame: _on_signal(shared, signum)) for s in STOP_SIGNALS}
+        previous = {s: signal.signal(s, lambda signum, frame: _on_signal(shared, signum))
+                    for s in failures.STOP_SIGNALS}
         with compile_threads.threaded():   # several threads call the compiled code (compiled in the warm-up)
             try:
                 for w in self.workers:
@@ -383,7 +384,7 @@ def _failed(shared: Shared, sync: "GradSync") -> dict | None:
     while not shared.errors.empty():
         name, exc, tb = shared.errors.get()
         records.append(failures.record(name, exc))
-        if records[-1]["kind"] == "worker":
+        if records[-1]["kind"] == "worker" and not isinstance(exc, UserError):   # the user's to fix: one line
             log.error("worker %s failed:\n%s", name, tb.rstrip())
         else:
             log.error("%s: %s", name, exc)

@@ -1,0 +1,402 @@
+"""Issue 40, a training run's lifecycle: one writer per run folder (rule 2), every stop short of SIGKILL checkpoints
+(rule 3), a finished run still on disk is restored, not retrained (rule 5), a write-protected run folder is one line
+before training (rule 7), and `drafter.init_from` takes our own export (rule 9). CPU, the threads runtime of
+tests/test_train.py (tiny target, built-in corpus) unless marked slow (the distributed runtime)."""
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import pty
+import select
+import shutil
+import signal
+import subprocess
+import struct
+import sys
+import termios
+import textwrap
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dflash.cli import main
+from dflash.errors import UserError
+from dflash.train import writer
+from test_train import REPO, dflash, prepared, run_dir, train_ok
+
+
+def start(cfg, *args, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "dflash", "train", "--config", str(cfg), *args], cwd=REPO, **kw)
+
+
+def wait_for_rows(cfg, n: int, proc=None, timeout=300) -> None:
+    """Until metrics.jsonl holds `n` rows (the run is training)."""
+    metrics, deadline = run_dir(cfg) / "metrics.jsonl", time.time() + timeout
+    while time.time() < deadline and (proc is None or proc.poll() is None):
+        with contextlib.suppress(FileNotFoundError):
+            if len(metrics.read_text().splitlines()) >= n:
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"no {n} rows in {metrics} (exit code {proc.poll() if proc else None})")
+
+
+def lock_record(cfg) -> dict:
+    return json.loads((run_dir(cfg) / writer.NAME).read_text())
+
+
+def wait_unlocked(cfg, timeout=120) -> None:
+    """Until no process holds the run folder's lock (looked at, not taken: the record stays as it is)."""
+    deadline = time.time() + timeout
+    with open(run_dir(cfg) / writer.NAME) as f:
+        while time.time() < deadline:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fcntl.flock(f, fcntl.LOCK_UN)
+            except BlockingIOError:
+                time.sleep(0.1)
+    raise AssertionError("the run folder is still locked")
+
+
+# ---- rule 2: one writer per run folder -------------------------------------------------------------------------
+def test_a_second_train_on_a_folder_a_live_train_writes_is_refused_naming_it(tmp_path, capsys):
+    """Snakemake killed with -9 leaves its train job running; `--unlock` and `--rerun-incomplete` (which deletes the
+    job's outputs) then start a second train on the same run folder. It is refused in one line naming the live
+    process (pid, host, start, command), before it loads the target or the data; the first one runs on, and stopped
+    it checkpoints.
+    The lock is that process: its record stays when it ends and blocks nothing."""
+    cfg = prepared(tmp_path, steps=400, checkpoint_every=0)
+    parent = subprocess.Popen(["bash", "-c", f"{sys.executable} -m dflash train --config {cfg} --no-progress "
+                                             f"2>/dev/null & wait"], cwd=REPO, start_new_session=True)
+    try:
+        refused_while_it_trains(cfg, parent, capsys)
+    finally:   # whatever happened, nothing of this test runs on
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(parent.pid, signal.SIGKILL)
+
+
+def refused_while_it_trains(cfg, parent, capsys):
+    wait_for_rows(cfg, 2, parent)
+    pid = lock_record(cfg)["pid"]
+    parent.send_signal(signal.SIGKILL)             # kill -9 of Snakemake: its job lives on
+    parent.wait()
+    os.kill(pid, 0)
+    (run_dir(cfg) / "metrics.jsonl").unlink()      # what --rerun-incomplete does to the job's outputs
+    capsys.readouterr()
+    assert main(["train", "--config", str(cfg), "--no-progress"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"dflash train: error: {run_dir(cfg).resolve()}: another train is "
+                                               f"writing this run folder: pid {pid} on {os.uname().nodename}, "
+                                               f"started "), err
+    assert f"-m dflash train --config {cfg} --no-progress" in err[0] and f"kill {pid}" in err[0]
+    assert not (run_dir(cfg) / "summary.json").exists()
+    wait_for_rows(cfg, 1)                          # the first one still trains and writes its rows
+    os.kill(pid, signal.SIGTERM)                   # stopped, it checkpoints first
+    wait_unlocked(cfg)
+    s = json.loads((run_dir(cfg) / "summary.json").read_text())
+    assert s["status"] == "interrupted" and (run_dir(cfg) / "checkpoints" / f"step-{s['steps']:06d}").is_dir()
+    assert lock_record(cfg)["pid"] == pid          # the stale record stays and blocks nothing
+    with writer.hold(run_dir(cfg)):
+        assert lock_record(cfg)["pid"] == os.getpid()
+
+
+
+
+HOLDER = textwrap.dedent("""
+    import sys, time
+    from dflash.train import writer
+    with writer.hold(sys.argv[1]):
+        print("held", flush=True)
+        time.sleep(600)
+""")
+
+
+def test_the_lock_is_the_live_process_not_a_file(tmp_path):
+    """A holder killed with -9 leaves its record and blocks nothing; a process our launcher starts (a distributed
+    rank) shares its parent's lock, any other process is refused; the lock's fd does not survive into a forked
+    child (which would hold the lock after its parent died)."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(run)], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.stdout.readline() == "held\n"
+    with pytest.raises(UserError, match=f"pid {proc.pid} on .*kill {proc.pid}"):
+        with writer.hold(run):
+            pass
+    proc.kill()
+    proc.wait()
+    assert json.loads((run / writer.NAME).read_text())["pid"] == proc.pid
+    child = [sys.executable, "-c", "import sys; from dflash.train import writer\nwith writer.hold(sys.argv[1]): pass",
+             str(run)]
+    with writer.hold(run):                         # the stale record blocks nothing
+        assert json.loads((run / writer.NAME).read_text())["pid"] == os.getpid()
+        ours = subprocess.run(child, cwd=REPO, capture_output=True, text=True)
+        assert ours.returncode == 0, ours.stderr   # a process this one started (the launcher's ranks)
+        other = subprocess.run(child, cwd=REPO, capture_output=True, text=True,
+                               env={k: v for k, v in os.environ.items() if k != writer.HELD})
+        assert other.returncode == 1 and f"pid {os.getpid()}" in other.stderr
+        pid = os.fork()
+        if pid == 0:                                # a forked child: its copy of the fd is closed at once
+            os._exit(0 if not writer._held else 1)
+        assert os.waitpid(pid, 0)[1] == 0
+    assert writer.HELD not in os.environ
+
+
+# ---- rule 3: every stop short of SIGKILL checkpoints -------------------------------------------------------------
+def test_sighup_of_a_closed_terminal_checkpoints_and_exits_129(tmp_path):
+    """A closed terminal or SSH connection: the run (its progress bar on: stderr is a terminal) loses the terminal
+    (every write to it fails with EIO), then gets SIGHUP. The replicas finish their step and checkpoint, the run
+    exits 128 + 1, and the --log file has the whole story."""
+    cfg = prepared(tmp_path, steps=400, checkpoint_every=0)
+    log = tmp_path / "train.log"
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))   # a terminal 120 columns wide
+    proc = start(cfg, "--log", str(log), stdin=slave, stdout=slave, stderr=slave)
+    os.close(slave)
+    done, seen = threading.Event(), []
+
+    def drain():   # a terminal reads what the run writes (a full pty buffer would block it)
+        while not done.is_set():
+            if select.select([master], [], [], 0.1)[0]:
+                with contextlib.suppress(OSError):
+                    seen.append(os.read(master, 1 << 16))
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    try:
+        wait_for_rows(cfg, 3, proc)
+    finally:
+        done.set()
+        reader.join()
+        os.close(master)                            # the terminal is gone: writes to it fail with EIO
+    proc.send_signal(signal.SIGHUP)
+    try:
+        assert proc.wait(timeout=120) == 128 + signal.SIGHUP, log.read_text()[-3000:]
+    finally:
+        proc.kill()
+    s = json.loads((run_dir(cfg) / "summary.json").read_text())
+    assert s["status"] == "interrupted" and 3 <= s["steps"] < 400
+    assert s["checkpoint"]["path"] == f"checkpoints/step-{s['steps']:06d}"
+    assert "SIGHUP: the replicas stop after the current step" in log.read_text()
+    assert b"train t:" in b"".join(seen)             # the progress bar was on
+
+
+# ---- rule 5: a finished run still on disk is restored ---------------------------------------------------------
+def outputs(cfg) -> dict:
+    return {n: (run_dir(cfg) / n).read_bytes() for n in ("summary.json", "metrics.jsonl")}
+
+
+def test_a_finished_run_without_its_record_is_restored_from_its_summary(tmp_path, caplog):
+    """checkpoints/finished.json gone (or never written: a kill between summary.json and it), summary.json and the
+    final checkpoint intact: restored, not retrained, and finished.json written anew (as it was)."""
+    cfg = prepared(tmp_path, steps=4, checkpoint_every=2)
+    train_ok(cfg)
+    before, record = outputs(cfg), (run_dir(cfg) / "checkpoints" / "finished.json").read_text()
+    (run_dir(cfg) / "checkpoints" / "finished.json").unlink()
+    caplog.clear()
+    train_ok(cfg)
+    assert outputs(cfg) == before
+    assert (run_dir(cfg) / "checkpoints" / "finished.json").read_text() == record
+    assert any("restored, nothing trained" in r.getMessage() for r in caplog.records)
+    assert not any("step 1/4" in r.getMessage() for r in caplog.records)
+    assert not (run_dir(cfg) / "checkpoints.previous").exists()
+    # a summary that is not the finished run's (failed, or naming another checkpoint), or no metrics.jsonl beside
+    # it, restores nothing
+    from dflash.config import load
+    from dflash.train import checkpoint
+    from dflash.train.context import prepare
+    s = json.loads(before["summary.json"])
+    (run_dir(cfg) / "checkpoints" / "finished.json").unlink()
+    for summary in ({**s, "status": "failed"}, {**s, "checkpoint": {**s["checkpoint"], "manifest": "0"}}):
+        (run_dir(cfg) / "summary.json").write_text(json.dumps(summary))
+        assert checkpoint.restore(prepare(load(str(cfg)))) is None
+    (run_dir(cfg) / "summary.json").write_bytes(before["summary.json"])
+    (run_dir(cfg) / "metrics.jsonl").unlink()
+    assert checkpoint.restore(prepare(load(str(cfg)))) is None
+
+
+def test_going_back_to_the_pipeline_config_restores_the_run_a_hand_run_moved_aside(tmp_path, caplog):
+    """The pipeline's run finishes; a run by hand with another train.lr in its folder moves it aside
+    (checkpoints.previous/) and finishes too. Going back to the pipeline's config (Snakemake deletes the outputs of
+    the job it reruns) restores the pipeline's run byte for byte, nothing trained, and the hand run takes its place
+    in checkpoints.previous/: going back to that one restores it the same way. `snakemake -R train` (--retrain),
+    which evaluate's refusal of the hand run advises, restores too; only this config's own run is trained anew."""
+    cfg = prepared(tmp_path, steps=4, checkpoint_every=2)
+    train_ok(cfg)
+    pipeline = outputs(cfg)
+    train_ok(cfg, "--set", "train.lr=0.001")
+    assert (run_dir(cfg) / "checkpoints.previous" / "finished.json").is_file()
+    by_hand = outputs(cfg)
+    assert by_hand != pipeline
+    for want, args in ((pipeline, []), (by_hand, ["--set", "train.lr=0.001"]), (pipeline, ["--retrain"])):
+        for name in want:
+            (run_dir(cfg) / name).unlink()
+        caplog.clear()
+        train_ok(cfg, *args)
+        assert outputs(cfg) == want
+        messages = [r.getMessage() for r in caplog.records]
+        assert any("restored, nothing trained" in m for m in messages)
+        assert any("moved back from" in m and "checkpoints.previous" in m for m in messages)
+        assert not any("starting from scratch" in m for m in messages)
+    assert sorted(p.name for p in (run_dir(cfg) / "checkpoints.previous").iterdir()) == \
+        ["finished.json", "step-000002", "step-000004"]
+    # evaluate and export read the checkpoint summary.json names: the one restored
+    from dflash.train import checkpoint
+    assert checkpoint.ended_with(run_dir(cfg)) == run_dir(cfg) / "checkpoints" / "step-000004"
+    caplog.clear()
+    train_ok(cfg, "--retrain")                     # this config's own run: trained anew
+    assert any("starting from scratch: the run finished at step 4" in r.getMessage() for r in caplog.records)
+    assert json.loads(outputs(cfg)["summary.json"])["run_id"] != json.loads(pipeline["summary.json"])["run_id"]
+
+
+# ---- rule 7: a write-protected run folder ------------------------------------------------------------------------
+@contextlib.contextmanager
+def write_protected(path: Path):
+    """`path` not writable by this process: chmod for a user; root writes anyway, so the immutable flag there."""
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        try:
+            yield
+        finally:
+            path.chmod(0o755)
+        return
+    if not shutil.which("chattr") or subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode:
+        pytest.skip("running as root where chattr +i is not available: nothing is write-protected for root")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
+def test_a_write_protected_checkpoints_folder_is_one_line_before_training(tmp_path):
+    """It used to train until the first checkpoint, then end in a PermissionError traceback."""
+    cfg = prepared(tmp_path, steps=4, checkpoint_every=2)
+    ckpts = run_dir(cfg) / "checkpoints"
+    ckpts.mkdir(parents=True)
+    with write_protected(ckpts):
+        r = dflash("train", "--config", str(cfg), "--no-progress", timeout=300)
+    assert r.returncode == 1
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"dflash train: error: {ckpts}: not writable (") and "chmod -R u+w" in last, r.stderr
+    assert "Traceback" not in r.stderr and "step 1/" not in r.stderr
+    assert not (run_dir(cfg) / "metrics.jsonl").exists()
+
+
+def test_an_unwritable_checkpoint_while_training_is_one_line(tmp_path, monkeypatch):
+    """The same found mid-run (a folder made read-only meanwhile, a file system remounted read-only): the checkpoint
+    names its path and what to do, no traceback."""
+    from dflash.train import checkpoint as C
+    from test_checkpoint import fake_setup, trained
+
+    def denied(obj, f, *a, **k):
+        raise PermissionError(errno.EACCES, "Permission denied", str(f.name))
+
+    setup = fake_setup(tmp_path)
+    monkeypatch.setattr(C.torch, "save", denied)
+    with pytest.raises(UserError, match=r"optimizer\.pt: not writable \(Permission denied\) while writing the "
+                                        r"checkpoint; make .*checkpoints writable and rerun"):
+        C.save(setup.run_dir, 4, 8, *trained())
+    assert [p.name for p in (setup.run_dir / "checkpoints").iterdir()] == []
+
+
+# ---- rule 9: init_from takes our own export ----------------------------------------------------------------------
+def test_init_from_takes_our_own_export_and_names_a_real_mismatch(tmp_path):
+    """The export adds dflash_config.mask_token (SGLang checks it) and states the dtype: no difference of drafter.
+    A drafter of another shape is still refused, naming the field."""
+    from dflash.config import from_dict
+    from dflash.model import save_drafter
+    from dflash.train.step import build_drafter
+    from helpers_model import make_drafter, tiny_cfg
+    d = make_drafter(tiny_cfg(), seed=3)
+    save_drafter(d, tmp_path / "export", mask_token="<|mask|>")   # what the export stage writes
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["dflash_config"]["mask_token"] == "<|mask|>"
+    s = SimpleNamespace(cfg=from_dict({"drafter": {"init_from": str(tmp_path / "export")}}).cfg,
+                        drafter_config=tiny_cfg(), compile=False)
+    dr = build_drafter(s, d.embed_weight, d.lm_head_weight, torch.device("cpu"))
+    assert all(torch.equal(v, d.state_dict()[k]) for k, v in dr.state_dict().items())
+    s.drafter_config = tiny_cfg(target_layer_ids=[0, 2, 4])   # the same shapes, other target layers
+    with pytest.raises(UserError, match=r"export/config\.json: the drafter there differs from the one configured: "
+                                        r"target_layer_ids \[0, 2, 3\] there vs \[0, 2, 4\] here$"):
+        build_drafter(s, d.embed_weight, d.lm_head_weight, torch.device("cpu"))
+
+
+def test_a_run_starts_from_the_pipelines_own_export(tmp_path):
+    """End to end: train, export (the stage), then a new run with drafter.init_from at that export trains."""
+    cfg = prepared(tmp_path, steps=2, checkpoint_every=2)
+    train_ok(cfg)
+    assert main(["export", "--config", str(cfg)]) == 0
+    export = run_dir(cfg) / "drafter"
+    assert "mask_token" in json.loads((export / "config.json").read_text())["dflash_config"]
+    train_ok(cfg, "--set", f"drafter.init_from={export}", "--set", "run_name=t2")
+    s = json.loads((run_dir(cfg).parent / "t2" / "summary.json").read_text())
+    assert s["status"] == "completed" and s["config"]["drafter"]["init_from"] == str(export)
+
+
+@pytest.mark.slow
+def test_the_distributed_launcher_is_the_one_writer_and_sighup_checkpoints(tmp_path, capsys):
+    """The distributed runtime (1 target rank, 2 drafter ranks on gloo): the launcher holds the run folder for its
+    ranks (none of them is refused), a second train is refused naming the launcher, and SIGHUP to the launcher (a
+    closed terminal: the ranks run in sessions of their own) stops every rank after its step with a checkpoint."""
+    cfg = prepared(tmp_path, steps=400, checkpoint_every=0)
+    proc = start(cfg, "--no-progress", "--set", "train.runtime=distributed", stdout=subprocess.DEVNULL,
+                 stderr=subprocess.PIPE, text=True)
+    wait_for_rows(cfg, 3, proc)
+    assert lock_record(cfg)["pid"] == proc.pid
+    capsys.readouterr()
+    assert main(["train", "--config", str(cfg), "--no-progress"]) == 1
+    assert f"another train is writing this run folder: pid {proc.pid} " in capsys.readouterr().err
+    proc.send_signal(signal.SIGHUP)
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGHUP, err[-3000:]
+    s = json.loads((run_dir(cfg) / "summary.json").read_text())
+    assert s["status"] == "interrupted" and s["replicas_identical"] is True and 3 <= s["steps"] < 400
+    assert s["checkpoint"]["path"] == f"checkpoints/step-{s['steps']:06d}"
+
+
+def test_a_write_protected_output_folder_of_any_stage_is_one_line(tmp_path, capsys):
+    """Rule 7's class at the command line: a PermissionError (or a read-only file system) that reaches it from any
+    stage names the path and what to do, without a traceback (here the env stage's results/env/)."""
+    out = tmp_path / "results" / "env"
+    out.mkdir(parents=True)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"results_dir: {tmp_path / 'results'}\n")
+    with write_protected(out):
+        code = main(["env", "--config", str(cfg)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1, err
+    assert err[0].startswith(f"dflash env: error: {out}: ") and "give this account access" in err[0], err
+
+
+@pytest.mark.slow
+def test_two_nodes_share_the_run_folder_with_one_writer(tmp_path, capsys):
+    """train.rendezvous.nnodes 2 (both nodes on this machine, gloo, a co-located rank on each): a launcher on each node
+    restores in turn, then the writer rank (drafter rank 0) holds the folder for the run: neither launcher is
+    refused, and the record names that rank. A finished run is then restored by both launchers, nothing launched."""
+    import socket as so
+    with so.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    cfg = prepared(tmp_path, steps=4, checkpoint_every=2, targets=["cpu", "cpu"], drafters=["cpu", "cpu"],
+                   runtime="distributed", rendezvous={"nnodes": 2, "endpoint": f"localhost:{port}", "id": "t2n"})
+    nodes = [start(cfg, "--no-progress", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    try:
+        errs = [p.communicate(timeout=400)[1] for p in nodes]
+    finally:
+        for p in nodes:
+            p.kill()
+    assert [p.returncode for p in nodes] == [0, 0], "\n".join(e[-2000:] for e in errs)
+    s = json.loads((run_dir(cfg) / "summary.json").read_text())
+    assert s["status"] == "completed" and s["steps"] == 4 and s["replicas_identical"] is True
+    writer_rank = json.loads((run_dir(cfg) / "ranks" / "rank-0.json").read_text())["pid"]
+    assert lock_record(cfg)["pid"] == writer_rank
+    nodes = [start(cfg, "--no-progress", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    errs = [p.communicate(timeout=300)[1] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0] and all("restored, nothing trained" in e for e in errs), errs
