@@ -8,8 +8,8 @@ import logging
 import signal
 import sys
 
-from dflash.config import ConfigError, load
-from dflash.errors import UserError, disk_full, written_path
+from dflash.config import ConfigError, check_here, load
+from dflash.errors import UserError, disk_full, io_error, written_path
 
 # stage name -> one-line help; the module is dflash.stages.<name> (dashes become underscores).
 STAGES = {
@@ -132,6 +132,7 @@ def _run(args) -> int:
                 raise ConfigError(f"--set {item}: expected KEY=VALUE")
             overrides[key] = _parse_value(value)
         loaded = load(args.config, overrides)
+        check_here(loaded, args.stage)      # what this machine must have for the keys this stage reads (a CUDA GPU)
         module = importlib.import_module(f"dflash.stages.{args.stage}")
         return int(module.run(loaded, args) or 0)
     except ConfigError as e:
@@ -142,10 +143,10 @@ def _run(args) -> int:
         if disk_full(e):
             results = loaded.cfg.results_dir if loaded is not None else "the results folder"
             return _fail(args, f"dflash {args.stage}: error: {_no_space(args, e, results)}", 1)
-        if _denied(e):
-            return _fail(args, f"dflash {args.stage}: error: {_denied_path(e)}: {e.strerror}: give this account "
-                               f"access to it (ls -ld shows who may write it), or point the config at another folder",
-                         1)
+        # permissions, a read-only disk, a folder where a file belongs (or the reverse): one line, naming the path
+        # refused (or the nearest folder that exists) and what to do
+        if (fix := io_error(e, _denied_path(e) if _denied(e) else None)) is not None:
+            return _fail(args, f"dflash {args.stage}: error: {fix}", 1)
         if args.log:  # the traceback goes to the log file as well as to the console
             logging.getLogger(f"dflash.{args.stage}").exception("dflash %s failed", args.stage)
             return 1

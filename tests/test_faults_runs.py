@@ -370,7 +370,7 @@ def test_a_write_protected_output_folder_of_any_stage_is_one_line(tmp_path, caps
         code = main(["env", "--config", str(cfg)])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and len(err) == 1, err
-    assert err[0].startswith(f"dflash env: error: {out}: ") and "give this account access" in err[0], err
+    assert err[0].startswith(f"dflash env: error: {out}: ") and "make it writable for this user" in err[0], err
 
 
 @pytest.mark.slow
