@@ -246,7 +246,9 @@ class Bench:
 
     def run_name(self, name: str) -> str:
         """A recipe's run: q-<recipe> at equal (shared) time, qs-<recipe> alone on the GPU (--solo), q-s<N>-<recipe>
-        at N steps (a run of one mode never counts for another)."""
+        at N steps (a run of one mode never counts for another); a recipe's `+` is written `_and_` (run names are folder
+        names: letters, digits, `_ . -`)."""
+        name = name.replace("+", "_and_")
         return f"q-s{self.args.steps}-{name}" if self.args.steps else f"qs-{name}" if self.args.solo else f"q-{name}"
 
     def recipe_sets(self, name: str) -> dict:

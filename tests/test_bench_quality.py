@@ -102,7 +102,11 @@ def test_solo_recipes_run_at_the_configs_budget_resume_and_take_their_final_in_t
     b = bench(tmp_path, solo=True, parallel=1, recipes=None, temps="0,1")
     assert b.recipes == qb.SOLO_RECIPES.split(",") and "dpace+muon" in b.recipes
     assert b.recipe_sets("dpace+muon") == {"train.loss_weighting": "dpace", "train.optimizer": "muon",
-                                           "run_name": "qs-dpace+muon"}
+                                           "run_name": "qs-dpace_and_muon"}
+    from dflash.config import from_dict
+    for mode in ({"solo": True}, {"steps": 800}, {}):    # every recipe's run name is a name the config takes
+        for recipe in qb.RECIPES:
+            from_dict({"run_name": bench(tmp_path / "n", **{"solo": False, "steps": None, **mode}).run_name(recipe)})
     res, ev = tmp_path / "results", b.cfg.evaluate
 
     def solo_run(run, tau, prompts=ev.num_prompts, at_last=True, finished=True):
@@ -120,12 +124,12 @@ def test_solo_recipes_run_at_the_configs_budget_resume_and_take_their_final_in_t
     solo_run("qs-baseline-seed2", 3.45)
     solo_run("qs-dpace", 4.10)
     solo_run("qs-muon", 3.60, prompts=8)                 # an in-training tau of fewer prompts: not the stage's measure
-    solo_run("qs-dpace+muon", 4.30, finished=False)      # cut by a call's end: trained again, resumed
+    solo_run("qs-dpace_and_muon", 4.30, finished=False)      # cut by a call's end: trained again, resumed
     fake_run(res, "quality", {0.0: 3.4}, steps=2000, pipeline_temp=0.0)
     (res / "runs" / "quality" / "acceptance-t1.json").write_text(json.dumps({   # both draft policies, named
         "temperature": 1.0, "tau": 2.9, "proposal": "argmax", "by_proposal": {"argmax": {"tau": 2.9},
                                                                                "sample": {"tau": 1.6}}}))
-    assert not b.trained("qs-dpace+muon") and b.trained("qs-dpace")
+    assert not b.trained("qs-dpace_and_muon") and b.trained("qs-dpace")
     jobs = []
     b.pool = lambda j, cap: jobs.extend(j)
     b.eval()
