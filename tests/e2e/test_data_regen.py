@@ -15,10 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest_data import good_rows, make_loaded, one_thread, talking_target, write_jsonl  # noqa: F401
+from support.data import good_rows, make_loaded, write_jsonl
 from dflash.data.expand import expand
 from dflash.data.regen import load_cache
 from dflash.errors import UserError
+
+REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SERVE = Path(sys.executable).with_name("transformers")
@@ -101,14 +103,14 @@ def run_stage(tmp_path, config: dict, *args):
     import yaml
     p = tmp_path / "c.yaml"
     p.write_text(yaml.safe_dump(config))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent.parent), os.environ.get("PYTHONPATH", "")]),
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")
     return subprocess.Popen([sys.executable, "-m", "dflash", "data", "--config", str(p), "--no-progress", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
 def raw_config(tmp_path, target, src, **regen):
-    from conftest_data import target_section
+    from support.data import target_section
     return {"results_dir": str(tmp_path), "target": target_section(target), "drafter": {"block_size": 4},
             "data": {"builtin_corpus": {"enabled": False}, "holdout": 2, "min_supervised_blocks": 1,
                      "max_length": 256, "bucket_edges": [64, 128, 256], "sources": [{"name": "a", "path": src}],
@@ -192,8 +194,8 @@ def test_openai_engine_needs_servers(tmp_path, talking_target):
 
 def test_snakemake_scatters_into_shards_and_gathers(tmp_path):
     import yaml
-    from test_workflow import copy_repo, snakemake
-    conf = yaml.safe_load((Path(__file__).parent.parent / "config" / "config.yaml").read_text())
+    from support.workflow import copy_repo, snakemake
+    conf = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     conf["data"] = {"shards": 3, "regenerate": {"device": "cuda:0"}}
     (tmp_path / "s.yaml").write_text(yaml.safe_dump(conf))
     r = snakemake(copy_repo(tmp_path / "wf"), "-n", "-p", "--cores", "2", "--resources", "gpu=1", "--configfile",
@@ -310,8 +312,8 @@ def test_fit_cache_on_cuda_graphs_gives_the_default_decoders_turns(talking_targe
 
 def test_bench_regen_runs_tiny(tmp_path):
     out = tmp_path / "regen.json"
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent), OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, str(Path(__file__).parent.parent / "bench" / "regen.py"), "--tiny", "--out",
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "regen.py"), "--tiny", "--out",
                         str(out)], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rep = json.loads(out.read_text())
@@ -339,7 +341,7 @@ def test_snakemake_runs_two_data_shards_to_the_hash_of_one(tmp_path, talking_tar
     weight of 1.5: a per-row rule) is that of the one-process stage. A gather of an incomplete set of parts fails."""
     import yaml
     from dflash.cli import main
-    from test_workflow import copy_repo, snakemake
+    from support.workflow import copy_repo, snakemake
     src = write_jsonl(tmp_path / "a.jsonl", good_rows(8) + good_rows(2, tag="x"))
     res = tmp_path / "res"
     data = {"builtin_corpus": {"enabled": False}, "holdout": 2, "min_supervised_blocks": 1, "max_length": 256,

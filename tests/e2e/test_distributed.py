@@ -14,7 +14,7 @@ from dflash.errors import UserError
 from dflash.report.placement import suggest
 from dflash.train.placement import resolve
 from dflash.train.runtime.distributed import launch_config, torchrun_command
-from test_train import REPO, prepared, run_dir, stop_with
+from support.train import REPO, prepared, run_dir, stop_with
 
 pytestmark = pytest.mark.slow
 
@@ -63,7 +63,7 @@ def test_loss_recipes_match_across_runtimes_and_resume(tmp_path):
     drafter ranks with the target's final-norm states beside the context (gloo), and give the threads runtime's
     losses, CE and KL; the threads run, its last checkpoint damaged, resumes from step 2 to the same weights."""
     from safetensors.torch import load_file
-    from test_train import train_ok
+    from support.train import train_ok
     recipe = {"steps": 4, "checkpoint_every": 2, "warmup_steps_excluded": 1, "objective": "ce+kl",
               "loss_weighting": "dpace"}
     dist_cfg, thr_cfg = prepared(tmp_path / "d", **recipe), prepared(tmp_path / "t", **recipe)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SIDE = REPO / ".venv-interop" / "bin" / "python"
 SIDE_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}   # there `import dflash` is the reference
 

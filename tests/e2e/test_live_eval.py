@@ -13,13 +13,13 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest_data import build_tiny_target
+from support.data import build_tiny_target
 from dflash import config as C
 from dflash.cli import main
 from dflash.evaluate.live import due, settings
-from test_train import config, run_dir, train_ok
+from support.train import config, run_dir, train_ok
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 _DATA: dict = {}
 EVAL = {"num_prompts": 3, "max_new_tokens": 12, "device": "cpu"}
 
@@ -146,7 +146,7 @@ def test_decoding_with_a_compiled_target_after_warm_up_compiles_nothing(tmp_path
     with the eager backend: the guards and the stance are dynamo's, the backend only makes the test fast.)"""
     from types import SimpleNamespace
 
-    from conftest_data import target_section
+    from support.data import target_section
     from dflash.evaluate.live import LiveEval
     from dflash.evaluate.specdec import DFlashDraft, speculative_generate
     from dflash.model import DFlashDrafter, DrafterConfig

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from dflash.report import build
-from test_report_factory import BASE_CONFIG, BASE_DATA, settings, summary, write_run
+from support.report_factory import BASE_CONFIG, BASE_DATA, settings, summary, write_run
 SNAKEMAKE = Path(sys.executable).with_name("snakemake")
 pytestmark = pytest.mark.skipif(not SNAKEMAKE.exists(), reason="snakemake is not installed in this environment")
 PNGS = ("ktok_history.png", "tau_history.png", "devices_latest.png", "time_split.png", "training_latest.png")

@@ -11,7 +11,7 @@ import yaml
 from dflash.config_model import TargetSection
 from dflash.target import load_target
 from dflash.train.features import LayerCapture
-from test_train import dflash, prepared, run_dir, train_ok
+from support.train import dflash, prepared, run_dir, train_ok
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ import torch
 from transformers import Qwen3Config
 
 from dflash import config as C
-from test_train import prepared, run_dir, train_ok
+from support.train import prepared, run_dir, train_ok
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from dflash.cli import main
-from test_train import prepared, run_dir
+from support.train import prepared, run_dir
 
 pytestmark = pytest.mark.gpu
 STEPS = 60
@@ -55,7 +55,7 @@ def test_gradsync_reads_only_finished_tensors_and_keeps_them_alive(devices):
     """Each replica thread makes its tensor on its own stream behind a long GPU sleep, reduces at once, then
     overwrites it at once: a reduction ordered by host barriers alone reads unfinished or overwritten memory."""
     from dflash.train.runtime.threads import GradSync
-    from test_train_step import in_threads
+    from support.threads import in_threads
     if devices == "cuda:0 + cuda:1":
         if torch.cuda.device_count() < 2:
             pytest.skip("needs two GPUs")

@@ -14,13 +14,13 @@ import pytest
 import torch
 import yaml
 
-from test_train import prepared, run_dir
+from support.train import prepared, run_dir
 from bench import shapes, traces
 from bench.common import Job
 from bench.sections import drafter, e2e, loss
 from dflash.cli import main
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("bench_h200", REPO / "bench" / "h200.py")
 h200 = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(h200)
@@ -182,7 +182,7 @@ def test_reduce_trace_finds_busy_time_gaps_and_syncs(tmp_path):
 def test_specforge_computes_our_loss_with_our_weights_and_anchors():
     """The comparison is like for like: SpecForge's OnlineDFlashModel, given our drafter's weights and anchors,
     computes our loss and our gradients (same layers, mask, positions, RoPE, weights exp(-(k-1)/gamma))."""
-    from helpers_model import make_batch, make_drafter, tiny_cfg
+    from support.model import make_batch, make_drafter, tiny_cfg
     from dflash.model import block_labels, dflash_loss
     fam, draft, _, _ = drafter.load_specforge()
     cfg = tiny_cfg(block_size=16, max_position_embeddings=4096)

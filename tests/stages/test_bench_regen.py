@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest_data import one_thread  # noqa: F401
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("bench_regen", REPO / "bench" / "regen.py")
 regen = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(regen)

@@ -4,7 +4,7 @@ from collections import Counter
 
 import pytest
 
-from conftest_data import TINY_PRETRAIN, one_thread, target_section, tiny_target  # noqa: F401
+from support.data import TINY_PRETRAIN, target_section
 from dflash import config as C
 from dflash.data import code_corpus, shards
 from dflash.data.expand import expand, expand_part

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest_data import TINY_ARCH, one_thread  # noqa: F401
+from support.data import TINY_ARCH
 from dflash import config as C
 from dflash.data import code_corpus
 

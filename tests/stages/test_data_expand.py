@@ -4,8 +4,7 @@ import json
 import pytest
 import torch
 
-from conftest_data import (data_cfg, one_thread, good_rows, openai, sharegpt, tiny_target, write_jsonl,  # noqa: F401
-                           make_loaded)
+from support.data import good_rows, openai, sharegpt, write_jsonl, make_loaded
 from dflash.data import shards
 from dflash.data.expand import expand
 from dflash.data.generate import regenerate
@@ -230,7 +229,7 @@ def test_data_stage_cli_writes_atomically(tmp_path, tiny_target):
     import yaml
 
     from dflash.cli import main
-    from conftest_data import target_section
+    from support.data import target_section
     src = write_jsonl(tmp_path / "a.jsonl", good_rows(4))
     raw = {"results_dir": str(tmp_path), "target": target_section(tiny_target), "drafter": {"block_size": 4},
            "data": {"builtin_corpus": {"enabled": False}, "regenerate": {"enabled": False}, "holdout": 0,

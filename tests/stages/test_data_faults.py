@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from conftest_data import data_cfg, good_rows, one_thread, openai, tiny_target, write_jsonl  # noqa: F401
+from support.data import good_rows, openai, write_jsonl
 from dflash.data.expand import expand
 from dflash.errors import UserError
 

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from conftest_data import TINY_ARCH, one_thread, make_loaded, target_section, tiny_target  # noqa: F401
+from support.data import TINY_ARCH, make_loaded, target_section
 from dflash import config as C
 from dflash.errors import UserError
 

@@ -7,7 +7,7 @@ import tempfile
 import pytest
 import yaml
 
-from conftest_data import good_rows, one_thread, target_section, tiny_target, write_jsonl  # noqa: F401
+from support.data import good_rows, target_section, write_jsonl
 from dflash.cli import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")

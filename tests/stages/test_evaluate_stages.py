@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 
-from conftest_data import target_section, tiny_target  # noqa: F401
+from support.data import target_section
 from dflash.cli import main
 from dflash.data.shards import write_manifest
 

@@ -16,7 +16,7 @@ from dflash.model import fp8
 from dflash.train import precision
 from dflash.train.context import RunContext
 from dflash.train.step import build_drafter, micro_step
-from helpers_model import tiny_cfg
+from support.model import tiny_cfg
 
 V, H = 96, 32   # FP8 matmuls want dimensions that are multiples of 16
 CPU = torch.device("cpu")
@@ -292,7 +292,7 @@ def test_fp8_trained_run_exports_through_the_stage_as_a_bf16_trained_one(tmp_pat
     import yaml
     from torchao.float8.float8_linear import Float8Linear
 
-    from conftest_data import build_tiny_target, target_section
+    from support.data import build_tiny_target, target_section
     from dflash.cli import main
     from dflash.model import DFlashDrafter
     from dflash.target import load_target

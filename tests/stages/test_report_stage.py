@@ -8,7 +8,7 @@ import pytest
 
 from dflash.report import build
 from dflash.report.history import COLUMNS
-from test_report_factory import acceptance, settings, summary, with_pkg, write_run
+from support.report_factory import acceptance, settings, summary, with_pkg, write_run
 
 PNGS = ("ktok_history.png", "tau_history.png", "devices_latest.png", "time_split.png", "training_latest.png")
 

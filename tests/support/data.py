@@ -1,6 +1,6 @@
 """Helpers for the data/target tests: a really tiny target built once per session, and config builders.
 
-Import the fixtures from a test file: `from conftest_data import tiny_target, data_cfg  # noqa: F401`.
+The fixtures over them (`tiny_target`, `talking_target`, `data_cfg`, `one_thread`) are in tests/conftest.py.
 The build is cached at module level, so several test files share one build.
 """
 from __future__ import annotations
@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
-
-import pytest
 
 TINY_ARCH = {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1,
              "head_dim": 16, "intermediate_size": 64, "vocab_size": 384, "max_position_embeddings": 1024}
@@ -33,19 +31,6 @@ def build_tiny_target() -> Path:
     return _BUILT["tiny"]
 
 
-@pytest.fixture(scope="module", autouse=False)
-def one_thread():
-    """One torch CPU thread while a module's tests run (several times faster on a shared 2-core machine)."""
-    from dflash.data.tiny_target import cpu_threads
-    with cpu_threads(1):
-        yield
-
-
-@pytest.fixture(scope="session")
-def tiny_target():
-    return build_tiny_target()
-
-
 def make_loaded(tmp_path, target_path, sources=(), **data):
     """A loaded config: the tiny target, the given sources, no built-in corpus, no regeneration, no holdout unless set."""
     from dflash import config as C
@@ -59,13 +44,6 @@ def make_loaded(tmp_path, target_path, sources=(), **data):
     raw = {"results_dir": str(tmp_path), "target": target_section(target_path), "data": d,
            "drafter": {"block_size": 4}}
     return C.from_dict(raw)
-
-
-@pytest.fixture
-def data_cfg(tmp_path, tiny_target):
-    def make(sources=(), **data):
-        return make_loaded(tmp_path, tiny_target, sources, **data)
-    return make
 
 
 def write_jsonl(path, rows) -> str:
@@ -125,8 +103,3 @@ def build_talking_target() -> Path:
         model.save_pretrained(path, safe_serialization=True)
         _BUILT["talking"] = path
     return _BUILT["talking"]
-
-
-@pytest.fixture(scope="session")
-def talking_target():
-    return build_talking_target()

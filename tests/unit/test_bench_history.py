@@ -9,7 +9,7 @@ from pathlib import Path
 from bench import history
 from dflash.cli import main as dflash
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results"
 
 

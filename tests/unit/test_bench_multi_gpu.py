@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("multi_gpu", REPO / "bench" / "multi_gpu.py")
 mg = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(mg)

@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("quality_bench", REPO / "bench" / "quality.py")
 qb = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(qb)

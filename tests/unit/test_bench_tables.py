@@ -6,7 +6,7 @@ from pathlib import Path
 
 from bench import tables
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results"
 
 

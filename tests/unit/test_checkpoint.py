@@ -18,9 +18,9 @@ from safetensors.torch import load_file
 from dflash.errors import UserError
 from dflash.model import save_drafter
 from dflash.train import checkpoint as C
-from helpers_model import make_drafter, tiny_cfg
+from support.model import make_drafter, tiny_cfg
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SIDE = REPO / ".venv-interop" / "bin" / "python"
 
 

@@ -4,7 +4,7 @@ from pathlib import Path
 from dflash import config_docs
 from dflash.config_model import DflashConfig
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _keys(model, prefix=""):

@@ -9,14 +9,13 @@ import types
 import pytest
 import torch
 
-from conftest_data import one_thread  # noqa: F401
 from dflash.evaluate import specdec
 from dflash.evaluate.specdec import _sample, accept_onehot, accept_sampling, speculative_generate
 
 V, T, PROMPT, NEW = 5, 0.8, [1, 2, 3], 3
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")   # conftest_data's: one torch thread for tiny matmuls
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py's: one torch thread for tiny matmuls
 
 
 class MarkovTarget(torch.nn.Module):

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from conftest_data import one_thread  # noqa: F401 (the fixture: one torch thread for tiny matmuls)
 from dflash.evaluate import DFlashDraft, speculative_generate
 from dflash.evaluate.acceptance import summarize
 from dflash.evaluate.replay import replay, walk
-from test_evaluate_specdec import prompts, tiny_drafter, tiny_target
+from support.specdec import prompts, tiny_drafter, tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

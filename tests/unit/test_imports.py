@@ -5,7 +5,7 @@ module can be read, tested or moved without the other."""
 import ast
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def module_names(root: Path, package: str) -> dict[str, Path]:

@@ -14,7 +14,7 @@ from dflash.errors import UserError
 from dflash.model import DrafterConfig
 from dflash.train import memory as M
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 GiB = 2 ** 30
 
 
@@ -108,7 +108,7 @@ def test_estimate_covers_the_measured_h200_drafter_step_without_wild_excess():
     """GPU calibration: the drafter step (one replica, no reduction buffers) measured on an H200 at three shapes
     (`bench/h200.py --sections specforge`, committed JSON) against the estimate for the same config."""
     from dflash import config as C
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     bench = json.loads((repo / "bench/results/2026-11-29-h200-r2/bench-specforge-loss-profile.json").read_text())
     from transformers import Qwen3Config
     tconf = Qwen3Config(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,

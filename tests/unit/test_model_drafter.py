@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash.model import block_mask, make_mask, reference_keys, sample_anchors
-from helpers_model import anchors_of, make_batch, make_drafter, tiny_cfg
+from support.model import anchors_of, make_batch, make_drafter, tiny_cfg
 
 SLIDING = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=6)
 

@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash.model import DrafterConfig, load_drafter, reference_config, reference_keys, save_drafter
-from helpers_model import make_batch, make_drafter, tiny_cfg
+from support.model import make_batch, make_drafter, tiny_cfg
 
 
 def test_round_trip_identical_outputs_and_reference_keys(tmp_path):

@@ -38,7 +38,7 @@ def test_a_distillation_run_also_captures_the_final_norm_state():
 
     from dflash import config as C
     from dflash.train.features import feature_width, run_capture
-    from helpers_model import tiny_cfg
+    from support.model import tiny_cfg
     cfg = Qwen3Config(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=16, max_position_embeddings=64, attn_implementation="sdpa")
     torch.manual_seed(0)

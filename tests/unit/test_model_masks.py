@@ -8,7 +8,7 @@ from dflash.model import (IGNORE, Anchors, block_labels, block_mask, build_block
                           default_target_layer_ids, dense_mask, reference_allowed, sample_anchors)
 from dflash.model.anchors import eligible_positions
 from dflash.model.masks import block_mask_to_dense
-from helpers_model import anchors_of
+from support.model import anchors_of
 
 
 def test_default_target_layer_ids_match_reference_values():

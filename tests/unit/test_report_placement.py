@@ -4,7 +4,7 @@ import copy
 import pytest
 
 from dflash.report.placement import suggest
-from test_report_factory import summary
+from support.report_factory import summary
 
 
 def _with_split(target, drafter, optimizer=0.0, accum=1, s=None):

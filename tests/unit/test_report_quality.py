@@ -6,7 +6,7 @@ import json
 import pytest
 
 from dflash.report import build, history, regress
-from test_report_factory import BASE_DATA, acceptance, settings, summary, with_pkg, write_run
+from support.report_factory import BASE_DATA, acceptance, settings, summary, with_pkg, write_run
 
 
 def evaluate(tmp_path, runs_taus, **report):

@@ -4,7 +4,7 @@ import copy
 import pytest
 
 from dflash.report import history, regress
-from test_report_factory import BASE_CONFIG, BASE_DATA, settings, summary, with_pkg, write_run
+from support.report_factory import BASE_CONFIG, BASE_DATA, settings, summary, with_pkg, write_run
 
 
 def evaluate(tmp_path, summaries, **report):

@@ -11,12 +11,12 @@ from safetensors.torch import load_file, save_file
 
 from dflash.model import reference_keys, save_drafter, serving_problems
 from dflash.model.serving import ABSENT, FIELDS, LAYER_WEIGHTS, SHARED_WEIGHTS, check
-from helpers_model import make_drafter, tiny_cfg
+from support.model import make_drafter, tiny_cfg
 
 SW, FA = "sliding_attention", "full_attention"
 LAYOUTS = {"full": {}, "sliding": {"layer_types": [SW, SW], "sliding_window": 3},
            "mixed": {"layer_types": [SW, FA], "sliding_window": 6}}
-DOC = Path(__file__).resolve().parents[1] / "docs" / "serving.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
 
 
 def export(tmp_path, layout="mixed", dtype=None):

@@ -8,7 +8,7 @@ import torch
 
 from dflash import config as C
 from dflash.train import optim
-from helpers_model import make_drafter, tiny_cfg
+from support.model import make_drafter, tiny_cfg
 
 MATRICES = ["fc.weight"] + [f"layers.{i}.{m}.weight" for i in range(2) for m in (
     "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",

@@ -3,7 +3,6 @@ and accumulation, the gradient is that of one batch holding them all (float64, 1
 bit-identical; the run context's small truths (anchor cap, git state, NVML device lookup)."""
 import logging
 import subprocess
-import threading
 
 import pytest
 import torch
@@ -12,7 +11,8 @@ from dflash import config as C
 from dflash.train.context import RunContext, git_state, set_shapes
 from dflash.train.runtime.threads import GradSync
 from dflash.train.trainer import Micro, Replica, weight_checksum
-from helpers_model import make_drafter, tiny_cfg
+from support.model import make_drafter, tiny_cfg
+from support.threads import in_threads
 
 S = 24
 DENSITY = [0.15, 0.9, 0.35, 0.75]   # very unequal supervised-token counts per micro-batch
@@ -36,25 +36,6 @@ def sequences(cfg, n=len(DENSITY), width=None):
 
 def micro(feats, ids, mask, rows, index):
     return Micro(index, int(len(rows) * S), feats[rows], ids[rows], mask[rows])
-
-
-def in_threads(fn, n: int, timeout: float = 60) -> list:
-    """fn(r) for r < n, each in its own thread (as the replicas run); their results; any exception fails."""
-    out, errors = [None] * n, []
-
-    def work(r):
-        try:
-            out[r] = fn(r)
-        except Exception as e:  # noqa: BLE001
-            errors.append(e)
-
-    threads = [threading.Thread(target=work, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-    assert not errors, errors
-    return out
 
 
 def grads(rep):   # the step's gradient: what accumulate leaves, times the scale optimizer_step applies
