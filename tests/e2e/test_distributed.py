@@ -138,10 +138,11 @@ def test_killed_rank_stops_the_job_named_and_resume_works(tmp_path):
     while not (ckpt.exists() and pid_file.exists()) and time.time() < deadline and proc.poll() is None:
         time.sleep(0.1)
     assert ckpt.exists(), proc.stderr.read()[-3000:] if proc.poll() is not None else "no checkpoint"
+    newest = lambda: max(int(p.name.split("-")[1]) for p in (run_dir(cfg) / "checkpoints").glob("step-*"))  # noqa: E731
+    at_kill = newest()
     os.kill(json.loads(pid_file.read_text())["pid"], signal.SIGKILL)
-    t = time.time()
-    _, err = proc.communicate(timeout=60)
-    assert time.time() - t < 15
+    _, err = proc.communicate(timeout=60)             # a launcher that waits on the dead rank fails here
+    assert newest() <= at_kill + 2                    # the live ranks stopped at once: no checkpoint past the next
     assert proc.returncode != 0
     assert "rank 2 = drafter-1 (cpu) failed with exit code -9" in err
     # resume with the same config: continues from the newest checkpoint to the end
@@ -188,9 +189,9 @@ def test_sigterm_to_the_launcher_checkpoints_and_exits_143(tmp_path):
     """SLURM's SIGTERM reaches the launcher: it forwards SIGUSR1 to its ranks, the replicas agree to stop after
     their step, drafter rank 0 checkpoints, the targets stop and every rank exits; the launcher exits 143."""
     cfg = prepared(tmp_path, steps=400, checkpoint_every=0)
-    code, err, seconds, s, last = stop_with(cfg, signal.SIGTERM, "--set", "train.runtime=distributed")
+    code, err, logged, s, last = stop_with(cfg, signal.SIGTERM, "--set", "train.runtime=distributed")
     assert code == 143, err[-3000:]
-    assert seconds < 60 and s["status"] == "interrupted" and s["replicas_identical"] is True
+    assert s["steps"] - logged <= 8 and s["status"] == "interrupted" and s["replicas_identical"] is True
     assert last == s["steps"] < 400
 
 
@@ -203,6 +204,6 @@ def test_time_budget_with_muon_stops_every_rank_together(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads((run_dir(cfg) / "summary.json").read_text())
     assert (s["status"], s["finished"], s["finished_by"], s["time_budget_s"]) == ("completed", True, "time_budget", 4)
-    assert 4 <= s["train_seconds"] < 30 and 1 <= s["steps"] < 2000 and s["replicas_identical"] is True
+    assert s["train_seconds"] >= 4 and 1 <= s["steps"] < 2000 and s["replicas_identical"] is True   # ends by the budget, not steps
     target = next(w for w in s["workers"] if w["name"] == "target-0")
     assert target["steps"] <= 2 * s["steps"] + 2 * 4 + 2    # the steps' micro-batches, plus what was in flight

@@ -63,17 +63,17 @@ def dflash(*args, **kw):
 
 
 def stop_with(cfg, sig, *args):
-    """Start `train`, send `sig` after a few logged steps; (exit code, stderr, seconds to exit, summary, newest
-    checkpoint step)."""
+    """Start `train`, send `sig` after a few logged steps; (exit code, stderr, the last logged step when the signal
+    was sent, summary, newest checkpoint step)."""
     proc = subprocess.Popen([sys.executable, "-m", "dflash", "train", "--config", str(cfg), "--no-progress", *args],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     metrics = run_dir(cfg) / "metrics.jsonl"
     deadline = time.time() + 300
     while (not metrics.exists() or len(metrics.read_text().splitlines()) < 3) and time.time() < deadline:
         time.sleep(0.05)
-    t = time.time()
     proc.send_signal(sig)
+    logged = json.loads(metrics.read_text().splitlines()[-1])["step"]   # at least this far when the signal came
     _, err = proc.communicate(timeout=120)
     s = json.loads((run_dir(cfg) / "summary.json").read_text())
     ckpts = sorted((run_dir(cfg) / "checkpoints").glob("step-*"))
-    return proc.returncode, err, time.time() - t, s, int(ckpts[-1].name.split("-")[1]) if ckpts else None
+    return proc.returncode, err, logged, s, int(ckpts[-1].name.split("-")[1]) if ckpts else None
