@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from support.data import TINY_ARCH, good_rows, write_jsonl
-from support.workflow import SNAKEMAKE, copy_repo, snakemake
+from support.data import good_rows, write_jsonl
+from support.workflow import REPO, SNAKEMAKE, bare_env, copy_repo, snakemake
 
 STAGES = ("env", "target", "data", "warmup", "train", "evaluate", "export", "report", "gate")
 
@@ -32,19 +32,10 @@ def wf(tmp_path):
 
 
 def tiny_config(work: Path, **over) -> dict:
-    """The whole pipeline in about a minute on 2 cores: a 2-layer target of width 32, a built-in corpus of 40
-    conversations plus one local source file, 3 training steps, 2 evaluation prompts."""
-    cfg = {"run_name": "tiny", "dataset_name": "tiny",
-           "target": {"path": "results/target/tiny", "build": "tiny", "arch": TINY_ARCH,
-                      "pretrain": {"steps": 2, "batch_size": 4, "seq_len": 32}},
-           "data": {"builtin_corpus": {"enabled": True, "max_conversations": 40}, "regenerate": {"enabled": False},
-                    "sources": [{"name": "mine", "path": "sources/mine.jsonl"}],
-                    "holdout": 2, "min_supervised_blocks": 1, "max_length": 128, "bucket_edges": [64, 128]},
-           "drafter": {"num_layers": 1, "block_size": 4, "num_target_layers": 2, "target_layer_ids": [0, 1]},
-           "train": {"targets": ["cpu"], "drafters": ["cpu"], "attention": "sdpa", "compile": False, "steps": 3,
-                     "batch_size": 2, "num_anchors": 4, "log_every": 1, "checkpoint_every": 0,
-                     "warmup_steps_excluded": 1},
-           "evaluate": {"num_prompts": 2, "max_new_tokens": 8}}
+    """config/tiny.yaml (the whole pipeline in about a minute on 2 cores) plus one local source file, with `over`:
+    {"train__lr": 1e-3} sets train.lr, {"evaluate": {...}} a whole section."""
+    cfg = yaml.safe_load((REPO / "config" / "tiny.yaml").read_text())
+    cfg["data"]["sources"] = [{"name": "mine", "path": "sources/mine.jsonl"}]
     for key, value in over.items():
         section, _, leaf = key.partition("__")
         if leaf:
