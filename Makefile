@@ -24,7 +24,7 @@ $(STAMP): envs/requirements.txt pyproject.toml
 demo: $(STAMP)
 	$(BIN)/snakemake --cores $(CORES) $(if $(filter-out config/config.yaml,$(CONFIG)),--configfile $(CONFIG))
 
-# The interop check runs once, inside the suite (tests/test_evaluate_interop.py, the same check as `make interop`):
+# The interop check runs once, inside the suite (tests/e2e/test_evaluate_interop.py, the same check as `make interop`):
 # its side venv is built first, and DFLASH_INTEROP=required makes a missing or broken one a failure, not a skip.
 test: $(STAMP) $(INTEROP_STAMP)
 	PATH=$(abspath $(BIN)):$$PATH DFLASH_INTEROP=required $(BIN)/python -m pytest -q tests

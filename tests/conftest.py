@@ -9,7 +9,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # On a machine of a few cores (CI has 2) Inductor compiles faster in-process than through its worker pool:
-# tests/test_train_compiled.py's zero-recompile test took 57.6 s against 67.0 (user time 53 s against 73). Set before
+# tests/e2e/test_train_compiled.py's zero-recompile test took 57.6 s against 67.0 (user time 53 s against 73). Set before
 # torch is imported; inherited by the stages the tests launch. A GPU host (the H200 has 16 cores) keeps the pool.
 if (os.cpu_count() or 1) <= 4:
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")

@@ -1,5 +1,5 @@
 """summary.json's one typed description (dflash/run_summary.py): the docs' table is generated from it, the report's
-reader takes what it needs from it, the writer's record is exactly it (tests/test_train.py validates a real one)."""
+reader takes what it needs from it, the writer's record is exactly it (tests/e2e/test_train.py validates a real one)."""
 import copy
 import re
 
