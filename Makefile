@@ -8,7 +8,7 @@ CONFIG ?= config/config.yaml
 INTEROP_VENV  := .venv-interop
 INTEROP_STAMP := $(INTEROP_VENV)/.installed
 
-.PHONY: demo test venv lint clean-results interop serving-check
+.PHONY: demo test test-fast venv lint clean-results interop serving-check
 
 venv: $(STAMP)
 
@@ -30,10 +30,14 @@ endif
 demo: $(STAMP)
 	$(BIN)/snakemake --cores $(CORES) $(if $(filter-out config/config.yaml,$(CONFIG)),--configfile $(CONFIG))
 
-# The interop check runs once, inside the suite (tests/test_evaluate_interop.py, the same check as `make interop`):
+# The interop check runs once, inside the suite (tests/e2e/test_evaluate_interop.py, the same check as `make interop`):
 # its side venv is built first, and DFLASH_INTEROP=required makes a missing or broken one a failure, not a skip.
 test: $(STAMP) $(INTEROP_STAMP)
 	PATH=$(abspath $(BIN)):$$PATH DFLASH_INTEROP=required $(BIN)/python -m pytest -q tests
+
+# The fast loop: tests/unit and tests/stages (tests/e2e is marked slow by its conftest.py), at most 3 minutes on 2 cores.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow" tests/unit tests/stages
 
 lint: $(STAMP)
 	$(BIN)/snakemake --lint

@@ -29,7 +29,7 @@ def main(out_dir: str) -> int:
     from transformers import Qwen3Config
 
     from dflash.model import save_drafter
-    from helpers_model import make_drafter, tiny_cfg
+    from support.model import make_drafter, tiny_cfg
     out = Path(out_dir)
     torch.manual_seed(0)
     for name, layout in LAYOUTS.items():

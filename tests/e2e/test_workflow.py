@@ -1,0 +1,363 @@
+"""The Snakemake workflow as a user drives it: the venv's `snakemake` with the venv not activated, on a copy of the
+repository. Lint-clean; dry runs list every stage; the rerun triggers rerun exactly the stages a change affects;
+config values reach the stages quoted; config mistakes are one short message."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from support.data import good_rows, write_jsonl
+from support.workflow import REPO, SNAKEMAKE, bare_env, copy_repo, snakemake
+
+STAGES = ("env", "target", "data", "warmup", "train", "evaluate", "export", "report", "gate")
+
+pytestmark = pytest.mark.skipif(not SNAKEMAKE.exists(), reason="snakemake is not installed in this environment")
+
+
+def planned(r) -> dict:
+    """{rule: count} from a dry run's job table."""
+    table = r.out.split("Job stats:")[1].split("total")[0]
+    rows = [line.split() for line in table.splitlines()[3:] if line.strip()]
+    return {name: int(n) for name, n in rows}
+
+
+@pytest.fixture
+def wf(tmp_path):
+    return copy_repo(tmp_path / "wf")
+
+
+def tiny_config(work: Path, **over) -> dict:
+    """config/tiny.yaml (the whole pipeline in about a minute on 2 cores) plus one local source file, with `over`:
+    {"train__lr": 1e-3} sets train.lr, {"evaluate": {...}} a whole section."""
+    cfg = yaml.safe_load((REPO / "config" / "tiny.yaml").read_text())
+    cfg["data"]["sources"] = [{"name": "mine", "path": "sources/mine.jsonl"}]
+    for key, value in over.items():
+        section, _, leaf = key.partition("__")
+        if leaf:
+            cfg[section][leaf] = value
+        else:
+            cfg[section] = value
+    return cfg
+
+
+def write_config(work: Path, name: str, cfg: dict) -> str:
+    (work / "config" / name).write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return f"config/{name}"
+
+
+@pytest.fixture(scope="module")
+def done(tmp_path_factory):
+    """A copy of the repository where the whole pipeline ran once on the tiny config."""
+    work = copy_repo(tmp_path_factory.mktemp("done") / "wf")
+    (work / "sources").mkdir()
+    write_jsonl(work / "sources" / "mine.jsonl", good_rows(12))
+    write_config(work, "tiny.yaml", tiny_config(work))
+    r = snakemake(work, "--cores", "2", "--configfile", "config/tiny.yaml")
+    assert r.returncode == 0, r.out[-5000:]
+    return work, r
+
+
+@pytest.fixture
+def after(done, tmp_path):
+    """A private copy of the finished pipeline (mtimes and Snakemake's metadata kept) to change things in."""
+    work = tmp_path / "wf"
+    shutil.copytree(done[0], work, symlinks=True)
+    return work
+
+
+def dry(work: Path, *args):
+    r = snakemake(work, "-n", "--configfile", "config/tiny.yaml", *args)
+    assert r.returncode == 0, r.out[-3000:]
+    return r
+
+
+# ---- static checks and dry runs ------------------------------------------------------------------------------
+def test_lint_clean(wf):
+    r = snakemake(wf, "--lint")
+    assert r.returncode == 0, r.out[-3000:]
+    assert "Congratulations" in r.out
+
+
+def test_default_dry_run_lists_every_stage_with_the_venv_interpreter(wf):
+    r = snakemake(wf, "-n", "-p", "--cores", "2")
+    assert r.returncode == 0, r.out[-3000:]
+    assert set(planned(r)) == set(STAGES) | {"all"}
+    assert "python -m dflash train --config config/config.yaml --data results/data/default" in r.out
+    assert "--run-dir results/runs/demo --log results/logs/train/demo.log" in r.out
+
+
+def test_slurm_profile_plans_the_8gpu_job(wf):
+    """The README's cluster command, as a dry run: one warm-up job per drafter GPU (every GPU with
+    train.compile_target), train asks for 8 GPUs."""
+    r = snakemake(wf, "-n", "--workflow-profile", "workflow/profiles/slurm", "--configfile", "config/seed-8gpu.yaml")
+    assert r.returncode == 0, r.out[-3000:]
+    assert r.out.count("rule warmup:") == 3                      # cuda5, cuda6, cuda7
+    warm = r.out[r.out.index("rule warmup:"):].split("Shell command")[0]   # the train job's GPUs, numbered as train
+    assert "gres=gpu:8" in warm                                  # numbers them (the cache key holds the index)
+    train = r.out[r.out.index("rule train:"):]
+    head = train.split("Shell command")[0]
+    assert "gpu=8" in head and "gres=gpu:8" in head
+    assert "python -m dflash train --config config/seed-8gpu.yaml" in train
+    # train.compile_target: the target GPUs are warmed up too (their compiled layers), one job per GPU
+    cfg = yaml.safe_load((wf / "config" / "seed-8gpu.yaml").read_text())
+    cfg["train"]["compile_target"] = True
+    r = snakemake(wf, "-n", "-p", "--workflow-profile", "workflow/profiles/slurm", "--configfile",
+                  write_config(wf, "ct.yaml", cfg))
+    assert r.returncode == 0, r.out[-3000:]
+    assert r.out.count("rule warmup:") == 8 and all(f"--device cuda{i}" in r.out for i in range(8))
+
+
+def test_two_configfiles_refused(wf):
+    """Several YAMLs are refused, never silently reduced to one: `--configfile a b`, and `--configfile a
+    --configfile b` (argparse keeps only b: it ran on b alone), naming both files."""
+    for args in (["config/config.yaml", "config/h200.yaml"],
+                 ["config/config.yaml", "--configfile", "config/h200.yaml"]):
+        r = snakemake(wf, "-n", "--configfile", *args)
+        assert r.returncode != 0 and "give one --configfile (got config/config.yaml config/h200.yaml)" in r.out, r.out
+
+
+def fake_model(folder: Path) -> dict:
+    """A user's model folder (what target.path points at with build none): its files and their bytes."""
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text('{"model_type": "qwen3"}')
+    (folder / "model.safetensors").write_bytes(b"weights that took a week")
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+def test_a_model_folder_target_path_points_at_is_never_deleted(wf, tmp_path):
+    """Rule 1: with the default build tiny, target.path at an existing model folder was the target rule's output:
+    `--forceall --until target` / `-R target` deleted it and built a tiny model there (outside the repository it was
+    deleted, then refused). Refused in one line before Snakemake removes anything; the folder stays as it was."""
+    outside = tmp_path / "elsewhere" / "my-model"
+    for folder, extra in ((wf / "results" / "target" / "tiny", []),
+                          (outside, ["--config", f"target={{path: {outside}}}"])):
+        files = fake_model(folder)
+        for force in (["--forceall", "--until", "target"], ["-R", "target", "--until", "target"]):
+            r = snakemake(wf, "--cores", "1", *force, *extra)
+            assert r.returncode != 0, r.out[-2000:]
+            assert f"target.path: {os.path.relpath(folder, wf) if folder.is_relative_to(wf) else folder}: exists and " \
+                   f"was not made by this pipeline (no build.json in it)" in r.out, r.out[-2000:]
+            assert "set target.build: none" in r.out and "rule target:" not in r.out
+            assert {p.name: p.read_bytes() for p in folder.iterdir()} == files
+
+
+# ---- config mistakes: one short message ----------------------------------------------------------------------
+def error_lines(r) -> list[str]:
+    return [line for line in r.out.splitlines() if line.strip()]
+
+
+def test_yaml_syntax_error_names_line_and_column(wf):
+    (wf / "config" / "config.yaml").write_text("run_name: demo\ntrain:\n  steps: [1\n")
+    r = snakemake(wf, "-n")
+    assert r.returncode != 0
+    assert "config/config.yaml:4:1: not valid YAML: expected ',' or ']'" in r.out, r.out
+    assert len(error_lines(r)) <= 4, r.out
+
+
+def test_duplicate_key_refused(wf):
+    (wf / "config" / "dup.yaml").write_text("run_name: demo\ntrain:\n  steps: 3\n  steps: 5\n")
+    r = snakemake(wf, "-n", "--configfile", "config/dup.yaml")
+    assert r.returncode != 0
+    assert "config/dup.yaml:4:3: not valid YAML: duplicate key 'steps' (first at line 3)" in r.out, r.out
+
+
+def test_schema_error_is_short(wf):
+    (wf / "config" / "bad.yaml").write_text("train:\n  stepz: 3\n")
+    r = snakemake(wf, "-n", "--configfile", "config/bad.yaml")
+    assert r.returncode != 0
+    assert "config/bad.yaml: unknown key 'train.stepz'" in r.out
+    assert len(error_lines(r)) <= 4, r.out                     # was a 240-1255-line schema dump
+
+
+def test_config_values_are_passed_quoted(wf):
+    """A value holding `; touch X` and spaces reaches the stage intact and runs nothing."""
+    cfg = {"results_dir": "res x; touch PWNED; echo ", "target": {"path": "res x; touch PWNED; echo /my target"}}
+    write_config(wf, "evil.yaml", cfg)
+    r = snakemake(wf, "env", "--cores", "1", "--configfile", "config/evil.yaml")
+    assert r.returncode == 0, r.out[-3000:]
+    assert not list(wf.rglob("PWNED")) and not (Path("/tmp") / "PWNED").exists()
+    fp = json.loads((wf / "res x; touch PWNED; echo " / "env" / "fingerprint.json").read_text())
+    assert Path(fp["executable"]).parent.resolve() == SNAKEMAKE.parent.resolve()  # the venv's interpreter ran it
+    r = snakemake(wf, "-n", "-p", "--configfile", "config/evil.yaml")
+    assert "--out 'res x; touch PWNED; echo /my target'" in r.out     # the target path: one quoted argument
+
+
+# ---- the pipeline, then what reruns -------------------------------------------------------------------------
+pipeline = pytest.mark.slow
+
+
+@pipeline
+def test_pipeline_runs_with_progress_on_the_console_and_logs_kept(done):
+    work, r = done
+    assert "INFO dflash.train: step 3/3 loss" in r.out               # the stage's periodic line, on the console
+    assert "INFO dflash.data: dataset tiny:" in r.out
+    log = (work / "results" / "logs" / "train" / "tiny.log").read_text()
+    assert "step 3/3 loss" in log and "completed: 3 steps" in log
+    for stage in STAGES:
+        assert f"(Rule: {stage})" in r.out, stage
+    assert "Nothing to be done" in dry(work).out
+
+
+@pipeline
+def test_copied_config_with_same_content_reruns_nothing(done):
+    work = done[0]
+    shutil.copy(work / "config" / "tiny.yaml", work / "config" / "tiny-copy.yaml")
+    r = snakemake(work, "-n", "--configfile", "config/tiny-copy.yaml")
+    assert r.returncode == 0 and "Nothing to be done" in r.out, r.out[-3000:]
+
+
+@pipeline
+@pytest.mark.parametrize("change", [{"train__lr": 1e-3}, {"train__runtime": "distributed"},
+                                    {"train__optimizer": "muon", "train__muon_lr": 2e-3}, {"train__time_budget_s": 60},
+                                    {"train__loss_weighting": "dpace"}],
+                         ids=["lr", "runtime", "muon", "time_budget", "loss_weighting"])
+def test_train_key_change_reruns_train_to_report_only(done, change):
+    work = done[0]
+    write_config(work, "tiny-lr.yaml", tiny_config(work, **change))
+    r = snakemake(work, "-n", "--configfile", "config/tiny-lr.yaml")
+    assert planned(r) == {"train": 1, "evaluate": 1, "export": 1, "report": 1, "gate": 1, "all": 1}, r.out[-3000:]
+    assert "Params have changed since last execution" in r.out
+
+
+@pipeline
+@pytest.mark.parametrize("change", [{"drafter__sliding_window": 8}, {"train__objective": "kl"}],
+                         ids=["sliding_window", "objective"])
+def test_compiled_graph_key_change_reruns_the_warmup_too(done, change):
+    """drafter.sliding_window changes the compiled masks; train.objective widens the features and changes the compiled
+    loss kernel: the warm-up reruns with train."""
+    work = done[0]
+    write_config(work, "tiny-graph.yaml", tiny_config(work, **change))
+    r = snakemake(work, "-n", "--configfile", "config/tiny-graph.yaml")
+    assert planned(r) == {"warmup": 1, "train": 1, "evaluate": 1, "export": 1, "report": 1, "gate": 1, "all": 1}, \
+        r.out[-3000:]
+
+
+@pipeline
+def test_changed_source_reruns_data_onward_and_a_touch_does_not(after):
+    src = after / "sources" / "mine.jsonl"
+    os.utime(src)                                                    # newer, same content: nothing to do
+    assert "Nothing to be done" in dry(after).out
+    write_jsonl(src, good_rows(13))
+    assert planned(dry(after)) == {"data": 1, "warmup": 1, "train": 1, "evaluate": 1, "export": 1, "report": 1, "gate": 1,
+                                   "all": 1}
+
+
+@pipeline
+def test_changed_pins_rerun_env_onward(after):
+    """The environment fingerprint is an input of warm-up and train (it names the compile cache, it decides
+    throughput); a package change is seen through the env rule's params, a pins change through its input."""
+    with open(after / "envs" / "requirements.txt", "a") as f:
+        f.write("# a comment changes the lock hash\n")
+    assert planned(dry(after)) == {"env": 1, "warmup": 1, "train": 1, "evaluate": 1, "export": 1, "report": 1, "gate": 1,
+                                   "all": 1}
+
+
+@pipeline
+def test_config_run_name_trains_a_new_run(after):
+    r = snakemake(after, "results/runs/other/summary.json", "--cores", "2", "--configfile", "config/tiny.yaml",
+                  "--config", "run_name=other")
+    assert r.returncode == 0, r.out[-3000:]
+    assert planned(r) == {"train": 1}
+    assert json.loads((after / "results/runs/other/summary.json").read_text())["run_name"] == "other"
+
+
+@pipeline
+def test_forced_rerun_of_train_trains(after):
+    before = json.loads((after / "results/runs/tiny/summary.json").read_text())["run_id"]
+    r = snakemake(after, "--cores", "2", "--configfile", "config/tiny.yaml", "-R", "train")
+    assert r.returncode == 0, r.out[-3000:]
+    assert "nothing to train" not in r.out and "INFO dflash.train: step 3/3" in r.out
+    assert json.loads((after / "results/runs/tiny/summary.json").read_text())["run_id"] != before
+
+
+@pipeline
+def test_finished_run_is_restored_when_snakemake_reruns_it_for_unchanged_inputs(after):
+    """Rule 2: `rm fingerprint.json` (regenerated byte-identical) and `-R data` with unchanged data make Snakemake
+    rerun train: the finished run is restored (same run_id, same metrics), never trained again."""
+    run = after / "results" / "runs" / "tiny"
+    before = {n: (run / n).read_bytes() for n in ("summary.json", "metrics.jsonl")}
+    (after / "results" / "env" / "fingerprint.json").unlink()
+    for extra in ([], ["-R", "data"]):
+        r = snakemake(after, "results/env/fingerprint.json", "results/runs/tiny/summary.json", "--cores", "2",
+                      "--configfile", "config/tiny.yaml", *extra)
+        assert r.returncode == 0, r.out[-3000:]
+        assert "(Rule: train)" in r.out and "restored, nothing trained" in r.out, r.out[-3000:]
+        assert "step 1/3" not in r.out and "step 3/3" not in r.out
+        assert {n: (run / n).read_bytes() for n in before} == before
+    assert not (run / "checkpoints.previous").exists()
+
+
+@pipeline
+def test_an_edited_holdout_reruns_evaluate_which_refuses_it(after):
+    """Rule 3: holdout.jsonl is hashed in the manifest and an input of evaluate: prompts swapped reruns evaluate,
+    which refuses the file by name (it was read as it was: tau from other prompts, no word)."""
+    hold = after / "results" / "data" / "tiny" / "holdout.jsonl"
+    lines = hold.read_text().splitlines(keepends=True)
+    hold.write_text("".join(reversed(lines)))
+    assert "evaluate" in planned(dry(after))
+    r = snakemake(after, "results/runs/tiny/acceptance.json", "--cores", "1", "--configfile", "config/tiny.yaml")
+    assert r.returncode != 0
+    assert "holdout.jsonl: changed after the data stage" in r.out and "rerun the data stage" in r.out
+
+
+@pipeline
+def test_run_by_hand_with_other_settings_is_not_taken_for_the_pipelines(after):
+    """`python -m dflash train --set train.steps=2` into the pipeline's run folder, then the pipeline: the
+    2-step run is refused by name, never evaluated and reported as the pipeline's run."""
+    r = subprocess.run([sys.executable, "-m", "dflash", "train", "--config", "config/tiny.yaml", "--set",
+                        "train.steps=2"], cwd=after, capture_output=True, text=True, env=bare_env(), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = snakemake(after, "--cores", "2", "--configfile", "config/tiny.yaml")
+    assert r.returncode != 0
+    assert "results/runs/tiny/summary.json was trained with another config" in r.out
+    acceptance = after / "results/runs/tiny/acceptance.json"
+    assert not acceptance.exists() or json.loads(acceptance.read_text())["checkpoint_step"] == 3
+
+
+# ---- issue 40 rules 5 and 6, issue 41 item 1: bad values refused by `snakemake -n`; roles decide the reruns -------
+@pytest.mark.parametrize("bad,named", [
+    ({"data__max_length": 256, "data__bucket_edges": [64, 128]}, "data.max_length (256) exceeds the largest "
+                                                                 "data.bucket_edges entry (128)"),
+    ({"train__gamma": 0}, "key 'train.gamma': Input should be greater than 0"),
+    ({"drafter__num_target_layers": 3}, "drafter.num_target_layers (3) disagrees with drafter.target_layer_ids"),
+], ids=["bucket_edges", "gamma", "num_target_layers"])
+def test_dry_run_refuses_what_a_stage_would(wf, bad, named):
+    """A value only a stage refused (or nothing did) is refused by `snakemake -n`, in one message line naming the
+    key and the file."""
+    r = snakemake(wf, "-n", "--configfile", write_config(wf, "bad.yaml", tiny_config(wf, **bad)))
+    assert r.returncode != 0 and f"config error: config/bad.yaml: {named}" in r.out, r.out[-2000:]
+    assert len(error_lines(r)) <= 4, r.out
+
+
+def test_dry_run_refuses_a_path_like_name(wf):
+    r = snakemake(wf, "-n", "--config", "dataset_name=..")
+    assert r.returncode != 0 and "config/config.yaml: key 'dataset_name' must be a folder name" in r.out, r.out[-2000:]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a CUDA GPU")
+def test_dry_run_refuses_cuda_devices_the_machine_lacks(wf):
+    """config/quality.yaml on a machine without CUDA built the corpus and the tokenizer for minutes, then died in
+    "Torch not compiled with CUDA enabled". `snakemake -n` refuses it in one line; planned for a cluster (the slurm
+    profile: the jobs run on its GPU nodes, which check themselves), it plans."""
+    r = snakemake(wf, "-n", "--configfile", "config/quality.yaml")
+    assert r.returncode != 0, r.out[-2000:]
+    assert ("config error: config/quality.yaml: target.pretrain.device names cuda:0 but this machine has no CUDA GPU"
+            in r.out), r.out[-2000:]
+    assert len(error_lines(r)) <= 4, r.out
+    r = snakemake(wf, "-n", "--workflow-profile", "workflow/profiles/slurm", "--configfile", "config/quality.yaml")
+    assert r.returncode == 0, r.out[-2000:]
+
+
+@pipeline
+def test_a_key_that_cannot_change_the_result_reruns_nothing(done):
+    """data.num_proc (how many processes tokenise) and train.log_every (how often a row is logged) rerun no rule:
+    data.num_proc reran the data stage, and the train stage then trained the finished run again."""
+    work = done[0]
+    write_config(work, "tiny-ops.yaml", tiny_config(work, data__num_proc=2, train__log_every=2))
+    r = snakemake(work, "-n", "--configfile", "config/tiny-ops.yaml")
+    assert r.returncode == 0 and "Nothing to be done" in r.out, r.out[-3000:]

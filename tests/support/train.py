@@ -1,0 +1,79 @@
+"""The threads-runtime test helpers: a tiny run's config, a prepared results folder (the data stage run once per
+session), `dflash train` in process or as a subprocess, and a stop by signal."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from dflash.cli import main
+from support.data import build_tiny_target, target_section
+
+REPO = Path(__file__).resolve().parents[2]
+_DATA: dict = {}
+
+
+def config(results: Path, target: Path, **train) -> dict:
+    t = {"targets": ["cpu"], "drafters": ["cpu", "cpu"], "attention": "sdpa", "compile": False, "steps": 12, "batch_size": 2,
+         "num_anchors": 8, "log_every": 2, "checkpoint_every": 4, "warmup_steps_excluded": 2}
+    t.update(train)
+    return {"results_dir": str(results), "run_name": "t", "seed": 0, "target": target_section(target),
+            "data": {"builtin_corpus": {"enabled": True, "max_conversations": 150}, "regenerate": {"enabled": False},
+                     "holdout": 0, "min_supervised_blocks": 1, "max_length": 256, "bucket_edges": [64, 128, 256]},
+            "drafter": {"num_layers": 1, "block_size": 4, "num_target_layers": 2, "target_layer_ids": [0, 1]},
+            "train": t}
+
+
+def prepared(tmp_path: Path, **train) -> Path:
+    """A config file whose results folder already holds the expanded dataset (built once per session)."""
+    target = build_tiny_target()
+    if "data" not in _DATA:
+        root = Path(os.environ.get("PYTEST_DATA_ROOT", tmp_path.parent)) / "train-data"
+        cfg = root / "c.yaml"
+        root.mkdir(parents=True, exist_ok=True)
+        cfg.write_text(yaml.safe_dump(config(root / "results", target)))
+        assert main(["data", "--config", str(cfg), "--no-progress"]) == 0
+        _DATA["data"] = root / "results" / "data"
+    results = tmp_path / "results"
+    shutil.copytree(_DATA["data"], results / "data")
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(config(results, target, **train)))
+    return path
+
+
+def run_dir(cfg: Path) -> Path:
+    return Path(yaml.safe_load(cfg.read_text())["results_dir"]) / "runs" / "t"
+
+
+def train_ok(cfg: Path, *args: str) -> None:
+    """`dflash train` in this process; a non-zero exit fails naming the run's failure from summary.json (CI shows
+    the assertion even when the captured log is cut)."""
+    code = main(["train", "--config", str(cfg), "--no-progress", *args])
+    summary = run_dir(cfg) / "summary.json"
+    why = json.loads(summary.read_text()).get("failure") if summary.exists() else "no summary.json"
+    assert code == 0, f"train exited {code}: {why}"
+
+
+def dflash(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "dflash", *args], cwd=REPO, capture_output=True, text=True, **kw)
+
+
+def stop_with(cfg, sig, *args):
+    """Start `train`, send `sig` after a few logged steps; (exit code, stderr, the last logged step when the signal
+    was sent, summary, newest checkpoint step)."""
+    proc = subprocess.Popen([sys.executable, "-m", "dflash", "train", "--config", str(cfg), "--no-progress", *args],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics = run_dir(cfg) / "metrics.jsonl"
+    deadline = time.time() + 300
+    while (not metrics.exists() or len(metrics.read_text().splitlines()) < 3) and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    logged = json.loads(metrics.read_text().splitlines()[-1])["step"]   # at least this far when the signal came
+    _, err = proc.communicate(timeout=120)
+    s = json.loads((run_dir(cfg) / "summary.json").read_text())
+    ckpts = sorted((run_dir(cfg) / "checkpoints").glob("step-*"))
+    return proc.returncode, err, logged, s, int(ckpts[-1].name.split("-")[1]) if ckpts else None
