@@ -132,7 +132,9 @@ def _run(args) -> int:
                 raise ConfigError(f"--set {item}: expected KEY=VALUE")
             overrides[key] = _parse_value(value)
         loaded = load(args.config, overrides)
-        check_here(loaded, args.stage)      # what this machine must have for the keys this stage reads (a CUDA GPU)
+        # what this machine must have for the keys this stage reads (a CUDA GPU); a warm-up job compiles for its one
+        # --device and names its own remedy (a cluster job sees its GPUs renumbered from 0)
+        check_here(loaded, args.stage, devices=args.stage != "warmup")
         module = importlib.import_module(f"dflash.stages.{args.stage}")
         return int(module.run(loaded, args) or 0)
     except ConfigError as e:

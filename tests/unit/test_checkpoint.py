@@ -18,38 +18,11 @@ from safetensors.torch import load_file
 from dflash.errors import UserError
 from dflash.model import save_drafter
 from dflash.train import checkpoint as C
-from support.model import make_drafter, tiny_cfg
+from support.checkpoint import fake_setup, saved, trained
+from support.model import tiny_cfg
 
 REPO = Path(__file__).resolve().parents[2]
 SIDE = REPO / ".venv-interop" / "bin" / "python"
-
-
-def trained(seed=0):
-    """A tiny drafter with an optimizer and scheduler that have taken one step (non-empty state)."""
-    d = make_drafter(tiny_cfg(), seed=seed)
-    opt = torch.optim.AdamW(d.parameters(), lr=1e-3)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
-    sum(p.sum() for p in d.parameters()).backward()
-    opt.step()
-    sched.step()
-    opt.zero_grad()
-    return d, opt, sched
-
-
-def fake_setup(tmp_path, steps=12, resume=True, result_hash="c1", data_hash="d1"):
-    from dflash.data.shards import write_manifest
-    data = tmp_path / "data"
-    data.mkdir(exist_ok=True)
-    write_manifest(data, {"content_hash": data_hash})
-    return SimpleNamespace(run_dir=tmp_path / "run", data_dir=data, loaded=SimpleNamespace(result_hash=result_hash),
-                           cfg=SimpleNamespace(train=SimpleNamespace(steps=steps, resume=resume)))
-
-
-def saved(setup, steps=(4, 8)):
-    d, opt, sched = trained()
-    for s in steps:
-        C.save(setup.run_dir, s, s * 2, d, opt, sched, C.identity(setup))
-    return d, opt, sched
 
 
 def test_checkpoint_is_the_reference_format_and_restores_exactly(tmp_path):

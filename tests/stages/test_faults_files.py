@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-from conftest_data import good_rows, one_thread, talking_target, target_section, tiny_target, write_jsonl  # noqa: F401
+from support.data import good_rows, target_section, write_jsonl
 from dflash import config as C
 from dflash.cli import main
 from dflash.errors import UserError

@@ -13,11 +13,11 @@ import pytest
 import yaml
 from pydantic import Field
 
-from conftest_data import good_rows, make_loaded, tiny_target, write_jsonl  # noqa: F401
+from support.data import good_rows, make_loaded, write_jsonl
 from dflash import config as C
 from dflash import config_model as M
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def write(tmp_path, data, name="c.yaml") -> Path:

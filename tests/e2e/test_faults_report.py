@@ -14,8 +14,9 @@ import pytest
 import torch
 import yaml
 
-from test_report_factory import acceptance, settings, summary, write_run
-from test_train import REPO, main, prepared, run_dir, train_ok
+from support.report_factory import acceptance, settings, summary, write_run
+from dflash.cli import main
+from support.train import REPO, prepared, run_dir, train_ok
 
 from dflash.config import from_dict
 from dflash.train import metrics as M

@@ -27,7 +27,7 @@ import torch
 from dflash.cli import main
 from dflash.errors import UserError
 from dflash.train import writer
-from test_train import REPO, dflash, prepared, run_dir, train_ok
+from support.train import REPO, dflash, prepared, run_dir, train_ok
 
 
 def start(cfg, *args, **kw) -> subprocess.Popen:
@@ -289,7 +289,7 @@ def test_an_unwritable_checkpoint_while_training_is_one_line(tmp_path, monkeypat
     """The same found mid-run (a folder made read-only meanwhile, a file system remounted read-only): the checkpoint
     names its path and what to do, no traceback."""
     from dflash.train import checkpoint as C
-    from test_checkpoint import fake_setup, trained
+    from support.checkpoint import fake_setup, trained
 
     def denied(obj, f, *a, **k):
         raise PermissionError(errno.EACCES, "Permission denied", str(f.name))
@@ -309,7 +309,7 @@ def test_init_from_takes_our_own_export_and_names_a_real_mismatch(tmp_path):
     from dflash.config import from_dict
     from dflash.model import save_drafter
     from dflash.train.step import build_drafter
-    from helpers_model import make_drafter, tiny_cfg
+    from support.model import make_drafter, tiny_cfg
     d = make_drafter(tiny_cfg(), seed=3)
     save_drafter(d, tmp_path / "export", mask_token="<|mask|>")   # what the export stage writes
     assert json.loads((tmp_path / "export" / "config.json").read_text())["dflash_config"]["mask_token"] == "<|mask|>"
