@@ -19,7 +19,7 @@ next part still runs, the exit code then 1):
             the FP8 copies a run makes (bench/fp8_features.py, shared with bench/h200.py's fp8 section):
             ||f_fp8 - f_bf16|| / ||f_bf16||, overall and per layer, into the state (and quality.json, quality.md).
             Skipped with the reason where train.fp8_target cannot run (no CUDA GPU of compute capability >= 8.9);
-            the CPU dry run measures it with torch's CPU FP8 matmul (tests/test_fp8.py runs the same code there).
+            the CPU dry run measures it with torch's CPU FP8 matmul (tests/stages/test_fp8.py runs the same code there).
   train     each recipe not yet trained: `python -m dflash train` on the pipeline's target and data with the recipe's
             keys, into results/runs/<run>. Solo (--solo): one at a time, alone on the GPU, at CONFIG's own
             train.time_budget_s and in-training evaluations, run qs-<recipe>; a run cut at the call's end checkpoints

@@ -1,6 +1,6 @@
 """docs/config-keys.md, the reference of every config key, generated from the config's JSON schema (itself generated
 from dflash/config_model.py): `python -m dflash.config_docs --write` (or `--check`, exit 1 when the file is stale;
-tests/test_config_docs.py fails then too)."""
+tests/unit/test_config_docs.py fails then too)."""
 from __future__ import annotations
 
 import argparse

@@ -20,7 +20,7 @@ Options, each a `bench/regen.py` variant, made the default once a measurement sa
   each only as wide as its longest prompt (the whole-batch prefill computes every padding position of the batch's
   width), its K/V copied into the cache. On the H200 (bench/results/2026-12-01-h200-r7/): 512 x 256 tokens of the
   8B-shaped target in 14.2 s against 17.7 s (prefill 5.2 s against 8.5 s), peak 81.7 GB against 95.6 GB; CUDA graphs
-  give `generate`'s greedy turns with it (tests/test_data_regen.py). A cache with sliding-window layers (which keep
+  give `generate`'s greedy turns with it (tests/e2e/test_data_regen.py). A cache with sliding-window layers (which keep
   other slots) prefills the whole batch at once.
 - `fit_cache=True` (off): `regenerate` sizes the cache to each batch (`cache_len(width + max_new_tokens)`, a new
   decoder when that differs from the kept one's) instead of keeping the first, longest batch's. Batches are sorted by
@@ -36,7 +36,7 @@ Options, each a `bench/regen.py` variant, made the default once a measurement sa
   norms, RoPE and activations fused. On the H200 (bench/results/2026-12-03-h200-r8/): 2 x 512 prompts x 256 tokens of
   the 8B-shaped target at 12,332 tok/s against 11,156 eager (prefill 4.17 s against 5.29 s per batch), for a warm-up
   of 180 s against 77 s (the dynamic-shape compile, once per process); CUDA graphs give `generate`'s greedy turns
-  with it (tests/test_data_regen.py). The CPU's Inductor compiles slowly, so AUTO leaves it eager there.
+  with it (tests/e2e/test_data_regen.py). The CPU's Inductor compiles slowly, so AUTO leaves it eager there.
 - `attention`: `auto` (default): FLEX where the step is compiled and replayed as a CUDA graph (and the head dim is a
   power of two of at least 16 and the query heads per KV head a power of two, as Inductor's flex decoding kernel takes
   them), GQA otherwise (the CPU, eager). FLEX ("grouped_flex"): decode steps through flex_attention over only the

@@ -12,7 +12,7 @@ What the evaluate stage computes on a checkpoint of that step (temperature 0): t
 loads (built from the replica's state_dict, cast to the target's dtype, on the target's device, with the target's
 embedding and LM head, eager, in eval mode), the prompts and stop tokens are the stage's. With train.eval_prompts /
 eval_max_new_tokens left null (evaluate.num_prompts / max_new_tokens), the last evaluation's tau is the evaluate
-stage's tau on the final checkpoint (tests/test_live_eval.py holds them equal on the CPU, in float32; in bfloat16
+stage's tau on the final checkpoint (tests/e2e/test_live_eval.py holds them equal on the CPU, in float32; in bfloat16
 the batched greedy path may part from batch-1 decoding at a near-tied argmax).
 
 Side-effect free for training: nothing of the replica is touched (its weights are read, its train mode and compiled

@@ -17,7 +17,7 @@ y's next one. So instead of ~tau-spaced batch-1 target forwards per prompt, `rep
      block the last steps need;
   4. the walk of `specdec.speculative_generate` over those drafts: produced, accepted and drafted per step, the same
      caps (max_new_tokens, a stop token ends the output after it).
-Its `specdec.Generation`s equal speculative_generate's at temperature 0 (tests/test_evaluate_replay.py holds them
+Its `specdec.Generation`s equal speculative_generate's at temperature 0 (tests/unit/test_evaluate_replay.py holds them
 equal in float32), so `acceptance.summarize` aggregates them as it does decoded ones. Their `seconds` are 0: a replay
 measures acceptance, not decoding speed. In bfloat16 batch-1 decoding computes the drafter's context in pieces (the
 prefill, then each verification block) and the target's argmax at batch 1; here both come from batched or whole-

@@ -1,6 +1,6 @@
 """The serving contract: what the reference package (dflash 0.1.0), vLLM and SGLang read from an exported drafter
 folder, as data (`FIELDS`, `ABSENT`, `LAYER_WEIGHTS`), and `check(config, shapes)`, which lists where an export
-breaks it. docs/serving.md explains each row and its sources; tests/test_serving_contract.py holds the doc, the
+breaks it. docs/serving.md explains each row and its sources; tests/unit/test_serving_contract.py holds the doc, the
 export and this table together.
 
 Sources (read for this table): the PyPI wheels dflash 0.1.0 (`dflash/model.py`), vllm 0.33.0

@@ -19,10 +19,10 @@ The b*Q*T terms dominate at many anchors: `num_anchors=1000` on the CPU demo nee
 
 Calibrated on CPU (float32, uncompiled, the demo drafter: H 128, 4/2 heads of 32, I 384, vocab 2048, block 16)
 against the peak RSS one micro-step (forward, backward, AdamW) adds to the process (`CALIBRATION`: the estimate is
-1.01-1.23x each; tests/test_memory.py re-measures one). On a GPU (bf16, compiled flex, one replica, no reduction
+1.01-1.23x each; tests/e2e/test_memory.py re-measures one). On a GPU (bf16, compiled flex, one replica, no reduction
 buffers) against the drafter step of `bench/h200.py --sections specforge` (bench/results/2026-11-29-h200-r2/): 24.3,
 30.1 and 41.5 GiB estimated (features excluded) for 21.9, 26.7 and 36.5 GiB measured at 3072/512, 8192/1024 and
-16384/2048 (1.11-1.14x; tests/test_memory.py holds it to that file): it errs on the safe side.
+16384/2048 (1.11-1.14x; tests/e2e/test_memory.py holds it to that file): it errs on the safe side.
 """
 from __future__ import annotations
 
