@@ -47,3 +47,14 @@ def logs(results: str) -> Path:
 
 def benchmarks(results: str) -> Path:
     return Path(results, "benchmarks")
+
+
+def checkpoint(run_dir, step: int) -> Path:
+    """A run's checkpoint of `step`: `<run>/checkpoints/step-000050/`."""
+    return Path(run_dir, "checkpoints", f"step-{step:06d}")
+
+
+def checkpoint_step(path) -> int | None:
+    """50 for `.../step-000050`, None for anything else (the inverse of `checkpoint`)."""
+    name = Path(path).name
+    return int(name[5:]) if name.startswith("step-") and name[5:].isdigit() else None

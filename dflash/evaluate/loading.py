@@ -10,11 +10,6 @@ from dflash.errors import UserError
 log = logging.getLogger("dflash.evaluate")
 
 
-def checkpoint_step(path) -> int | None:
-    from dflash.train.checkpoint import step_of
-    return step_of(path)
-
-
 def _prompt_rows(path, parse, what: str, expected: str = "", limit: int | None = None) -> list[dict]:
     """Rows of a JSONL prompt file as {"id", "prompt_ids"}; `parse(row) -> ids` raising on a bad row, which is
     reported naming the file and line."""

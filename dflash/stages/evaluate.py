@@ -71,7 +71,7 @@ def run(loaded: Loaded, args) -> int:
     embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     # the drafter's shape is its folder's config.json (a checkpoint or an export), never the YAML's drafter keys
     drafter = load_drafter(path, embed, head, device=device, dtype=dtype).eval()
-    source, step = str(path), L.checkpoint_step(path)
+    source, step = str(path), paths.checkpoint_step(path)
     draft = DFlashDraft(drafter)
     bsz, mask_id = drafter.cfg.block_size, drafter.cfg.mask_token_id
     stops = stop_token_ids(tok, target)

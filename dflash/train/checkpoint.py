@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from dflash import paths
 from dflash.atomic import atomic_dir, atomic_write_json, atomic_write_text, read_json
 from dflash.errors import UserError, disk_full
 
@@ -36,14 +37,8 @@ HASH = "xxh3_128"
 PREVIOUS = "checkpoints.previous"
 
 
-def step_dir(run_dir, step: int) -> Path:
-    return Path(run_dir, "checkpoints", f"step-{step:06d}")
-
-
-def step_of(path) -> int | None:
-    """50 for `.../step-000050`, None for anything else."""
-    name = Path(path).name
-    return int(name[5:]) if name.startswith("step-") and name[5:].isdigit() else None
+# a checkpoint's folder and its step: one naming, in dflash/paths.py (the evaluate stage reads it too)
+step_dir, step_of = paths.checkpoint, paths.checkpoint_step
 
 
 # ---- writing -------------------------------------------------------------------------------------------------

@@ -123,3 +123,23 @@ def test_the_walk_finds_hidden_cycles(tmp_path):
     assert cycles(import_graph(tmp_path, "p")) == []
     (pkg / "sub" / "__init__.py").write_text("from p import a\n")   # a package __init__ that imports its importer
     assert cycles(import_graph(tmp_path, "p")) == [["p.a", "p.sub", "p.a"]]
+
+
+def folder_graph(graph: dict[str, set[str]], package: str = "dflash") -> dict[str, set[str]]:
+    """The import graph between the package's folders (dflash.train, dflash.evaluate, ...): module a.x importing a.y.z
+    is an edge a.x -> a.y between folders; top-level modules (dflash.paths, ...) are their own nodes."""
+    def folder(m):
+        parts = m.split(".")
+        return ".".join(parts[:2]) if len(parts) > 1 else m
+    out: dict[str, set[str]] = {}
+    for m, deps in graph.items():
+        out.setdefault(folder(m), set()).update(folder(d) for d in deps if folder(d) != folder(m) and d != package)
+    return {k: v - {package} for k, v in out.items()}
+
+
+def test_the_package_folders_have_no_import_cycle():
+    """Folders are layers too: train and evaluate each import the shared pieces below them (paths, the model, the
+    target), never each other both ways (issue 41: train.run imported evaluate.live while evaluate.loading imported
+    train.checkpoint)."""
+    found = cycles(folder_graph(import_graph(REPO, "dflash")))
+    assert not found, "folder import cycles: " + "; ".join(" -> ".join(c) for c in found)
