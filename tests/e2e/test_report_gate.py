@@ -47,6 +47,10 @@ def test_failing_gate_keeps_the_report_and_the_history(tmp_path, repo):
             p.unlink()                                 # only history/ is left: history.csv is rebuilt from it
     regressed = expanded(4, 7.0)
     write_run(work / "results" / "runs", regressed, folder="demo")
+    drafter = work / "results" / "runs" / "demo" / "drafter"     # the report rule reads after the export: its folder
+    drafter.mkdir()                                              # (made after the run's files, so it is up to date)
+    (drafter / "config.json").write_text("{}\n")
+    (drafter / "export.json").write_text('{"files": ["config.json"]}\n')    # the export's record: its folder
     cfg = yaml.safe_load((work / "config" / "config.yaml").read_text())
     cfg["report"] = {"fail_on_regression": True}
     (work / "config" / "gate.yaml").write_text(yaml.safe_dump(cfg))

@@ -2,6 +2,7 @@
 Ctrl-C checkpoints. Tiny target (tests/support/data.py), the built-in corpus without regeneration, sdpa."""
 import json
 import math
+import shutil
 import signal
 import subprocess
 import sys
