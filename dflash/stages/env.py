@@ -13,8 +13,9 @@ def add_arguments(p):
 
 def run(loaded: Loaded, args) -> int:
     from dflash import fingerprint, paths
-    from dflash.atomic import atomic_write_json
+    from dflash.atomic import atomic_write_json, check_file_ours
 
+    out = check_file_ours(args.out or paths.fingerprint(loaded.cfg.results_dir), ("hash", "packages"), "env")
     fp = fingerprint.collect()
     problems = fingerprint.pin_mismatches(fp, fingerprint.read_pins())
     fp["pin_mismatches"] = problems
@@ -22,7 +23,6 @@ def run(loaded: Loaded, args) -> int:
         log.warning("environment differs from envs/requirements.txt: %s", line)
     if problems and loaded.cfg.strict_env:
         raise UserError(f"strict_env is on and {len(problems)} package(s) differ from the pins: " + "; ".join(problems))
-    out = args.out or paths.fingerprint(loaded.cfg.results_dir)
     atomic_write_json(out, fp)
     gpu = fp["gpu"]
     log.info("environment %s: python %s, torch %s, %s GPU(s) %s -> %s", fp["hash"], fp["python"],

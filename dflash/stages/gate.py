@@ -37,9 +37,10 @@ def regressed(record: dict | None) -> list[str]:
 
 
 def run(loaded: Loaded, args) -> int:
-    from dflash.atomic import atomic_write_json
+    from dflash.atomic import atomic_write_json, check_file_ours
     from dflash import paths
 
+    out = check_file_ours(args.out or paths.report(loaded.cfg.results_dir) / "gate.json", ("passed",), "gate")
     path = Path(args.regressions or paths.report(loaded.cfg.results_dir) / "regressions.json")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -55,7 +56,6 @@ def run(loaded: Loaded, args) -> int:
         print(f"dflash gate: regression: {latest.get('sentence')} ({' and '.join(kinds)} regressed; "
               f"report.fail_on_regression is true; the report stays in {path.parent})", file=sys.stderr)
         return 3
-    out = args.out or paths.report(loaded.cfg.results_dir) / "gate.json"
     atomic_write_json(out, {"run_id": latest.get("run_id") if latest else None, "verdict": verdict,
                             "quality_verdict": ((latest or {}).get("quality") or {}).get("verdict"),
                             "regressed": kinds, "fail_on_regression": fail, "passed": True})

@@ -20,5 +20,24 @@ def run(loaded: Loaded, args) -> int:
     from dflash.report import build
 
     results = loaded.cfg.results_dir
-    build(args.runs_dir or paths.runs(results), args.out or paths.report(results), loaded.cfg.report)
+    out = args.out or paths.report(results)
+    check_out(out)
+    build(args.runs_dir or paths.runs(results), out, loaded.cfg.report)
     return 0
+
+
+OURS = ("regressions.json", "history", "history.csv")   # what only a report folder holds
+
+
+def check_out(out) -> None:
+    """The report writes report.md, history.csv, the plots ... into `out`, file by file: a folder that holds files but
+    none of a report's own (OURS) was not made by this stage, and nothing in it is overwritten."""
+    from pathlib import Path
+
+    from dflash.errors import UserError
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out}: a file, where the report stage writes a folder: give --out a folder")
+    if out.is_dir() and any(out.iterdir()) and not any((out / name).exists() for name in OURS):
+        raise UserError(f"{out}: exists and was not made by the report stage (no {', '.join(OURS)} in it), so nothing "
+                        f"in it is overwritten: give --out a new folder, or the pipeline's report folder")

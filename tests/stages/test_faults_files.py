@@ -427,3 +427,27 @@ def test_cpu_regeneration_claims_no_gpu(tiny_target, caplog):  # noqa: F811
     assert len(out) == 2
     lines = [m for m in caplog.messages if "regeneration batch size" in m]
     assert lines == ["regeneration batch size 4 (on the CPU: data.regenerate.cpu_batch_size)"], caplog.messages
+
+
+def test_env_gate_and_report_out_at_what_they_did_not_write_are_refused(tmp_path, capsys):
+    """Rule 1 for the last three stages: `env --out` / `gate --out` at a file that is not their JSON (a user's notes),
+    `report --out` at a folder holding files but no report of its own: one line each, before any work, the file kept."""
+    from dflash.cli import main
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"results_dir: {tmp_path / 'results'}\n")
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"mine": 1}\n')
+    for stage in ("env", "gate"):
+        assert main([stage, "--config", str(cfg), "--out", str(notes)]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"{notes}: exists and was not written by the {stage} stage" in err[0], err
+        assert notes.read_text() == '{"mine": 1}\n'
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "report.md").write_text("my own report\n")
+    assert main(["report", "--config", str(cfg), "--out", str(mine)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{mine}: exists and was not made by the report stage" in err[0], err
+    assert (mine / "report.md").read_text() == "my own report\n" and sorted(p.name for p in mine.iterdir()) == ["report.md"]
+    assert main(["env", "--config", str(cfg)]) == 0                      # its own file: written, then rewritten
+    assert main(["env", "--config", str(cfg)]) == 0
