@@ -129,6 +129,9 @@ class RunSummary(SummaryCore):
         "What stopped a failed run: {kind: diverged, non_finite, worker, stall or not_ready; worker; message}."))
     resumed_from_step: int | None = Field(description="The checkpoint step this process resumed from (null: none).")
     git: Git = Field(description="The checkout (`Git`).")
+    target_files: dict = Field(description=(
+        "The target folder the run trained on: {file: {size, mtime_ns, sha256 (files up to 16 MiB)}}; `evaluate` "
+        "refuses a target changed since, naming the file."))
     runtime: str = Field(description="threads or distributed.")
     attention: str = Field(description="flex, sdpa or eager.")
     steps: int = Field(description="Optimizer steps done.")

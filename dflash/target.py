@@ -63,6 +63,13 @@ def target_files(path) -> dict:
     return describe_files(path, skip=_hidden(files_in(path)))
 
 
+def target_record(path) -> dict:
+    """What a run records of the target it trained on (summary.json `target_files`): every file's size and mtime, and
+    the sha256 of those up to HASH_ALWAYS: a stat per file, so a many-GB target costs nothing to record; a later check
+    (`target_problem(path, record)`) hashes a larger file only when its mtime moved."""
+    return describe_files(path, skip=_hidden(files_in(path)), hash_limit=HASH_ALWAYS)
+
+
 def _hidden(names) -> set:
     return {n for n in names if any(part.startswith(".") for part in n.split("/"))}
 

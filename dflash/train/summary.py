@@ -6,6 +6,7 @@ from datetime import datetime, timezone
 
 from dflash.atomic import atomic_write_json
 from dflash.run_summary import RunSummary
+from dflash.target import target_record
 from dflash.train import checkpoint, compile_guard
 from dflash.train.context import data_summary, git_state, read_manifest
 
@@ -34,6 +35,7 @@ def write(ctx, metrics, workers: list[dict], status: str, devices: list[dict], c
         "config_hash": ctx.loaded.hash, "config": ctx.loaded.raw,
         "env_hash": ctx.env["hash"], "env": ctx.env,
         "data_hash": manifest.get("content_hash"), "data": data_summary(manifest),
+        "target_files": target_record(ctx.cfg.target.path),   # evaluate refuses a target changed since
         "runtime": ctx.placement.runtime, "attention": ctx.backend,
         "steps": metrics.step, "measured_steps": metrics.totals["steps"],
         # finished: the run reached train.steps or its time budget (finished_by), and a rerun trains a new run

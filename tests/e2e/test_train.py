@@ -37,6 +37,18 @@ def test_two_replicas_train_in_lockstep(tmp_path):
     assert sorted(p.name for p in (run_dir(cfg) / "checkpoints").iterdir()) == \
         ["finished.json", "step-000004", "step-000008", "step-000012"]
     assert s["checkpoint"]["path"] == "checkpoints/step-000012"       # what evaluate and export read
+    # the target it trained on, as evaluate checks it: every file's size and mtime, the sha256 of the small ones
+    import yaml
+
+    from dflash.target import target_problem
+    target = Path(yaml.safe_load(cfg.read_text())["target"]["path"])
+    files = s["target_files"]
+    assert files["config.json"]["size"] == (target / "config.json").stat().st_size and "sha256" in files["config.json"]
+    assert "model.safetensors" in files and target_problem(target, files) is None
+    copy = shutil.copytree(target, tmp_path / "target-copy")           # the shared tiny target stays untouched
+    with open(copy / "config.json", "a") as f:
+        f.write(" ")
+    assert "config.json" in target_problem(copy, files)
 
 
 def test_rerun_resumes_an_interrupted_run_restores_a_finished_one_and_retrains_it_when_told(tmp_path, caplog):
