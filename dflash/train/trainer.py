@@ -277,9 +277,10 @@ class Replica:
         reached: a rerun then trains a new run) and holds the training time (the schedule's state)."""
         self.metrics.flush()
         self.schedule.elapsed_s = self.elapsed
-        checkpoint.save(self.ctx.run_dir, step, self.index(step, 0) - self.rank, self.drafter, self.optimizer,
-                        self.schedule, {**self.identity, "metrics": self.metrics.rows_upto(step),
-                                        "finished": self.finished_by is not None, "finished_by": self.finished_by})
+        with self.metrics.paused():   # writing a checkpoint is no training: out of Ktok/s and the utilisation
+            checkpoint.save(self.ctx.run_dir, step, self.index(step, 0) - self.rank, self.drafter, self.optimizer,
+                            self.schedule, {**self.identity, "metrics": self.metrics.rows_upto(step),
+                                            "finished": self.finished_by is not None, "finished_by": self.finished_by})
 
     def check_replicas(self, step: int):
         """The divergence guard: every replica compares exact weight checksums; any difference stops the run."""
