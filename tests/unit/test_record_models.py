@@ -7,11 +7,14 @@ from pydantic import ValidationError
 
 from dflash.data import manifest, shards
 from dflash.errors import UserError
+from dflash.evaluate import acceptance_model
 
 
 @pytest.mark.parametrize("name, table, keys", [
     ("manifest-keys", manifest.key_table, ("content_hash", "manifest_hash", "sources.<name>.rejected",
                                            "regeneration.tokens_per_s", "tokenizer.mask_token_id")),
+    ("acceptance-keys", acceptance_model.key_table, ("tau", "by_proposal", "sets.<name>.tau_prompt_mean",
+                                                     "sets.<name>.plain.target_forwards", "stop_token_ids")),
 ])
 def test_docs_list_the_keys_of_the_model(repo, name, table, keys):
     text = (repo / "docs" / "architecture.md").read_text()
@@ -35,3 +38,21 @@ def test_manifest_reader_checks_the_types_of_the_keys_it_uses(tmp_path):
     shards.write_manifest(tmp_path, {"buckets": {"64": "3"}})      # sealed, but a count as a string
     with pytest.raises(UserError, match=re.escape("manifest.json: key 'buckets.64': Input should be a valid integer")):
         shards.read_manifest(tmp_path)
+
+
+def test_acceptance_record_is_exactly_the_model():
+    """The evaluate stage validates its record before writing (tests/stages/test_evaluate_stages.py runs it at
+    temperature 0 and above): a key the model does not describe, or one left out, is refused."""
+    figures = {"tau": 2.5, "verify_steps": 4, "acceptance_histogram": {"1": 1, "2": 3},
+               "acceptance_distribution": {"1": 0.25, "2": 0.75}, "acceptance_per_position": [0.75],
+               "speculative_tokens_per_s": 10.0, "plain_tokens_per_s": 5.0, "speedup": 2.0}
+    doc = {**figures, "run_name": "t", "created_at": "2026-01-01T00:00:00+00:00", "drafter": "ckpt",
+           "checkpoint_step": 10, "target": "tgt", "target_files": {}, "device": "cpu", "dtype": "float32",
+           "temperature": 0.0, "block_size": 2, "max_new_tokens": 10, "num_prompts": 1, "stop_token_ids": [2],
+           "proposal": "argmax", "by_proposal": {"argmax": figures}, "engines": {"argmax": ["vLLM"]},
+           "lossless": True, "sets": {}}
+    assert acceptance_model.Acceptance.model_validate(doc).by_proposal["argmax"].tau == 2.5
+    with pytest.raises(ValidationError, match="surprise"):
+        acceptance_model.Acceptance.model_validate({**doc, "surprise": 1})
+    with pytest.raises(ValidationError, match="by_proposal.argmax.speedup"):
+        acceptance_model.Acceptance.model_validate({**doc, "by_proposal": {"argmax": {**figures, "speedup": "2"}}})
