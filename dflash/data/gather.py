@@ -17,6 +17,7 @@ from pathlib import Path
 from dflash.config import Loaded
 from dflash.config_model import DflashConfig
 from dflash.data import shards
+from dflash.data.manifest import Manifest
 from dflash.data.rows import min_supervised_tokens, rank, reasons
 from dflash.errors import UserError
 
@@ -192,4 +193,4 @@ def finish(loaded: Loaded, parts: list[dict], out_dir) -> dict:
         "seconds": round(max(p["seconds"] for p in parts) + time.time() - t_start, 3),
         "created_at": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
-    return shards.write_manifest(out_dir, manifest)   # + the file hashes and its own hash
+    return shards.write_manifest(out_dir, manifest, Manifest)   # + the file hashes and its own hash, checked

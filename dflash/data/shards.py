@@ -81,12 +81,15 @@ def _seal(manifest: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def write_manifest(root, manifest: dict) -> dict:
+def write_manifest(root, manifest: dict, model=None) -> dict:
     """Write root/manifest.json (atomically): `manifest` plus `files` (file_hashes) and `manifest_hash` (its own
-    hash, so an edit is caught). Returns what was written."""
+    hash, so an edit is caught), validated first by `model` when given (the data stage's: manifest.Manifest).
+    Returns what was written."""
     from dflash.atomic import atomic_write_json
     manifest = json.loads(json.dumps({**manifest, "files": file_hashes(root)}, default=str))
     manifest["manifest_hash"] = _seal(manifest)
+    if model is not None:
+        model.model_validate(manifest)
     atomic_write_json(Path(root) / MANIFEST, manifest)
     return manifest
 
@@ -109,6 +112,14 @@ def read_manifest(root) -> dict:
         found = _diagnose(Path(root), m)
         raise UserError(f"{path}: edited after the data stage (it no longer matches its manifest_hash"
                         f"{': ' + '; '.join(found) if found else ''}); rerun the data stage")
+    from pydantic import ValidationError
+
+    from dflash.data.manifest import ManifestCore
+    try:
+        ManifestCore.model_validate(m)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise UserError(f"{path}: key '{'.'.join(map(str, err['loc']))}': {err['msg']}; rerun the data stage") from None
     return m
 
 

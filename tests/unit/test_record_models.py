@@ -1,0 +1,58 @@
+"""The typed models of the files that cross a stage (issue 41 item 2): the docs' tables are generated from them, the
+writer's record is exactly the model, the readers' views take what they need and keep the rest."""
+import re
+
+import pytest
+from pydantic import ValidationError
+
+from dflash.data import manifest, shards
+from dflash.errors import UserError
+from dflash.evaluate import acceptance_model
+
+
+@pytest.mark.parametrize("name, table, keys", [
+    ("manifest-keys", manifest.key_table, ("content_hash", "manifest_hash", "sources.<name>.rejected",
+                                           "regeneration.tokens_per_s", "tokenizer.mask_token_id")),
+    ("acceptance-keys", acceptance_model.key_table, ("tau", "by_proposal", "sets.<name>.tau_prompt_mean",
+                                                     "sets.<name>.plain.target_forwards", "stop_token_ids")),
+])
+def test_docs_list_the_keys_of_the_model(repo, name, table, keys):
+    text = (repo / "docs" / "architecture.md").read_text()
+    block = re.search(rf"<!-- {name}:begin -->\n(.*?)<!-- {name}:end -->", text, re.S)
+    assert block and block.group(1) == table(), f"docs/architecture.md: paste {table.__module__}.key_table()"
+    for key in keys:
+        assert f"| `{key}` |" in block.group(1)
+
+
+def test_manifest_writer_refuses_a_key_the_model_does_not_describe(tmp_path):
+    with pytest.raises(ValidationError, match="dataset"):          # a partial record: the keys it lacks are named
+        shards.write_manifest(tmp_path, {"content_hash": "0" * 16}, manifest.Manifest)
+    assert not (tmp_path / shards.MANIFEST).exists()               # refused before anything is written
+    fields = {k: f for k, f in manifest.Manifest.model_fields.items() if f.is_required()}
+    assert {"files", "manifest_hash", "dataset", "sources", "tokenizer", "created_at"} <= set(fields)
+
+
+def test_manifest_reader_checks_the_types_of_the_keys_it_uses(tmp_path):
+    shards.write_manifest(tmp_path, {"content_hash": "0" * 16, "num_samples": 3, "later_key": [1]})
+    assert shards.read_manifest(tmp_path)["later_key"] == [1]      # an older or newer manifest's other keys pass
+    shards.write_manifest(tmp_path, {"buckets": {"64": "3"}})      # sealed, but a count as a string
+    with pytest.raises(UserError, match=re.escape("manifest.json: key 'buckets.64': Input should be a valid integer")):
+        shards.read_manifest(tmp_path)
+
+
+def test_acceptance_record_is_exactly_the_model():
+    """The evaluate stage validates its record before writing (tests/stages/test_evaluate_stages.py runs it at
+    temperature 0 and above): a key the model does not describe, or one left out, is refused."""
+    figures = {"tau": 2.5, "verify_steps": 4, "acceptance_histogram": {"1": 1, "2": 3},
+               "acceptance_distribution": {"1": 0.25, "2": 0.75}, "acceptance_per_position": [0.75],
+               "speculative_tokens_per_s": 10.0, "plain_tokens_per_s": 5.0, "speedup": 2.0}
+    doc = {**figures, "run_name": "t", "created_at": "2026-01-01T00:00:00+00:00", "drafter": "ckpt",
+           "checkpoint_step": 10, "target": "tgt", "target_files": {}, "device": "cpu", "dtype": "float32",
+           "temperature": 0.0, "block_size": 2, "max_new_tokens": 10, "num_prompts": 1, "stop_token_ids": [2],
+           "proposal": "argmax", "by_proposal": {"argmax": figures}, "engines": {"argmax": ["vLLM"]},
+           "lossless": True, "sets": {}}
+    assert acceptance_model.Acceptance.model_validate(doc).by_proposal["argmax"].tau == 2.5
+    with pytest.raises(ValidationError, match="surprise"):
+        acceptance_model.Acceptance.model_validate({**doc, "surprise": 1})
+    with pytest.raises(ValidationError, match="by_proposal.argmax.speedup"):
+        acceptance_model.Acceptance.model_validate({**doc, "by_proposal": {"argmax": {**figures, "speedup": "2"}}})
