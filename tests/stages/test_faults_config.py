@@ -4,6 +4,7 @@ value (impossible, contradicting another, a path-like name, hardware the machine
 read, in one line naming the key and the file. The Snakemake side (`snakemake -n` refusing them) is in
 tests/test_workflow.py."""
 import json
+import os
 import subprocess
 import sys
 import typing
@@ -305,9 +306,13 @@ def test_a_misspelt_make_demo_config_is_one_line(repo):
     """`make demo CONFIG=config/qualty.yaml` showed Snakemake's 26-line traceback (after building the venv)."""
     if subprocess.run(["make", "--version"], capture_output=True).returncode != 0:
         pytest.skip("no make")
-    r = subprocess.run(["make", "-n", "demo", "CONFIG=config/qualty.yaml"], cwd=repo, capture_output=True, text=True)
+    # as a user types it: not as a sub-make of `make test` (which would add "Entering directory" lines)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    r = subprocess.run(["make", "-n", "demo", "CONFIG=config/qualty.yaml"], cwd=repo, capture_output=True, text=True,
+                       env=env)
     lines = [line for line in (r.stdout + r.stderr).splitlines() if line.strip()]
     assert r.returncode != 0 and len(lines) == 1, r.stdout + r.stderr
     assert "CONFIG=config/qualty.yaml: no such file" in lines[0] and "config/quality.yaml" in lines[0]
-    r = subprocess.run(["make", "-n", "demo", "CONFIG=config/quality.yaml"], cwd=repo, capture_output=True, text=True)
+    r = subprocess.run(["make", "-n", "demo", "CONFIG=config/quality.yaml"], cwd=repo, capture_output=True, text=True,
+                       env=env)
     assert r.returncode == 0 and "--configfile config/quality.yaml" in r.stdout
