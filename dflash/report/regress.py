@@ -147,6 +147,20 @@ def _mean_len(d: dict) -> float | None:
     return t / n if n and t is not None else None
 
 
+def target_changes(old: dict | None, new: dict | None) -> list[dict]:
+    """The target's files that differ between two runs' records (summary.json `target_files`: size, and sha256 where
+    recorded, else mtime), as `target <file>` changes: a target swapped under the same path is named, not guessed.
+    Nothing when either run recorded none (older runs)."""
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return []
+    def key(rec):
+        rec = rec if isinstance(rec, dict) else {}
+        return (rec.get("size"), rec.get("sha256") or rec.get("mtime_ns"))
+    return [_change(f"target {name}", "absent" if name not in old else key(old[name])[0],
+                    "absent" if name not in new else key(new[name])[0])
+            for name in sorted(set(old) | set(new)) if key(old.get(name)) != key(new.get(name))]
+
+
 def config_changes(old: dict, new: dict) -> list[dict]:
     """The hashed keys that differ (a key in neither hash, e.g. data.num_proc, changes nothing a run measures)."""
     strip = lambda c: pick(c or {}, lambda role: role.hashed is not None)  # noqa: E731
@@ -176,7 +190,8 @@ def attribute(run: Run, base: Run, evaluation: bool = False) -> dict[str, list[d
     both = bool(s) and bool(b)
     out = {
         "environment": env_changes(b.get("env") or {}, s.get("env") or {}) if both else [],
-        "data": data_changes(b.get("data") or {}, s.get("data") or {}) if both else [],
+        "data": (data_changes(b.get("data") or {}, s.get("data") or {})
+                 + target_changes(b.get("target_files"), s.get("target_files"))) if both else [],
         "config": config_changes(b.get("config") or {}, s.get("config") or {}) if both else [],
         "code": code_changes(b.get("git") or {}, s.get("git") or {}) if both else [],
     }

@@ -278,3 +278,19 @@ def test_config_changes_name_hashed_keys_only():
     assert config_changes({"data": {"num_proc": 1}}, {"data": {"num_proc": 4}}) == []
     assert [c["key"] for c in config_changes({"train": {"lr": 1e-3}}, {"train": {"lr": 6e-4}})] == ["train.lr"]
     assert [c["key"] for c in config_changes({"train": {"gone": 1}}, {"train": {"gone": 2}})] == ["train.gone"]
+
+
+def test_a_target_swapped_under_the_same_path_is_named_as_a_change():
+    """Rule 4 in the report: two runs with the same config, data and code whose target's files differ (summary.json
+    `target_files`) are not 'nothing changed': the differing file is named; runs that recorded none name nothing."""
+    from dflash.report.history import Run
+    from dflash.report.regress import attribute, changed_text, target_changes
+    files = {"config.json": {"size": 10, "mtime_ns": 1, "sha256": "a"}, "model.safetensors": {"size": 99, "mtime_ns": 5}}
+    swapped = {**files, "model.safetensors": {"size": 99, "mtime_ns": 7}}
+    assert target_changes(files, dict(files)) == [] and target_changes(None, files) == []
+    assert [c["key"] for c in target_changes(files, swapped)] == ["target model.safetensors"]
+    snap = {"env": {}, "data": {}, "config": {}, "git": {}, "target_files": files}
+    row = {"run_id": "r", "env_hash": "e", "data_hash": "d", "config_hash": "c", "git_commit": "g"}
+    changes = attribute(Run(dict(row, run_id="new"), dict(snap, target_files=swapped)), Run(row, snap))
+    assert "target model.safetensors" in changed_text(changes)
+    assert changed_text(attribute(Run(dict(row, run_id="new"), dict(snap)), Run(row, snap))) == ""
