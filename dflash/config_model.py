@@ -536,7 +536,7 @@ class TrainSection(Section):
         "Divergence guard: every this many steps (and at the last) the replicas compare exact weight "
         "checksums; a mismatch stops the run naming the step and replicas. 0 turns it off."))
     stop_timeout_s: Annotated[float, TRAIN_OPS] = Field(120, gt=0, description=(
-        "After SIGINT/SIGTERM/SIGUSR1 the replicas finish their step and checkpoint; past this long the run "
+        "After SIGINT/SIGTERM/SIGUSR1/SIGHUP the replicas finish their step and checkpoint; past this long the run "
         "exits without one."))
     expandable_segments: Annotated[bool, TRAIN_OPS] = Field(True, description=(
         "Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True."))
