@@ -7,7 +7,7 @@ import tempfile
 import pytest
 import yaml
 
-from support.data import good_rows, target_section, write_jsonl
+from support.data import small_data_config
 from dflash.cli import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -20,18 +20,6 @@ def only_line(capsys) -> str:
     lines = [x for x in err.splitlines() if "error:" in x]
     assert len(lines) == 1, err
     return lines[0]
-
-
-def data_config(tmp_path, tiny_target):  # noqa: F811
-    src = write_jsonl(tmp_path / "a.jsonl", good_rows(12))
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text(yaml.safe_dump({
-        "results_dir": str(tmp_path / "results"), "target": target_section(tiny_target),
-        "data": {"builtin_corpus": {"enabled": False}, "regenerate": {"enabled": False}, "holdout": 2,
-                 "min_supervised_blocks": 1, "max_length": 256, "bucket_edges": [256],
-                 "sources": [{"name": "a", "path": src}]},
-        "drafter": {"block_size": 4}}))
-    return cfg
 
 
 def no_space_in_save_to_disk(*a, **k):
@@ -49,7 +37,7 @@ def test_full_disk_during_data_is_one_line_and_the_rerun_is_exact(tmp_path, tiny
     from datasets import Dataset
 
     from dflash.data.shards import verify_dataset
-    cfg = data_config(tmp_path, tiny_target)
+    cfg = small_data_config(tmp_path, tiny_target)
     out = tmp_path / "results" / "data" / "default"
     with monkeypatch.context() as m:
         if where == "manifest":

@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 
-from support.data import target_section
+from support.runs import evaluable_run
 from dflash.cli import main
 from dflash.data.shards import write_manifest
 
@@ -24,42 +24,10 @@ def one_thread():
 
 @pytest.fixture
 def run(tmp_path, tiny_target):  # noqa: F811
-    from transformers import AutoConfig
-
-    from dflash import config as C
-    from dflash.target import load_tokenizer
-
-    raw = {"results_dir": str(tmp_path / "results"), "run_name": "t", "target": target_section(tiny_target),
-           "drafter": {"num_layers": 1, "block_size": 4, "target_layer_ids": [0, 1]},
-           "evaluate": {"num_prompts": 3, "max_new_tokens": 10, "device": "cpu"}}
-    cfg_file = tmp_path / "config.yaml"
-    cfg_file.write_text(yaml.safe_dump(raw))
-    loaded = C.from_dict(raw)
-    tok = load_tokenizer(loaded.cfg.target)
-    hold = tmp_path / "results" / "data" / "default" / "holdout.jsonl"
-    hold.parent.mkdir(parents=True)
-    with open(hold, "w") as f:
-        for i, q in enumerate(["What does os.path.join do?", "Explain list.sort.", "How to open a file?", "x"]):
-            ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
-            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-            f.write(json.dumps({"id": f"h{i}", "source": "test", "prompt_ids": list(ids), "reference_ids": []}) + "\n")
-    write_manifest(hold.parent, {"content_hash": "abcdef0123456789", "holdout": 4})
-    from dflash.model import DFlashDrafter, DrafterConfig
-    from dflash.target import mask_token_id
-    from dflash.train import checkpoint
-    tconf = AutoConfig.from_pretrained(tiny_target)
-    dcfg = DrafterConfig.from_target(tconf, loaded.cfg.drafter, mask_token_id(tok, int(tconf.vocab_size)))
-    torch.manual_seed(0)
-    d = DFlashDrafter(dcfg, torch.zeros(dcfg.vocab_size, dcfg.hidden_size), torch.zeros(dcfg.vocab_size, dcfg.hidden_size))
-    opt = torch.optim.AdamW(d.parameters())
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    run_dir = tmp_path / "results" / "runs" / "t"
-    for step in (5, 10):
-        checkpoint.save(run_dir, step, step, d, opt, sched)
-    (run_dir / "summary.json").write_text(json.dumps({"run_id": "t-1", "status": "completed", "steps": 10,
-                                                       "throughput": {"ktok_per_s": 1.25}, "config_hash": "c0ffee",
-                                                       "checkpoint": checkpoint.describe(run_dir, 10)}))
-    return cfg_file, run_dir, d
+    return evaluable_run(tmp_path, tiny_target, ["What does os.path.join do?", "Explain list.sort.",
+                                                 "How to open a file?", "x"], (5, 10),
+                         {"num_prompts": 3, "max_new_tokens": 10},
+                         {"throughput": {"ktok_per_s": 1.25}, "config_hash": "c0ffee"})
 
 
 def test_evaluate_writes_acceptance(run, tmp_path):

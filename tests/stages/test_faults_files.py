@@ -17,7 +17,8 @@ import pytest
 import torch
 import yaml
 
-from support.data import good_rows, target_section, write_jsonl
+from support.data import small_data_config, target_section
+from support.runs import evaluable_run
 from dflash import config as C
 from dflash.cli import main
 from dflash.errors import UserError
@@ -57,52 +58,15 @@ def flip_byte(path: Path, at: int = -5) -> None:
 @pytest.fixture
 def data_cfg(tmp_path, tiny_target):  # noqa: F811
     """A config file: the tiny target, one small source, no regeneration."""
-    src = write_jsonl(tmp_path / "a.jsonl", good_rows(12))
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text(yaml.safe_dump({
-        "results_dir": str(tmp_path / "results"), "target": target_section(tiny_target),
-        "data": {"builtin_corpus": {"enabled": False}, "regenerate": {"enabled": False}, "holdout": 2,
-                 "min_supervised_blocks": 1, "max_length": 256, "bucket_edges": [256],
-                 "sources": [{"name": "a", "path": src}]},
-        "drafter": {"block_size": 4}}))
-    return cfg
+    return small_data_config(tmp_path, tiny_target)
 
 
 @pytest.fixture
 def run(tmp_path, tiny_target):  # noqa: F811
-    """A run folder as train leaves it (two checkpoints of a random one-layer drafter, summary.json naming the last),
-    a dataset folder with a hand-made holdout, and the config file."""
-    from transformers import AutoConfig
-
-    from dflash.data.shards import write_manifest
-    from dflash.model import DFlashDrafter, DrafterConfig
-    from dflash.target import load_tokenizer, mask_token_id
-    from dflash.train import checkpoint
-    raw = {"results_dir": str(tmp_path / "results"), "run_name": "t", "target": target_section(tiny_target),
-           "drafter": {"num_layers": 1, "block_size": 4, "target_layer_ids": [0, 1]},
-           "evaluate": {"num_prompts": 2, "max_new_tokens": 6, "device": "cpu"}}
-    cfg_file = tmp_path / "config.yaml"
-    cfg_file.write_text(yaml.safe_dump(raw))
-    loaded = C.from_dict(raw)
-    tok = load_tokenizer(loaded.cfg.target)
-    hold = tmp_path / "results" / "data" / "default" / "holdout.jsonl"
-    hold.parent.mkdir(parents=True)
-    with open(hold, "w") as f:
-        for i, q in enumerate(["What does os.path.join do?", "Explain list.sort."]):
-            ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
-            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-            f.write(json.dumps({"id": f"h{i}", "source": "test", "prompt_ids": list(ids), "reference_ids": []}) + "\n")
-    write_manifest(hold.parent, {"content_hash": "abcdef0123456789", "holdout": 2})
-    tconf = AutoConfig.from_pretrained(tiny_target)
-    dcfg = DrafterConfig.from_target(tconf, loaded.cfg.drafter, mask_token_id(tok, int(tconf.vocab_size)))
-    torch.manual_seed(0)
-    d = DFlashDrafter(dcfg, torch.zeros(dcfg.vocab_size, dcfg.hidden_size), torch.zeros(dcfg.vocab_size, dcfg.hidden_size))
-    opt = torch.optim.AdamW(d.parameters())
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    run_dir = tmp_path / "results" / "runs" / "t"
-    checkpoint.save(run_dir, 10, 10, d, opt, sched)
-    (run_dir / "summary.json").write_text(json.dumps({"run_id": "t-1", "status": "completed", "steps": 10,
-                                                       "checkpoint": checkpoint.describe(run_dir, 10)}))
+    """A run folder as train leaves it (a checkpoint of a random one-layer drafter, summary.json naming it), a dataset
+    folder with a hand-made holdout, and the config file."""
+    cfg_file, run_dir, _ = evaluable_run(tmp_path, tiny_target, ["What does os.path.join do?", "Explain list.sort."],
+                                         (10,), {"num_prompts": 2, "max_new_tokens": 6})
     return cfg_file, run_dir
 
 

@@ -103,3 +103,18 @@ def build_talking_target() -> Path:
         model.save_pretrained(path, safe_serialization=True)
         _BUILT["talking"] = path
     return _BUILT["talking"]
+
+
+def small_data_config(tmp_path, target_path) -> Path:
+    """A config file for the data stage: the tiny target, one small source (12 good rows), no regeneration, one
+    256-token bucket, block 4."""
+    import yaml
+    src = write_jsonl(Path(tmp_path) / "a.jsonl", good_rows(12))
+    cfg = Path(tmp_path) / "c.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "results_dir": str(Path(tmp_path) / "results"), "target": target_section(target_path),
+        "data": {"builtin_corpus": {"enabled": False}, "regenerate": {"enabled": False}, "holdout": 2,
+                 "min_supervised_blocks": 1, "max_length": 256, "bucket_edges": [256],
+                 "sources": [{"name": "a", "path": src}]},
+        "drafter": {"block_size": 4}}))
+    return cfg
