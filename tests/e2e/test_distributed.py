@@ -29,6 +29,21 @@ def losses(cfg):
     return [json.loads(l)["loss"] for l in (run_dir(cfg) / "metrics.jsonl").read_text().splitlines()]
 
 
+def agrees_with_threads(s: dict, dist_cfg, thr_cfg) -> None:
+    """A distributed run's summary `s` against the threads run of the same config: 4 logged losses within 1e-4
+    relative (same data order and anchors; only the order of the gradient sum differs), and one lifecycle's summary:
+    the same keys, at the top and in every section, and the same step counts."""
+    a, b = losses(dist_cfg), losses(thr_cfg)
+    assert len(a) == len(b) == 4
+    for x, y in zip(a, b):
+        assert abs(x - y) <= 1e-4 * abs(y), (a, b)
+    t = json.loads((run_dir(thr_cfg) / "summary.json").read_text())
+    assert t["runtime"] == "threads" and set(s) == set(t), set(s) ^ set(t)
+    for k in ("throughput", "time_split_s", "compile", "checkpoint", "data"):
+        assert set(s[k]) == set(t[k]), (k, set(s[k]) ^ set(t[k]))
+    assert s["steps"] == t["steps"] and s["measured_steps"] == t["measured_steps"] and s["finished"] == t["finished"]
+
+
 def test_gloo_matches_threads_and_replicas_stay_identical(tmp_path):
     dist_cfg, thr_cfg = prepared(tmp_path / "d", steps=8), prepared(tmp_path / "t", steps=8)
     r = train(dist_cfg, "distributed")
@@ -45,17 +60,7 @@ def test_gloo_matches_threads_and_replicas_stay_identical(tmp_path):
     assert s["time_split_s"]["target"] == pytest.approx(tgt["forward_s"])
     s["devices"] = [{"device": f"cuda:{i}", "roles": [r]} for i, r in enumerate(["target", "drafter", "drafter"])]
     assert suggest(s)["current"] == {"targets": 1, "drafters": 2}
-    # same data order and anchors; only the order of the gradient sum differs: agree to 1e-4 relative
-    a, b = losses(dist_cfg), losses(thr_cfg)
-    assert len(a) == len(b) == 4
-    for x, y in zip(a, b):
-        assert abs(x - y) <= 1e-4 * abs(y), (a, b)
-    # one lifecycle writes both summaries: the same keys, at the top and in every section
-    t = json.loads((run_dir(thr_cfg) / "summary.json").read_text())
-    assert t["runtime"] == "threads" and set(s) == set(t), set(s) ^ set(t)
-    for k in ("throughput", "time_split_s", "compile", "checkpoint", "data"):
-        assert set(s[k]) == set(t[k]), (k, set(s[k]) ^ set(t[k]))
-    assert s["steps"] == t["steps"] and s["measured_steps"] == t["measured_steps"] and s["finished"] == t["finished"]
+    agrees_with_threads(s, dist_cfg, thr_cfg)
 
 
 def test_loss_recipes_match_across_runtimes_and_resume(tmp_path):
@@ -103,16 +108,7 @@ def test_colocated_ranks_each_run_a_target_and_a_replica(tmp_path):
     assert {w["name"] for w in s["workers"]} == {"drafter-0", "drafter-1"}
     assert [d["roles"] for d in s["devices"]] == [["target", "drafter"]] * 2
     assert all(w["forward_batches"] >= s["measured_steps"] for w in s["workers"]) and s["time_split_s"]["target"] > 0
-    a, b = losses(dist_cfg), losses(thr_cfg)
-    assert len(a) == len(b) == 4
-    for x, y in zip(a, b):
-        assert abs(x - y) <= 1e-4 * abs(y), (a, b)
-    # one lifecycle writes both summaries: the same keys, at the top and in every section
-    t = json.loads((run_dir(thr_cfg) / "summary.json").read_text())
-    assert t["runtime"] == "threads" and set(s) == set(t), set(s) ^ set(t)
-    for k in ("throughput", "time_split_s", "compile", "checkpoint", "data"):
-        assert set(s[k]) == set(t[k]), (k, set(s[k]) ^ set(t[k]))
-    assert s["steps"] == t["steps"] and s["measured_steps"] == t["measured_steps"] and s["finished"] == t["finished"]
+    agrees_with_threads(s, dist_cfg, thr_cfg)
     assert resolve(C.load(dist_cfg, {"train.runtime": "distributed"}).cfg.train).role(1) == "drafter-1 + target (cpu)"
 
 
