@@ -6,29 +6,22 @@ summary of any age must hold (older ones may lack the rest, and keys added later
 """
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
+
+from dflash.records import WRITTEN, Read
 
 
-class _Read(BaseModel):
-    """The reader's view: strict types (no "12" for 12), other keys kept."""
-    model_config = ConfigDict(strict=True, extra="allow")
-
-
-# The writer's record: exactly these keys.
-WRITTEN = ConfigDict(strict=True, extra="forbid")
-
-
-class GitCore(_Read):
+class GitCore(Read):
     commit: str | None = Field(description="HEAD of the checkout that ran (null outside a git checkout).")
 
 
-class ThroughputCore(_Read):
+class ThroughputCore(Read):
     ktok_per_s: float | None = Field(description=(
         "Trained Ktok/s: unpadded sequence tokens consumed by optimizer steps per wall second after the warm-up "
         "(null: too few steps to measure, or a diverged or non-finite run)."))
 
 
-class SummaryCore(_Read):
+class SummaryCore(Read):
     run_id: str = Field(description="`<run_name>-<start time, UTC>`: the run's key in the history.")
     started_at: str = Field(description="ISO-8601 start time.")
     status: str = Field(description="completed, interrupted or failed.")

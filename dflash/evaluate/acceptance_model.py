@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from dflash.run_summary import WRITTEN
+from dflash.records import WRITTEN
 
 
 class Decoding(BaseModel):
