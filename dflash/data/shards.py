@@ -128,7 +128,7 @@ def _diagnose(root: Path, m: dict) -> list[str]:
     try:
         problem = _mismatch(root, m)
         if problem:
-            return [problem.removeprefix(f"{root / MANIFEST}: ")]
+            return [problem[0].removeprefix(f"{root / MANIFEST}: ")]
         found = []
         samples = _samples_by_id(root, m)
         n = len(samples) if samples is not None else 0
@@ -154,40 +154,44 @@ def _kind(name: str) -> str:
     return "shard" if name.startswith("train/") else "file"
 
 
-def _mismatch(root: Path, m: dict) -> str | None:
+REBUILD = "rerun the data stage to rebuild the dataset"   # the remedy of most differences
+
+
+def _mismatch(root: Path, m: dict) -> tuple[str, str] | None:
     """The first difference between the disk and the manifest, in every direction: files (listed, present, hashes),
-    bucket folders, row counts; None when there is none."""
+    bucket folders, row counts, as (the difference, what to do); None when there is none."""
     from datasets import load_from_disk
     files = m["files"]
     have = {f.relative_to(root).as_posix() for f in root.rglob("*") if f.is_file()} - {MANIFEST}
     extra = sorted(have - set(files))
     if extra:
-        return f"{root / extra[0]}: {_kind(extra[0])} not in the dataset manifest (the folder was changed after the " \
-               f"data stage): move it out of the dataset folder (a rerun of the data stage keeps it and refuses)"
+        return (f"{root / extra[0]}: {_kind(extra[0])} not in the dataset manifest (the folder was changed after the "
+                f"data stage)", "move it out of the dataset folder (a rerun of the data stage keeps it and refuses)")
     for name, digest in sorted(files.items()):
         path = root / name
         if not path.is_file():
-            return f"{path}: {_kind(name)} missing (listed in {root / MANIFEST})"
+            return (f"{path}: {_kind(name)} missing (listed in {root / MANIFEST})", REBUILD)
         got = _sha256(path)
         if got != digest:
-            return f"{path}: {_kind(name)} corrupted (sha256 {got[:16]}... differs from the manifest's " \
-                   f"{digest[:16]}...)"
+            return (f"{path}: {_kind(name)} corrupted (sha256 {got[:16]}... differs from the manifest's "
+                    f"{digest[:16]}...)", REBUILD)
     want = {int(e): int(n) for e, n in (m.get("buckets") or {}).items() if n}
     folders = {int(d.name.split("-")[1]): d for d in (root / "train").glob("bucket-*") if d.is_dir()}
     if set(folders) - set(want):
-        return f"{folders[min(set(folders) - set(want))]}: a bucket folder the manifest does not list"
+        return (f"{folders[min(set(folders) - set(want))]}: a bucket folder the manifest does not list", REBUILD)
     if set(want) - set(folders):
         edge = min(set(want) - set(folders))
-        return f"{bucket_dir(root, edge)}: missing (the manifest lists {want[edge]} rows there)"
+        return (f"{bucket_dir(root, edge)}: missing (the manifest lists {want[edge]} rows there)", REBUILD)
     for edge, n in sorted(want.items()):
         rows = len(load_from_disk(str(folders[edge])))
         if rows != n:
-            return f"{folders[edge]} holds {rows} rows, {root / MANIFEST} says {n} (buckets)"
+            return (f"{folders[edge]} holds {rows} rows, {root / MANIFEST} says {n} (buckets)", REBUILD)
     if sum(want.values()) != m.get("num_samples"):
-        return f"{root / MANIFEST}: num_samples says {m.get('num_samples')}, the shards hold {sum(want.values())} rows"
+        return (f"{root / MANIFEST}: num_samples says {m.get('num_samples')}, the shards hold {sum(want.values())} "
+                f"rows", REBUILD)
     held = len(read_holdout(root))
     if "holdout" in m and held != m["holdout"]:
-        return f"{root / HOLDOUT} holds {held} prompts, {root / MANIFEST} says {m['holdout']}"
+        return (f"{root / HOLDOUT} holds {held} prompts, {root / MANIFEST} says {m['holdout']}", REBUILD)
     return None
 
 
@@ -200,7 +204,7 @@ def verify_dataset(root) -> dict:
     m = read_manifest(root)
     problem = _mismatch(root, m)
     if problem:
-        raise UserError(problem if "move it out" in problem else f"{problem}; rerun the data stage to rebuild the dataset")
+        raise UserError(f"{problem[0]}; {problem[1]}")
     return m
 
 
