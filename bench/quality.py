@@ -43,10 +43,12 @@ next part still runs, the exit code then 1):
             OUT/tau-gpu-seconds.png (each run's in-training tau against training GPU-seconds),
             OUT/runs.tar.gz (summaries, metrics, acceptance files, logs, build.json, the data manifest, the report).
 
-A recipe is a set of `--set` overrides over CONFIG. `baseline` is CONFIG itself; `baseline-seed1`, `baseline-seed2`
-change only the seed: the spread (max - min) of the bf16 seeds' tau at T=0 is the run-to-run spread a lever must
-beat before a default changes, and the one an FP8 recipe (`fp8`: train.precision fp8, `fp8head`: + train.fp8_lm_head,
-`fp8target`: + train.fp8_target; `fp8-seed1` on request) must stay within (|tau - bf16 mean| <= spread, issue 28).
+A recipe is a set of `--set` overrides over CONFIG, each naming its loss weighting and optimizer. `baseline` is the DFlash
+paper's recipe (decay-weighted CE, AdamW: the defaults before issue 39); `baseline-seed1`, `baseline-seed2` change only
+the seed: the spread (max - min) of the bf16 seeds' tau at T=0 is the run-to-run spread a lever must beat before a
+default changes, and the one an FP8 recipe (`fp8`: train.precision fp8, `fp8head`: + train.fp8_lm_head, `fp8target`:
++ train.fp8_target; `fp8-seed1` on request) must stay within (|tau - bf16 mean| <= spread, issue 28). With --solo the
+pipeline's own run (CONFIG's defaults, alone on the GPU at the same budget) is compared with the baseline too.
 
 FP8 against bf16 on one H200 (issue 28), two device calls back to back (each `run` from the repo root with the wheels
 in .whl/ carried; bench/results/2026-12-01-h200-quality-fp8/README.md has the figures of the first time):
@@ -82,23 +84,27 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from bench.common import Budget, Stopwatch, envelope, tree_label  # noqa: E402
 
+# Every recipe names its loss weighting and optimizer, so a recipe means the same whatever the schema's defaults
+# (issue 39 moved train.loss_weighting to dpace): `baseline` is the DFlash paper's recipe, decay-weighted CE + AdamW.
+BASELINE = {"train.loss_weighting": "decay", "train.optimizer": "adamw"}
 RECIPES: dict[str, dict] = {
-    "baseline": {},
-    "baseline-seed1": {"seed": 1},
-    "baseline-seed2": {"seed": 2},
-    "dpace": {"train.loss_weighting": "dpace"},
-    "muon": {"train.optimizer": "muon"},
+    "baseline": BASELINE,
+    "baseline-seed1": {**BASELINE, "seed": 1},
+    "baseline-seed2": {**BASELINE, "seed": 2},
+    "dpace": {**BASELINE, "train.loss_weighting": "dpace"},
+    "dpace-seed1": {**BASELINE, "train.loss_weighting": "dpace", "seed": 1},
+    "muon": {**BASELINE, "train.optimizer": "muon"},
     "dpace+muon": {"train.loss_weighting": "dpace", "train.optimizer": "muon"},
-    "muon-lr3e-4": {"train.optimizer": "muon", "train.muon_lr": 0.0003},     # the muon_lr sweep around its 1e-3
-    "muon-lr3e-3": {"train.optimizer": "muon", "train.muon_lr": 0.003},
-    "swa2048": {"drafter.sliding_window": 2048},
-    "kl": {"train.objective": "kl"},
-    "ce+kl": {"train.objective": "ce+kl"},
+    "muon-lr3e-4": {**BASELINE, "train.optimizer": "muon", "train.muon_lr": 0.0003},   # the muon_lr sweep around 1e-3
+    "muon-lr3e-3": {**BASELINE, "train.optimizer": "muon", "train.muon_lr": 0.003},
+    "swa2048": {**BASELINE, "drafter.sliding_window": 2048},
+    "kl": {**BASELINE, "train.objective": "kl"},
+    "ce+kl": {**BASELINE, "train.objective": "ce+kl"},
     # issue 28: FP8 at equal steps against the bf16 seeds (--steps); each switch adds to the one before
-    "fp8": {"train.precision": "fp8"},
-    "fp8-seed1": {"train.precision": "fp8", "seed": 1},
-    "fp8head": {"train.precision": "fp8", "train.fp8_lm_head": True},
-    "fp8target": {"train.precision": "fp8", "train.fp8_lm_head": True, "train.fp8_target": True,
+    "fp8": {**BASELINE, "train.precision": "fp8"},
+    "fp8-seed1": {**BASELINE, "train.precision": "fp8", "seed": 1},
+    "fp8head": {**BASELINE, "train.precision": "fp8", "train.fp8_lm_head": True},
+    "fp8target": {**BASELINE, "train.precision": "fp8", "train.fp8_lm_head": True, "train.fp8_target": True,
                   "train.eval_every": 0},   # the train stage refuses tau while training under an FP8 target
 }
 PARTS = ("pipeline", "fp8_features", "train", "eval", "table")
@@ -436,7 +442,10 @@ class Bench:
             return None
         s = json.loads((rd / "summary.json").read_text())
         tp = s.get("throughput") or {}
-        row = {"recipe": label, "run": run, "overrides": RECIPES.get(label, {}), "status": s.get("status"),
+        own = {"train.loss_weighting": self.cfg.train.loss_weighting, "train.optimizer": self.cfg.train.optimizer,
+               **({"seed": self.cfg.seed} if self.cfg.seed else {})}   # the pipeline's run: CONFIG's own recipe
+        row = {"recipe": label, "run": run, "overrides": RECIPES[label] if label in RECIPES else own,
+               "status": s.get("status"),
                "steps": s.get("steps"), "train_seconds": s.get("train_seconds"), "finished_by": s.get("finished_by"),
                "ktok_per_s": tp.get("ktok_per_s"), "loss": s.get("loss"), "acceptance_estimate": s.get("acceptance_estimate"),
                "replicas_identical": s.get("replicas_identical"), "time_budget_s": s.get("time_budget_s"),
@@ -471,7 +480,8 @@ class Bench:
         spread = (max(base) - min(base)) if len(base) >= 2 else None
         mean = sum(base) / len(base) if base else None
         for r in rows:
-            if mean is not None and r.get("tau_t0") is not None and r["recipe"] not in ("pipeline",) and completed(r):
+            alone = r["recipe"] != "pipeline" or self.args.solo   # solo: the pipeline's run is a recipe like any
+            if mean is not None and r.get("tau_t0") is not None and alone and completed(r):
                 r["tau_t0_vs_baseline"] = r["tau_t0"] - mean
                 r["beats_spread"] = spread is not None and abs(r["tau_t0"] - mean) > spread
                 if fp8_recipe(r["recipe"]):   # issue 28: FP8 must not cost acceptance
@@ -525,7 +535,12 @@ def completed(row: dict) -> bool:
 
 def bf16_seed(recipe: str) -> bool:
     """The baseline under one seed or another: the runs whose tau spread a lever must beat (or FP8 stay within)."""
-    return recipe in RECIPES and set(RECIPES[recipe]) <= {"seed"}
+    return recipe in RECIPES and {k: v for k, v in RECIPES[recipe].items() if k != "seed"} == BASELINE
+
+
+def beside_baseline(keys: dict) -> dict:
+    """A recipe's keys that differ from the baseline's (the baseline's own when none do): the table's column."""
+    return {k: v for k, v in keys.items() if BASELINE.get(k) != v} or keys
 
 
 def fp8_recipe(recipe: str) -> bool:
@@ -540,14 +555,14 @@ def pipeline_eval(run_dir: Path, temp: float) -> bool:
 
 def markdown(doc: dict) -> str:
     steps = doc.get("mode") == "steps"
-    head = ("| recipe | overrides | steps | train s | Ktok/s | final loss | tau T=0 | by | tau T=1 | lossless | "
+    head = ("| recipe | keys (beside the baseline's) | steps | train s | Ktok/s | final loss | tau T=0 | by | tau T=1 | lossless | "
             + ("tau - bf16 mean | within bf16 seed spread |" if steps else "tau - baseline mean | beats seed spread |")
             + "\n|---|---|---:|---:|---:|---:|---:|---|---:|---|---:|---|\n")
     lines = []
     for r in doc["rows"]:
         lines.append("| {recipe} | `{ov}` | {steps} | {ts} | {k} | {loss} | {t0} | {by} | {t1} | {ll} | {d} | {b} |"
                      .format(
-            recipe=r["recipe"], ov=json.dumps(r["overrides"]), steps=r.get("steps"), ts=_f(r.get("train_seconds"), 1),
+            recipe=r["recipe"], ov=json.dumps(beside_baseline(r["overrides"])), steps=r.get("steps"), ts=_f(r.get("train_seconds"), 1),
             k=_f(r.get("ktok_per_s"), 1), loss=_f(r.get("loss"), 3), t0=_f(r.get("tau_t0"), 3),
             by=r.get("tau_t0_by") or "",
             t1=t1_cell(r), ll=r.get("lossless_t0"), d=_f(r.get("tau_t0_vs_baseline"), 3),

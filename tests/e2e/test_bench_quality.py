@@ -44,9 +44,13 @@ def test_a_recipe_is_its_overrides_the_budget_and_its_own_run(tmp_path):
     b = bench(tmp_path)
     assert b.cfg.results_dir == str(tmp_path / "results")          # every call reads the written config
     sets = b.recipe_sets("muon")
-    assert sets == {"train.optimizer": "muon", "run_name": "q-muon", "train.time_budget_s": 150.0}
-    assert b.sets(sets) == ["--set", 'train.optimizer="muon"', "--set", 'run_name="q-muon"',
-                            "--set", "train.time_budget_s=150.0"]
+    assert sets == {"train.loss_weighting": "decay", "train.optimizer": "muon", "run_name": "q-muon",
+                    "train.time_budget_s": 150.0}
+    assert b.sets(sets) == ["--set", 'train.loss_weighting="decay"', "--set", 'train.optimizer="muon"',
+                            "--set", 'run_name="q-muon"', "--set", "train.time_budget_s=150.0"]
+    # every recipe names its weighting and optimizer: none moves with the schema's defaults (issue 39 moved one)
+    assert all({"train.loss_weighting", "train.optimizer"} <= set(r) for r in qb.RECIPES.values())
+    assert [r for r in qb.RECIPES if qb.bf16_seed(r)] == ["baseline", "baseline-seed1", "baseline-seed2"]
 
 
 def fake_run(results: Path, run: str, taus: dict, steps=400, ktok=7.0, pipeline_temp=None, finished=True,
@@ -88,7 +92,8 @@ def test_the_table_names_the_seed_spread_and_the_levers_beyond_it(tmp_path):
     assert (doc["device"], doc["torch"], doc["seconds"], doc["parallel"]) == ("NVIDIA H200", "2.11.0+cu130", 150, 4)
     md = (b.out / "quality.md").read_text()
     assert ("| dpace | `{\"train.loss_weighting\": \"dpace\"}` | 400 | 150.0 | 7.0 | 3.000 | 2.340 | evaluate | "
-            "1.100 (sample) | True |") in md                # an acceptance.json from before the policies: sampled
+            "1.100 (sample) | True |") in md
+    assert "| baseline | `{\"train.loss_weighting\": \"decay\", \"train.optimizer\": \"adamw\"}` | 400 |" in md                # an acceptance.json from before the policies: sampled
     assert "4 at once on the one GPU" in md and "seed spread 0.040" in md
     assert (b.out / "quality.png").stat().st_size > 0 and (b.out / "runs.tar.gz").stat().st_size > 0
     assert qb.pipeline_eval(res / "runs" / "quality", 0.0) and not qb.pipeline_eval(res / "runs" / "quality", 1.0)
@@ -142,6 +147,9 @@ def test_solo_recipes_run_at_the_configs_budget_resume_and_take_their_final_in_t
     assert (rows["dpace"]["tau_t0"], rows["dpace"]["tau_t0_by"]) == (4.10, "in-training replay")
     assert rows["dpace"]["beats_spread"] is True and rows["muon"].get("tau_t0") is None
     assert rows["pipeline"]["tau_t0_by"] == "evaluate"
+    # solo: the pipeline's run (the config's recipe, alone at the same budget) is compared with the baseline too
+    assert abs(rows["pipeline"]["tau_t0_vs_baseline"] - (3.4 - 3.45)) < 1e-9 and rows["pipeline"]["beats_spread"] is False
+    assert rows["pipeline"]["overrides"] == {"train.loss_weighting": "dpace", "train.optimizer": "adamw"}
     assert (rows["pipeline"]["tau_t1_argmax"], rows["pipeline"]["tau_t1_sample"]) == (2.9, 1.6)
     assert [c["tau_gpu_s"] for c in rows["dpace"]["curve"]] == [60.0, 120.0]
     md = (b.out / "quality.md").read_text()
@@ -153,11 +161,11 @@ def test_solo_recipes_run_at_the_configs_budget_resume_and_take_their_final_in_t
 def test_equal_steps_trains_every_recipe_n_steps_into_its_own_run(tmp_path):
     b = bench(tmp_path, steps=800, recipes=None)
     assert b.recipes == ["baseline", "baseline-seed1", "baseline-seed2", "fp8", "fp8head", "fp8target"]
-    assert b.recipe_sets("baseline-seed2") == {"seed": 2, "run_name": "q-s800-baseline-seed2", "train.time_budget_s": 0,
-                                               "train.steps": 800, "train.eval_every": 0}
-    assert b.recipe_sets("fp8target") == {"train.precision": "fp8", "train.fp8_lm_head": True, "train.fp8_target": True,
-                                          "train.eval_every": 0, "run_name": "q-s800-fp8target",
-                                          "train.time_budget_s": 0, "train.steps": 800}
+    assert b.recipe_sets("baseline-seed2") == {**qb.BASELINE, "seed": 2, "run_name": "q-s800-baseline-seed2",
+                                               "train.time_budget_s": 0, "train.steps": 800, "train.eval_every": 0}
+    assert b.recipe_sets("fp8target") == {**qb.BASELINE, "train.precision": "fp8", "train.fp8_lm_head": True,
+                                          "train.fp8_target": True, "train.eval_every": 0,
+                                          "run_name": "q-s800-fp8target", "train.time_budget_s": 0, "train.steps": 800}
     assert b.runs()[1:3] == [("baseline", "q-s800-baseline"), ("baseline-seed1", "q-s800-baseline-seed1")]
     assert bench(tmp_path, recipes=None).recipes == qb.DEFAULT_RECIPES.split(",")     # equal time: the levers
     with pytest.raises(SystemExit, match="--recipes: unknown fp9"):
