@@ -17,6 +17,6 @@ for f in quality-state.json quality.json quality.md quality.png tau-gpu-seconds.
     [ -f "bench/out/q/$f" ] && cp "bench/out/q/$f" "$OUT/"
 done
 tar czf "$OUT/logs.tgz" bench/out/q/logs results/logs results/benchmarks \
-    $(ls -d results/target/*/build.json results/data/*/manifest.json results/runs/*/summary.json \
+    $(ls -d results/target/*/build.json results/data/*/manifest.json results/runs/*/summary.json results/runs/*/metrics.jsonl \
       results/runs/*/acceptance*.json results/report/report.md 2>/dev/null) 2>/dev/null
 exit $rc

@@ -393,3 +393,30 @@ def test_fp8_features_is_not_started_near_the_budgets_end(tmp_path, monkeypatch)
     monkeypatch.setattr(qb.Bench, "measure_fp8_features", lambda self: pytest.fail("started"))
     b.fp8_features()
     assert "fp8_features" not in b.state
+
+
+def test_solo_pipeline_starts_its_hot_evaluations_once_its_run_has_trained(tmp_path):
+    """--solo to the end: while snakemake still runs (evaluate at T=0, export, report), the pipeline run's T>0
+    evaluations start as soon as its training has finished, and only those (the recipes' are the eval part's)."""
+    b = bench(tmp_path, solo=True, parallel=1, recipes="baseline", temps="0,1", parts="pipeline")
+    res, started = tmp_path / "results", {}
+
+    def snakemake(cmd, log, timeout):   # trains the pipeline run, then goes on with its own T=0 evaluate
+        if "--until" in cmd:
+            return 0
+        fake_run(res, "quality", {}, steps=2000, time_budget_s=120)
+        for _ in range(200):
+            if started:
+                break
+            time.sleep(0.05)
+        started["pipeline_running"] = True   # the evaluations were started before snakemake ended
+        return 0
+    b.sh = snakemake
+    b.pool = lambda jobs, cap: started.update(jobs=[k for k, _, _ in jobs], at=dict(started))
+    b.pipeline()
+    assert started["jobs"] == ["evaluate quality T=1"] and "pipeline_running" not in started["at"]
+    assert b.state["commands"]["pipeline"]["exit"] == 0
+    started.clear()
+    b.args.until = "warmup"          # to the warm-up only: nothing trains, nothing is evaluated
+    b.pipeline()
+    assert "jobs" not in started and b.state["commands"]["pipeline --until warmup"]["exit"] == 0
