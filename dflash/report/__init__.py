@@ -2,6 +2,7 @@
 anomalies, plots, report.md."""
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ def build(runs_dir: str | Path, out: str | Path, settings: ReportSection) -> Res
     the plots, report.md. `settings`: the config's `report` section."""
     from dflash.atomic import atomic_write_json, atomic_write_text
     from dflash.report import history, markdown, placement, plots, regress
+    from dflash.report.regressions_model import Regressions
 
     out = Path(out)
     found, skipped = history.scan_runs(runs_dir)
@@ -38,7 +40,7 @@ def build(runs_dir: str | Path, out: str | Path, settings: ReportSection) -> Res
     records = regress.evaluate(runs, settings)
     split = placement.suggest(runs[-1].snapshot) if runs else None
     latest = records[-1] if records else {}
-    atomic_write_json(out / "regressions.json", {
+    doc = {
         "settings": settings.model_dump(),
         "latest": latest.get("run_id"),
         "latest_run_name": latest.get("run_name"),
@@ -49,7 +51,9 @@ def build(runs_dir: str | Path, out: str | Path, settings: ReportSection) -> Res
         "placement": split,
         "skipped": skipped,
         "runs": records,
-    })
+    }
+    Regressions.model_validate_json(json.dumps(doc, default=str))   # the file's record, exactly (regressions_model.py)
+    atomic_write_json(out / "regressions.json", doc)
     pngs = plots.make_all(runs, records, settings, out)
     atomic_write_text(out / "report.md", markdown.render(runs, records, pngs, out, settings, skipped, split))
     log.info("report: %d run(s) in the history (%d new, %d skipped) -> %s", len(runs), len(appended), len(skipped), out)

@@ -1,13 +1,18 @@
 """The typed models of the files that cross a stage (issue 41 item 2): the docs' tables are generated from them, the
 writer's record is exactly the model, the readers' views take what they need and keep the rest."""
+import json
 import re
 
 import pytest
 from pydantic import ValidationError
 
+from dflash.cli import main
 from dflash.data import manifest, shards
 from dflash.errors import UserError
 from dflash.evaluate import acceptance_model
+from dflash.report import build, regress, regressions_model
+from dflash.stages import gate
+from support.report_factory import acceptance, settings, summary, with_pkg, write_run
 
 
 @pytest.mark.parametrize("name, table, keys", [
@@ -15,6 +20,9 @@ from dflash.evaluate import acceptance_model
                                            "regeneration.tokens_per_s", "tokenizer.mask_token_id")),
     ("acceptance-keys", acceptance_model.key_table, ("tau", "by_proposal", "sets.<name>.tau_prompt_mean",
                                                      "sets.<name>.plain.target_forwards", "stop_token_ids")),
+    ("regressions-keys", regressions_model.key_table, ("latest_regressed", "runs[].quality.baseline.tau",
+                                                       "runs[].changed.<category>[].old", "runs[].anomalies[].share",
+                                                       "placement.colocated_speedup", "skipped[].reason")),
 ])
 def test_docs_list_the_keys_of_the_model(repo, name, table, keys):
     text = (repo / "docs" / "architecture.md").read_text()
@@ -56,3 +64,78 @@ def test_acceptance_record_is_exactly_the_model():
         acceptance_model.Acceptance.model_validate({**doc, "surprise": 1})
     with pytest.raises(ValidationError, match="by_proposal.argmax.speedup"):
         acceptance_model.Acceptance.model_validate({**doc, "by_proposal": {"argmax": {**figures, "speedup": "2"}}})
+
+
+# ---- regressions.json: written by the report, read by the gate ------------------------------------------------------
+def _history(tmp_path):
+    """Three runs, the last a regression (torch changed, a drafter at 40 GB, recompiles), and an unreadable summary."""
+    runs = tmp_path / "runs"
+    for s, tau in ((summary(1, 12.0), 1.866), (summary(2, 12.1), 1.866),
+                   (summary(3, 3.9, env=with_pkg("torch", "2.13.0"), mems=(40.0, 72.0, 77.0), recompiles=2), 1.70)):
+        write_run(runs, s, metrics=False, evaluation=acceptance(s, tau))
+    (runs / "broken").mkdir()
+    (runs / "broken" / "summary.json").write_text("{")
+    return runs
+
+
+def test_the_report_writes_exactly_the_regressions_model_and_the_gate_reads_it(tmp_path):
+    out = tmp_path / "report"
+    build(_history(tmp_path), out, settings())
+    text = (out / "regressions.json").read_text()
+    reg = regressions_model.Regressions.model_validate_json(text)
+    doc = json.loads(text)
+    assert set(doc) == set(regressions_model.Regressions.model_fields)
+    assert set(doc["runs"][-1]) == set(regressions_model.RunVerdict.model_fields)
+    last = reg.runs[-1]
+    assert last.verdict == "regression" and last.regressed == ["throughput", "quality"]
+    assert last.baseline.runs == [summary(1)["run_id"], summary(2)["run_id"]] and last.quality.baseline.tau == 1.866
+    assert last.changed.environment[0].model_dump() == {"key": "torch", "old": "2.11.0", "new": "2.13.0"}
+    assert {a.kind for a in last.anomalies} == {"recompiles", "memory_imbalance"}
+    assert next(a for a in last.anomalies if a.kind == "memory_imbalance").device == "cuda:5"
+    assert reg.placement.current.model_dump() == {"targets": 5, "drafters": 3} and reg.placement.colocated is False
+    assert [s.file for s in reg.skipped] == [str(tmp_path / "runs" / "broken" / "summary.json")]
+    core = regressions_model.read(out / "regressions.json")   # the gate's view: what it uses, typed
+    latest = gate.latest_of(core, "demo")
+    assert (latest.run_id, latest.verdict, latest.quality.verdict) == (summary(3)["run_id"], "regression", "regression")
+    assert gate.regressed(latest) == ["throughput", "quality"] and latest.sentence == doc["runs"][-1]["sentence"]
+    assert gate.latest_of(core, "other").run_id == summary(3)["run_id"]       # another run name: the newest record
+
+
+def test_the_report_refuses_to_write_a_record_the_model_does_not_describe(tmp_path, monkeypatch):
+    real, runs = regress.evaluate, _history(tmp_path)
+    monkeypatch.setattr(regress, "evaluate", lambda runs, st: [{**r, "surprise": 1} for r in real(runs, st)])
+    with pytest.raises(ValidationError, match=re.escape("runs.0.surprise")):
+        build(runs, tmp_path / "report", settings())
+    assert not (tmp_path / "report" / "regressions.json").exists()             # refused before anything is written
+    monkeypatch.setattr(regress, "evaluate", lambda runs, st: [{**r, "verdict": "fine"} for r in real(runs, st)])
+    with pytest.raises(ValidationError, match=re.escape("runs.0.verdict")):
+        build(runs, tmp_path / "report", settings())
+
+
+def test_the_gate_reads_through_the_model_and_names_the_file_and_key(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"results_dir: {tmp_path}/results\nrun_name: demo\nreport:\n  fail_on_regression: true\n")
+    path, out = tmp_path / "regressions.json", tmp_path / "gate.json"
+
+    def gate_on(runs) -> int:
+        path.write_text(json.dumps({"runs": runs, "later_key": 1}))
+        return main(["gate", "--config", str(cfg), "--regressions", str(path), "--out", str(out)])
+
+    run = {"run_id": "demo-1", "run_name": "demo", "verdict": "ok", "sentence": "Run demo-1: fine.",
+           "regressed": [], "quality": {"verdict": "ok", "tau": 1.8}}
+    assert gate_on([run, {**run, "run_id": "other-1", "run_name": "other", "regressed": ["throughput"]}]) == 0
+    assert json.loads(out.read_text()) == {"run_id": "demo-1", "verdict": "ok", "quality_verdict": "ok",
+                                           "regressed": [], "fail_on_regression": True, "passed": True}
+    old = {k: v for k, v in run.items() if k not in ("regressed", "quality")}   # before quality was judged
+    assert gate_on([{**old, "verdict": "regression"}]) == 3
+    assert "dflash gate: regression: Run demo-1: fine. (throughput regressed;" in capsys.readouterr().err
+    for runs, where, what in (([{k: v for k, v in run.items() if k != "verdict"}], "runs.0.verdict", "Field required"),
+                              ([{**run, "regressed": "quality"}], "runs.0.regressed", "Input should be a valid list"),
+                              ([run, {**run, "quality": {"verdict": 3}}], "runs.1.quality.verdict",
+                               "Input should be a valid string")):
+        assert gate_on(runs) == 1
+        err = capsys.readouterr().err
+        assert f"{path}: key '{where}': {what}; rerun the report stage" in err and "Traceback" not in err
+    path.write_text("[]")
+    assert main(["gate", "--config", str(cfg), "--regressions", str(path), "--out", str(out)]) == 1
+    assert f"{path}: expected a JSON object; rerun the report stage" in capsys.readouterr().err
