@@ -2,15 +2,17 @@
 drafter's forward and backward for every length bucket (a device running a drafter replica) and, with
 train.compile_target, the target's captured layers for every bucket (a device running a target); write
 results/compile/<device>.json."""
+import json
 import logging
 
+from dflash.compile_record import CompileRecord, CompileRecordCore
 from dflash.config import Loaded
 from dflash.config_model import TrainSection
 
 log = logging.getLogger("dflash.warmup")
 
 
-OURS = ("device", "env_hash")   # keys of every warm-up record: an existing --out without them is not the stage's
+OURS = tuple(CompileRecordCore.model_fields)   # keys of every warm-up record: a --out without them is not the stage's
 
 
 def add_arguments(p):
@@ -86,6 +88,7 @@ def run(loaded: Loaded, args) -> int:
     total = {k: sum(r[k] for r in records) for k in ("graphs", "cache_hits", "cache_misses", "seconds")}
     record = {"device": str(device), **total, "seconds": round(total["seconds"], 3), "per_role": records,
               "env_hash": ctx.env["hash"], "cache_dir": str(cache)}
+    CompileRecord.model_validate_json(json.dumps(record))   # the file's record, exactly (dflash/compile_record.py)
     atomic_write_json(out, record)
     for r in records:
         log.info("warm-up %s (%s): %d shape(s), %d graph(s), %d cache hit(s), %.1f s", device, r["role"],

@@ -6,6 +6,7 @@ import re
 import pytest
 from pydantic import ValidationError
 
+from dflash import compile_record
 from dflash.cli import main
 from dflash.data import manifest, shards
 from dflash.errors import UserError
@@ -20,6 +21,8 @@ from support.report_factory import acceptance, settings, summary, with_pkg, writ
                                            "regeneration.tokens_per_s", "tokenizer.mask_token_id")),
     ("acceptance-keys", acceptance_model.key_table, ("tau", "by_proposal", "sets.<name>.tau_prompt_mean",
                                                      "sets.<name>.plain.target_forwards", "stop_token_ids")),
+    ("compile-keys", compile_record.key_table, ("env_hash", "cache_dir", "per_role[].cache_misses",
+                                                "per_role[].modules", "per_role[].shapes[].length")),
     ("regressions-keys", regressions_model.key_table, ("latest_regressed", "runs[].quality.baseline.tau",
                                                        "runs[].changed.<category>[].old", "runs[].anomalies[].share",
                                                        "placement.colocated_speedup", "skipped[].reason")),
@@ -64,6 +67,31 @@ def test_acceptance_record_is_exactly_the_model():
         acceptance_model.Acceptance.model_validate({**doc, "surprise": 1})
     with pytest.raises(ValidationError, match="by_proposal.argmax.speedup"):
         acceptance_model.Acceptance.model_validate({**doc, "by_proposal": {"argmax": {**figures, "speedup": "2"}}})
+
+
+# ---- the compile record (results/compile/<device>.json; tests/stages/test_record_writers.py runs its writer) -------
+PART = {"device": "cpu", "role": "drafter", "backend": "sdpa", "compiled": False,
+        "shapes": [{"batch": 2, "length": 64, "seconds": 0.5}], "graphs": 0, "cache_hits": 0, "cache_misses": 0,
+        "seconds": 0.5}
+RECORD = {"device": "cpu", "graphs": 0, "cache_hits": 0, "cache_misses": 0, "seconds": 0.5, "per_role": [PART],
+          "env_hash": "0" * 16, "cache_dir": "/r/compile/cache-0000000000000000"}
+
+
+def test_compile_record_is_exactly_the_model():
+    rec = compile_record.CompileRecord.model_validate_json(json.dumps(RECORD))
+    assert rec.per_role[0].shapes[0].length == 64 and rec.per_role[0].modules is None    # a drafter has no modules
+    target = {**PART, "role": "target", "modules": 3, "compiled": True}
+    del target["backend"]
+    assert compile_record.CompileRecord.model_validate({**RECORD, "per_role": [PART, target]}).per_role[1].modules == 3
+    for bad, where in (({**RECORD, "surprise": 1}, "surprise"),
+                       ({**RECORD, "per_role": [{**PART, "role": "replica"}]}, "per_role.0.role"),
+                       ({**RECORD, "per_role": [{**PART, "shapes": [{"batch": 2, "length": "64", "seconds": 1.0}]}]},
+                        "per_role.0.shapes.0.length"),
+                       ({k: v for k, v in RECORD.items() if k != "cache_dir"}, "cache_dir")):
+        with pytest.raises(ValidationError, match=re.escape(where)):
+            compile_record.CompileRecord.model_validate_json(json.dumps(bad))
+    from dflash.stages import warmup                     # an existing --out is the stage's own by the core's keys
+    assert warmup.OURS == tuple(compile_record.CompileRecordCore.model_fields) == ("device", "env_hash")
 
 
 # ---- regressions.json: written by the report, read by the gate ------------------------------------------------------
