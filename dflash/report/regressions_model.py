@@ -48,7 +48,8 @@ class Change(BaseModel):
         "What differs: a package name, `python`, `GPU <key>`, `lock file` (environment); `num_samples`, `mean length`, "
         "`length p50`, `bucket <edge>`, another manifest key, `target <file>` (data); a dotted config key, "
         "`evaluate.<key>` (config); `commit`, `dirty` (code); or the hash column when the snapshots cannot say how."))
-    old: Any = Field(description="Its value in the baseline run (null or \"absent\": not there).")
+    old: Any = Field(description=(
+        "Its value in the run compared with (the newest baseline run, or `previous`; null or \"absent\": not there)."))
     new: Any = Field(description="Its value in this run.")
 
 
@@ -192,10 +193,10 @@ class Placement(BaseModel):
         "null when co-located."))
     waiting: Literal["target", "drafter"] | None = Field(description=(
         "The side that idles under the current split (null: balanced within 0.5%, co-located, or some GPUs run both)."))
-    wait_share: float | None = Field(description="The fraction of time it idles.")
+    wait_share: float | None = Field(description="The fraction of time it idles (separate GPUs only).")
     expected_speedup: float | None = Field(description=(
         "The suggested split's micro-batches per second over the current's (an upper bound: queues and transfers "
-        "are not modelled)."))
+        "are not modelled; separate GPUs only)."))
     colocated_speedup: float | None = Field(description=(
         "Co-locating every GPU (gpus / (target_s + drafter_s)) over the current split (separate GPUs only)."))
     target_share: float | None = Field(None, description=(
