@@ -460,13 +460,11 @@ class TrainSection(Section):
     loss_kernel: Annotated[Literal["fused", "checkpointed"], GRAPH] = Field("fused", description=(
         "fused computes the hidden-state gradient inside the forward (two matmuls per chunk); checkpointed "
         "recomputes each chunk in the backward (three)."))
-    loss_weighting: Annotated[Literal["decay", "dpace"], TRAIN] = Field("dpace", description=(
-        "Weights of the block positions in the loss (docs/recipes.md). dpace: D-PACE (arXiv 2605.18810), "
-        "detached weights from the drafter's own confidence in each label, the suffix sums of the smoothed "
-        "confidences' prefix products, the loss normalised by the number of blocks (sampled anchors) instead of "
-        "the weight sum; the default since issue 39 (alone on an H200 at the quality bench's 120 s it beat the "
-        "decay weighting by about 1 tau, far beyond the baseline's seed spread). decay: exp(-(k-1)/gamma), the "
-        "loss the weighted mean over scored positions (the DFlash paper's)."))
+    loss_weighting: Annotated[Literal["decay", "dpace"], TRAIN] = Field("decay", description=(
+        "Weights of the block positions in the loss (docs/recipes.md). decay: exp(-(k-1)/gamma), the loss the"
+        " weighted mean over scored positions. dpace: D-PACE (arXiv 2605.18810), detached weights from the "
+        "drafter's own confidence in each label, the suffix sums of the smoothed confidences' prefix "
+        "products, the loss normalised by the number of blocks (sampled anchors) instead of the weight sum."))
     dpace_alpha: Annotated[float, TRAIN] = Field(0.5, le=1, gt=0, description=(
         "D-PACE's confidence smoothing (the paper's Eq. 7): q~ = alpha + (1 - alpha) q; read with "
         "loss_weighting dpace only."))

@@ -38,7 +38,7 @@ def _tiny(compiled: bool, **train):
     return RunContext(loaded, None, "sdpa", None, None, tconf, dcfg, 3.0, {}, compiled)
 
 
-@pytest.mark.parametrize("recipe", [{}, {"objective": "ce+kl", "loss_weighting": "decay"}])
+@pytest.mark.parametrize("recipe", [{}, {"objective": "ce+kl", "loss_weighting": "dpace"}])
 def test_compiled_drafter_equals_eager_with_the_same_state_dict(recipe):
     """build_drafter on the compile path (layers, fc + hidden norm, final norm compiled): the same parameter names,
     loss and gradients as the eager drafter from the same seed; also with the target's final states beside the

@@ -214,7 +214,7 @@ def test_copied_config_with_same_content_reruns_nothing(done):
 @pipeline
 @pytest.mark.parametrize("change", [{"train__lr": 1e-3}, {"train__runtime": "distributed"},
                                     {"train__optimizer": "muon", "train__muon_lr": 2e-3}, {"train__time_budget_s": 60},
-                                    {"train__loss_weighting": "decay"}],
+                                    {"train__loss_weighting": "dpace"}],
                          ids=["lr", "runtime", "muon", "time_budget", "loss_weighting"])
 def test_train_key_change_reruns_train_to_report_only(done, change):
     work = done[0]

@@ -213,10 +213,10 @@ def test_hashes_of_todays_configs_unchanged(repo):
     how fast the data stage runs, never the dataset: issue 40 rule 5), and drafter.num_target_layers defaults to null
     (as many as target_layer_ids lists, else 5); the hashes reproduced the earlier ones without those keys exactly.
     train.rendezvous.node_rank, never read, was removed: the config hashes changed, the result hashes did not.
-    train.loss_weighting's default moved from decay to dpace (issue 39): every hash changed, by design."""
-    pins = {"config.yaml": ("f09e875f8f271c40", "3170dfdb26de4b9d"),
-            "h200.yaml": ("f03c4686e2dd2e91", "f3fcadd9a6555c33"),
-            "8gpu.yaml": ("ebd3e53c15baf220", "16a2f201f142db9f"),
+    config/quality.yaml took train.loss_weighting dpace (issue 39): its hashes changed."""
+    pins = {"config.yaml": ("0167efcd7b22eea4", "08111ef1191481ae"),
+            "h200.yaml": ("7ffc7d3c3af0f26b", "ef55569b45be0b66"),
+            "8gpu.yaml": ("6dc63caa0a4c700d", "ffdbd87e9f5b171a"),
             "quality.yaml": ("c09f45c19716ee94", "c420025dec8fa74f")}
     for name, (h, rh) in pins.items():
         loaded = C.load(repo / "config" / name)
@@ -225,7 +225,7 @@ def test_hashes_of_todays_configs_unchanged(repo):
                           "data": {"sources": [{"name": "x", "path": "a.jsonl", "weight": 2}],
                                    "regenerate": {"timeout_s": 30}},
                           "report": {"min_utilisation": 50}, "drafter": {"target_layer_ids": [0, 2]}})
-    assert (inline.hash, inline.result_hash) == ("d08d138c8e8f4e39", "80930b2e411267cf")
+    assert (inline.hash, inline.result_hash) == ("334fcddb7d082029", "64c64f4dac94bb62")
     assert json.dumps(inline.raw["train"]["betas"]) == "[0, 0.95]" and inline.cfg.train.betas == (0, 0.95)
     assert type(inline.cfg.train.time_budget_s) is int and type(inline.cfg.train.stall_timeout_s) is int   # as written
     assert type(C.from_dict({"train": {"lr": 0.001}}).cfg.train.lr) is float
