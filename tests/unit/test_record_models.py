@@ -8,6 +8,7 @@ from pydantic import ValidationError
 from dflash.data import manifest, shards
 from dflash.errors import UserError
 from dflash.evaluate import acceptance_model
+from dflash.train import checkpoint_records
 
 
 @pytest.mark.parametrize("name, table, keys", [
@@ -15,11 +16,14 @@ from dflash.evaluate import acceptance_model
                                            "regeneration.tokens_per_s", "tokenizer.mask_token_id")),
     ("acceptance-keys", acceptance_model.key_table, ("tau", "by_proposal", "sets.<name>.tau_prompt_mean",
                                                      "sets.<name>.plain.target_forwards", "stop_token_ids")),
+    ("trainer-keys", checkpoint_records.trainer_key_table, ("step", "data_index", "scheduler", "python_random",
+                                                            "result_hash", "metrics", "finished_by")),
+    ("finished-keys", checkpoint_records.finished_key_table, ("outputs", "checkpoint.path", "checkpoint.manifest")),
 ])
 def test_docs_list_the_keys_of_the_model(repo, name, table, keys):
     text = (repo / "docs" / "architecture.md").read_text()
     block = re.search(rf"<!-- {name}:begin -->\n(.*?)<!-- {name}:end -->", text, re.S)
-    assert block and block.group(1) == table(), f"docs/architecture.md: paste {table.__module__}.key_table()"
+    assert block and block.group(1) == table(), f"docs/architecture.md: paste {table.__module__}.{table.__name__}()"
     for key in keys:
         assert f"| `{key}` |" in block.group(1)
 
