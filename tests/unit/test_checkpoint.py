@@ -224,7 +224,8 @@ def test_a_malformed_trainer_json_makes_its_checkpoint_not_intact(tmp_path, capl
 
 def test_finished_json_is_exactly_the_model_and_a_malformed_one_is_named(tmp_path, caplog):
     """finished.json is the writer's record (checkpoint_records.Finished); restore reads it through FinishedCore: one
-    whose outputs are not text is named in one line (file and key) and restores nothing (it used to be silent)."""
+    whose outputs are not text is named in one line (file and key) and restores nothing (it used to be silent), so the
+    finished run is set aside and a new one trains."""
     setup = fake_setup(tmp_path, steps=8)
     saved(setup)
     finish(setup, 8)
@@ -243,6 +244,7 @@ def test_finished_json_is_exactly_the_model_and_a_malformed_one_is_named(tmp_pat
         f"{f}: key 'outputs.summary.json': Input should be a valid string, got 1; the finished run cannot be restored "
         f"from it"]
     assert not (setup.run_dir / "summary.json").exists()
+    assert C.resumable(setup) is None and (setup.run_dir / C.PREVIOUS / "step-000008").is_dir()   # a new run trains
 
 
 def finish(setup, step, text="summary of the finished run\n"):
