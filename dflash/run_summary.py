@@ -105,12 +105,16 @@ class LiveEval(BaseModel):
         "`tau`, `tau_step`, `tau_train_s` hold every process's)."))
 
 
-class CheckpointRef(BaseModel):
-    model_config = WRITTEN
-
+class CheckpointCore(Read):
+    """How a record names a checkpoint (summary.json's `checkpoint`, checkpoints/finished.json's), as its readers take
+    it (train/checkpoint.py: `restore`)."""
     path: str = Field(description="The checkpoint folder, relative to the run folder.")
     step: int = Field(description="Its step.")
     manifest: str = Field(description="xxh3_128 of its manifest.json.")
+
+
+class CheckpointRef(CheckpointCore):
+    model_config = WRITTEN
 
 
 class RunSummary(SummaryCore):

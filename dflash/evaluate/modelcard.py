@@ -1,6 +1,7 @@
 """README.md model card of an exported drafter."""
 from __future__ import annotations
 
+from dflash.acceptance_model import AcceptanceCore
 from dflash.config_model import DflashConfig
 from dflash.evaluate.acceptance import ENGINES
 
@@ -9,22 +10,22 @@ def _fmt(x, spec=".3f"):
     return "n/a" if x is None else format(x, spec)
 
 
-def _tau(acc: dict | None) -> str:
+def _tau(acc: AcceptanceCore | None) -> str:
     """The card's tau: at temperature 0 one figure (greedy, the same under every engine); above it one per draft
     policy, each naming the engines that run it (an acceptance.json without `by_proposal` sampled its drafts)."""
-    if not acc:
+    if acc is None:
         return "n/a (not evaluated when exported: see acceptance.json)"
-    t = acc.get("temperature") or 0
-    setting = (f"{acc.get('num_prompts')} held-out prompts, {acc.get('max_new_tokens')} new tokens, "
-               f"lossless {acc.get('lossless')}")
+    t = acc.temperature or 0
+    setting = f"{acc.num_prompts} held-out prompts, {acc.max_new_tokens} new tokens, lossless {acc.lossless}"
     if t == 0:
-        return f"{_fmt(acc.get('tau'))} (temperature 0, greedy: the same under every engine; {setting})"
-    by = acc.get("by_proposal") or {acc.get("proposal") or "sample": acc}
-    taus = "; ".join(f"{_fmt(b.get('tau'))} with {k} drafts ({', '.join(ENGINES.get(k, []))})" for k, b in by.items())
+        return f"{_fmt(acc.tau)} (temperature 0, greedy: the same under every engine; {setting})"
+    by = {k: b.tau for k, b in acc.by_proposal.items()} if acc.by_proposal else {acc.proposal or "sample": acc.tau}
+    taus = "; ".join(f"{_fmt(tau)} with {k} drafts ({', '.join(ENGINES.get(k, []))})" for k, tau in by.items())
     return f"{taus} (temperature {t:g}; {setting})"
 
 
-def model_card(cfg: DflashConfig, target_config, dcfg, checkpoint, summary, acceptance, manifest, config_json) -> str:
+def model_card(cfg: DflashConfig, target_config, dcfg, checkpoint, summary, acceptance: AcceptanceCore | None,
+               manifest, config_json) -> str:
     tput = (summary or {}).get("throughput") or {}
     arch = (getattr(target_config, "architectures", None) or [getattr(target_config, "model_type", "?")])[0]
     lines = [

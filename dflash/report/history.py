@@ -30,8 +30,10 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from dflash.acceptance_model import AcceptanceCore
 from dflash.atomic import atomic_write_json, atomic_write_text
 from dflash.device_names import normalize
+from dflash.records import problem
 from dflash.run_summary import SummaryCore
 
 log = logging.getLogger("dflash.report")
@@ -105,38 +107,40 @@ def validate_summary(data, path: Path) -> dict:
     try:
         SummaryCore.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        key = ".".join(str(p) for p in err["loc"])
-        if err["type"] == "missing":
-            raise BadSummary(f"{path}: missing key '{key}'") from None
-        raise BadSummary(f"{path}: key '{key}': {err['msg']}, got {err['input']!r}"[:300]) from None
+        raise BadSummary(f"{path}: {problem(e)}") from None
     if not data["run_id"].strip():
         raise BadSummary(f"{path}: key 'run_id' is empty")
     return data
 
 
+def evaluation(data) -> AcceptanceCore | None:
+    """An evaluation (an acceptance.json's content, as a run folder or a snapshot holds it) through its reader view,
+    dflash/acceptance_model.py's AcceptanceCore; None for none, or for one whose keys have other types
+    (`read_acceptance` names those and keeps them out of the history)."""
+    try:
+        return AcceptanceCore.model_validate(data) if isinstance(data, dict) else None
+    except ValidationError:
+        return None
+
+
 def tau_of(data) -> float | None:
     """tau at temperature 0 of an acceptance.json: `tau` (the mean over prompt sets when `tau` is a mapping); None for
     an evaluation that sampled (temperature > 0): the history tracks the greedy figure."""
-    if not isinstance(data, dict) or to_float(data.get("temperature")) not in (None, 0.0):
+    a = evaluation(data)
+    if a is None or to_float(a.temperature) not in (None, 0.0):
         return None
-    tau = data.get("tau")
-    if isinstance(tau, dict):
-        values = [v.get("tau") if isinstance(v, dict) else v for v in tau.values()]
-        values = [float(v) for v in values if to_float(v) is not None]
-        tau = sum(values) / len(values) if values else None
-    return to_float(tau)
+    return to_float(a.tau)
 
 
 def proposal_taus(data) -> tuple[float, dict[str, float]] | None:
     """(temperature, {draft policy: tau}) of an acceptance.json made at temperature > 0 (`by_proposal`; one made
     before it existed sampled its drafts: `sample`), None for one at temperature 0 or without a tau."""
-    t = to_float(data.get("temperature")) if isinstance(data, dict) else None
+    a = evaluation(data)
+    t = to_float(a.temperature) if a is not None else None
     if not t:
         return None
-    by = data.get("by_proposal")
-    by = by if isinstance(by, dict) else {data.get("proposal") or "sample": data}
-    taus = {str(k): to_float(v.get("tau")) for k, v in by.items() if isinstance(v, dict)}
+    by = a.by_proposal if a.by_proposal is not None else {a.proposal or "sample": a}
+    taus = {k: to_float(v.tau) for k, v in by.items()}
     taus = {k: v for k, v in taus.items() if v is not None}
     return (t, taus) if taus else None
 
@@ -148,13 +152,15 @@ def proposal_text(data) -> str:
 
 
 def evaluation_settings(acceptance) -> dict | None:
-    """What an evaluation measured with: its settings, its prompt sets and any `*_hash` it records; None without one."""
-    if not isinstance(acceptance, dict):
+    """What an evaluation measured with: its settings, its prompt sets and any `*_hash` it records; None without one.
+    The values as the file holds them (`eval_hash` hashes them: 0 and 0.0 stay apart, as they always were)."""
+    a = evaluation(acceptance)
+    if a is None:
         return None
-    out = {k: acceptance[k] for k in EVAL_KEYS if k in acceptance}
-    out.update({k: v for k, v in acceptance.items() if k.endswith("_hash")})
-    if isinstance(acceptance.get("sets"), dict):
-        out["prompt_sets"] = sorted(acceptance["sets"])
+    out = {k: acceptance[k] for k in EVAL_KEYS if k in a.model_fields_set}
+    out.update({k: v for k, v in (a.model_extra or {}).items() if k.endswith("_hash")})
+    if a.sets is not None:
+        out["prompt_sets"] = sorted(a.sets)
     return out
 
 
@@ -177,17 +183,19 @@ def read_acceptance(path: Path, summary: dict) -> tuple[dict | None, dict | None
         return None, _skip(path, f"unreadable ({e}); no tau for run {rid} until evaluate writes it again")
     if not isinstance(data, dict):
         return None, _skip(path, f"expected a JSON object, got {type(data).__name__}; no tau for run {rid}")
-    other = data.get("run_id")
-    made, done = parse_time(data.get("created_at")), parse_time(summary.get("finished_at"))
-    if isinstance(other, str) and other != rid:
-        return None, _skip(path, f"evaluates run {other}, not run {rid} of this folder; rerun evaluate")
+    try:
+        a = AcceptanceCore.model_validate(data)
+    except ValidationError as e:
+        return None, _skip(path, f"{problem(e)}; no tau for run {rid} until evaluate writes it again")
+    made, done = parse_time(a.created_at), parse_time(summary.get("finished_at"))
+    if a.run_id is not None and a.run_id != rid:
+        return None, _skip(path, f"evaluates run {a.run_id}, not run {rid} of this folder; rerun evaluate")
     if made and done and made < done:
-        return None, _skip(path, f"made at {data['created_at']}, before run {rid} finished ({summary['finished_at']}):"
+        return None, _skip(path, f"made at {a.created_at}, before run {rid} finished ({summary['finished_at']}):"
                                  " the evaluation of an earlier run; rerun evaluate")
     if tau_of(data) is None:
-        temperature = to_float(data.get("temperature"))
-        why = f"evaluated at temperature {data['temperature']} ({proposal_text(data) or 'no tau'})" if temperature \
-            else "no numeric 'tau'"
+        why = f"evaluated at temperature {a.temperature} ({proposal_text(data) or 'no tau'})" \
+            if to_float(a.temperature) else "no numeric 'tau'"
         log.warning("%s: %s; the history's tau (temperature 0) left empty for run %s", path, why, rid)
     return data, None
 
@@ -257,6 +265,7 @@ def to_row(snap: dict, snapshot_rel: str) -> dict:
     tp, ts = snap.get("throughput") or {}, snap.get("time_split_s") or {}
     comp, env, data = snap.get("compile") or {}, snap.get("env") or {}, snap.get("data") or {}
     acc = snap.get("acceptance") if isinstance(snap.get("acceptance"), dict) else None
+    ev = evaluation(acc)
     gpu = env.get("gpu") or {}
     gpu_text = ""
     if gpu.get("count"):
@@ -273,7 +282,7 @@ def to_row(snap: dict, snapshot_rel: str) -> dict:
         "draft_positions_per_s": tp.get("draft_positions_per_s"), "mfu": tp.get("mfu"),
         "tau": tau_of(acc), "tau_earlier": ";".join(_fmt(t) for t in earlier if t is not None),
         "tau_by_proposal": proposal_text(acc),
-        "evaluated_at": (acc or {}).get("created_at"),
+        "evaluated_at": ev.created_at if ev else None,
         "acceptance_estimate": snap.get("acceptance_estimate"), "loss": snap.get("loss"),
         **{f"step_{k}_s": ts.get(k) for k in TIME_KEYS},
         "recompiles_after_warmup": comp.get("recompiles_after_warmup"), "eager_fallbacks": comp.get("eager_fallbacks"),

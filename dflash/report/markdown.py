@@ -7,7 +7,7 @@ from datetime import datetime
 from pathlib import Path
 
 from dflash.config_model import ReportSection
-from dflash.report.history import Run, hardware_of, parse_time, proposal_text, tau_of, to_float
+from dflash.report.history import Run, evaluation, hardware_of, parse_time, proposal_text, tau_of, to_float
 from dflash.report.placement import gpu_roles
 from dflash.report.plots import read_metrics, tau_points, time_key
 from dflash.report.regress import changed_text
@@ -65,30 +65,31 @@ def _where(run: Run) -> str:
 
 def _how_good(run: Run) -> str:
     """tau of the run's evaluation (acceptance.json), its measured speed-up over plain decoding and losslessness."""
-    acc = run.snapshot.get("acceptance") if isinstance(run.snapshot.get("acceptance"), dict) else None
-    if acc is None:
+    acc = run.snapshot.get("acceptance")
+    a = evaluation(acc)
+    if a is None:
         live = (run.snapshot.get("eval") or {}).get("tau")
         while_training = f" (tau {live:.3f} while training, at step {run.snapshot['eval'].get('step')})" \
             if to_float(live) is not None else ""
         return f"not evaluated yet: the evaluate stage writes its tau to acceptance.json{while_training}"
     tau, hot = tau_of(acc), proposal_text(acc)
-    setting = f"{acc.get('num_prompts', '?')} held-out prompts x {acc.get('max_new_tokens', '?')} tokens"
+    prompts, tokens = ("?" if n is None else n for n in (a.num_prompts, a.max_new_tokens))
+    setting = f"{prompts} held-out prompts x {tokens} tokens"
     if tau is not None:   # README: with a large target on a GPU, verifying a block costs about one decoding step
         good = f"tau {tau:.3f} (tokens per target forward, greedy, {setting}): up to about {tau:.2f}x the speed of " \
                f"plain decoding where verifying a block costs one decoding step (a large target on a GPU)"
     else:
         good = f"tau {hot} ({setting})" if hot else "no tau in acceptance.json"
-    speedup = to_float(acc.get("speedup"))
-    where = ", ".join(str(acc[k]) for k in ("device", "dtype") if acc.get(k)) or "this evaluation"
+    speedup = to_float(a.speedup)
+    where = ", ".join(v for v in (a.device, a.dtype) if v) or "this evaluation"
     if speedup is None:
         good += "; speed-up not measured"
     else:
         good += f"; measured {speedup:.2f}x plain decoding's tokens/s ({where}" + (
             "; slower: here a speculative step costs more than the plain steps it saves)" if speedup < 1 else ")")
-    lossless = acc.get("lossless")
-    if lossless is True:
+    if a.lossless is True:
         return good + "; lossless: its output equals plain greedy decoding on every prompt"
-    if lossless is False:
+    if a.lossless is False:
         return good + "; **not lossless**: its output differs from plain greedy decoding (acceptance.json `sets`)"
     return good + "; losslessness not checked"
 

@@ -45,7 +45,7 @@ def run(loaded: Loaded, args) -> int:
     from dflash.evaluate import DFlashDraft
     from dflash.evaluate import acceptance as A
     from dflash.evaluate import loading as L
-    from dflash.evaluate.acceptance_model import Acceptance
+    from dflash.acceptance_model import Acceptance
     from dflash.stages import check_run_config
     from dflash.target import load_target, load_tokenizer, resolve_device, stop_token_ids, target_files
     from dflash.train.checkpoint import ended_with, load_drafter
@@ -127,7 +127,7 @@ def run(loaded: Loaded, args) -> int:
         **overall,
         "sets": results,
     }
-    Acceptance.model_validate_json(json.dumps(doc))   # the file's record, exactly (evaluate/acceptance_model.py)
+    Acceptance.model_validate_json(json.dumps(doc))   # the file's record, exactly (dflash/acceptance_model.py)
     if not doc["lossless"] and dtype == torch.float32:
         atomic_write_json(failed, doc)
         raise UserError(f"greedy speculative decoding differs from plain greedy decoding on "

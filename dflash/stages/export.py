@@ -71,9 +71,10 @@ def run(loaded: Loaded, args) -> int:
     mask_token = load_tokenizer(cfg.target).convert_ids_to_tokens(dcfg.mask_token_id)
 
     summary = _read(run_dir / "summary.json")
-    acceptance = _read(run_dir / "acceptance.json")
-    if acceptance and Path(str(acceptance.get("drafter"))).resolve() != ckpt.resolve():   # the card states its tau
-        raise UserError(f"{run_dir / 'acceptance.json'} evaluated {acceptance.get('drafter')}, not {ckpt}: evaluate "
+    acceptance = _acceptance(run_dir / "acceptance.json")
+    # the card states its tau: of this very drafter
+    if acceptance is not None and Path(str(acceptance.drafter)).resolve() != ckpt.resolve():
+        raise UserError(f"{run_dir / 'acceptance.json'} evaluated {acceptance.drafter}, not {ckpt}: evaluate "
                         f"this drafter first (snakemake -R evaluate)")
     manifest = _read(Path(args.data or paths.dataset(cfg.results_dir, cfg.dataset_name)) / "manifest.json")
     with atomic_dir(out, RECORD) as tmp:
@@ -96,3 +97,21 @@ def _read(path):
         return json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return None
+
+
+def _acceptance(path):
+    """The run's evaluation through its reader view (dflash/acceptance_model.py: AcceptanceCore), for the card; None
+    without one (no file, unreadable, empty); one whose keys have other types is refused, naming the key."""
+    from pydantic import ValidationError
+
+    from dflash.acceptance_model import AcceptanceCore
+    from dflash.errors import UserError
+    from dflash.records import problem
+    data = _read(path)
+    if not data:
+        return None
+    try:
+        return AcceptanceCore.model_validate(data)
+    except ValidationError as e:
+        raise UserError(f"{path}: {problem(e)}: not an evaluation the model card can state; rerun evaluate "
+                        f"(snakemake -R evaluate)") from None

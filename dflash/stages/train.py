@@ -44,7 +44,7 @@ def run(loaded: Loaded, args) -> int:
         return distributed.launch(ctx, args)
     log.info("run %s finished at step %d (%s) with this config's result keys and this data: summary.json and "
              "metrics.jsonl restored, nothing trained (--retrain, or snakemake -R train, trains it anew)",
-             cfg.run_name, done["checkpoint"]["step"], ctx.run_dir / done["checkpoint"]["path"])
+             cfg.run_name, done.checkpoint.step, ctx.run_dir / done.checkpoint.path)
     return 0
 
 

@@ -1,14 +1,16 @@
 """Checkpoints: `checkpoints/step-000050/` holds the drafter in the reference format (config.json +
 model.safetensors, loadable as is by `DFlashDraftModel`, SGLang, vLLM), the optimizer and RNG state (torch.save,
-read back with weights_only=True), trainer.json, and last manifest.json (size and xxh3-128 hash of every file).
+read back with weights_only=True), trainer.json (the trainer's state: checkpoint_records.TrainerState), and last
+manifest.json (size and xxh3-128 hash of every file).
 
 A checkpoint is written into a temporary folder and renamed, so a kill -9 never leaves half of one; the manifest
 catches what happens to it later (a truncated copy, rotten bytes). Resume takes the newest checkpoint whose files
-match its manifest, saying in one line which ones it skipped and why, when the run was interrupted with the same
-result-changing config and data (`identity`, `finished`, `resumable`). summary.json names the checkpoint a run
-ended with (`describe`); evaluate and export read exactly that one (`ended_with`). A completed run keeps its outputs
-in checkpoints/finished.json, and a rerun with the same identity writes them back instead of training (`restore`);
-a run another config moved to checkpoints.previous/ comes back when its config does (`swap`).
+match its manifest (and whose trainer.json is a trainer state), saying in one line which ones it skipped and why, when
+the run was interrupted with the same result-changing config and data (`identity`, `finished`, `resumable`).
+summary.json names the checkpoint a run ended with (`describe`); evaluate and export read exactly that one
+(`ended_with`). A completed run keeps its outputs in checkpoints/finished.json (checkpoint_records.Finished), and a
+rerun with the same identity writes them back instead of training (`restore`); a run another config moved to
+checkpoints.previous/ comes back when its config does (`swap`).
 `load_drafter` is the package's one loader of drafter weights (evaluate, export, `drafter.init_from`): the drafter's
 shape comes from the folder's config.json, never from the YAML.
 """
@@ -23,10 +25,13 @@ import shutil
 from pathlib import Path
 
 import torch
+from pydantic import ValidationError
 
 from dflash import paths
 from dflash.atomic import atomic_dir, atomic_write_json, atomic_write_text, read_json
 from dflash.errors import UserError, disk_full
+from dflash.records import problem
+from dflash.train.checkpoint_records import Finished, FinishedCore, TrainerCore, TrainerState
 
 log = logging.getLogger("dflash.train")
 
@@ -42,11 +47,16 @@ step_dir, step_of = paths.checkpoint, paths.checkpoint_step
 
 
 # ---- writing -------------------------------------------------------------------------------------------------
-def save(run_dir, step: int, data_index: int, drafter, optimizer, scheduler, extra: dict | None = None) -> Path:
-    """Write checkpoint `step` (the drafter's config from `drafter.cfg`). A full disk raises UserError naming the
-    folder and leaves nothing behind."""
+def save(run_dir, step: int, data_index: int, drafter, optimizer, scheduler, identity: dict, metrics: list[dict] = (),
+         finished_by: str | None = None) -> Path:
+    """Write checkpoint `step` (the drafter's config from `drafter.cfg`); its trainer.json holds the run's `identity`,
+    its metrics rows up to `step` and what finished it (None: not finished), checked against TrainerState first. A full
+    disk raises UserError naming the folder and leaves nothing behind."""
     from dflash.model.export import save_drafter
     out = step_dir(run_dir, step)
+    state = {"step": step, "data_index": data_index, "scheduler": scheduler.state_dict(), "python_random": _py_state(),
+             **identity, "metrics": list(metrics), "finished": finished_by is not None, "finished_by": finished_by}
+    TrainerState.model_validate_json(json.dumps(state, default=str))   # the file's record, exactly
     try:
         with atomic_dir(out) as tmp:
             save_drafter(drafter, tmp / "drafter")           # the reference format, exactly as `export` writes it
@@ -56,9 +66,7 @@ def save(run_dir, step: int, data_index: int, drafter, optimizer, scheduler, ext
             _torch_save(optimizer.state_dict(), tmp / OPTIMIZER)
             _torch_save({"torch": torch.get_rng_state(),
                          "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}, tmp / RNG)
-            atomic_write_json(tmp / TRAINER, {
-                "step": step, "data_index": data_index, "scheduler": scheduler.state_dict(),
-                "python_random": _py_state(), **(extra or {})})
+            atomic_write_json(tmp / TRAINER, state)
             atomic_write_json(tmp / MANIFEST, {"step": step, "hash": HASH,
                                                "files": {n: _describe(tmp / n) for n in FILES}})
     except Exception as e:
@@ -96,7 +104,8 @@ def _describe(path: Path) -> dict:
 
 # ---- finding and verifying -----------------------------------------------------------------------------------
 def verify(path, names=FILES) -> str | None:
-    """None if the files `names` of checkpoint `path` match its manifest, else why not (one phrase)."""
+    """None if the files `names` of checkpoint `path` match its manifest (and trainer.json, when among them, fits
+    checkpoint_records.TrainerCore), else why not (one phrase)."""
     path = Path(path)
     try:
         files = read_json(path / MANIFEST)["files"]
@@ -116,7 +125,24 @@ def verify(path, names=FILES) -> str | None:
             return f"{name} is {size} bytes, {MANIFEST} says {want_size} (truncated or overwritten)"
         if _describe(f)[HASH] != want_hash:
             return f"{name} does not match its hash in {MANIFEST} (corrupted)"
+    if TRAINER in names:
+        try:
+            TrainerCore.model_validate_json((path / TRAINER).read_bytes())
+        except ValidationError as e:
+            return f"{TRAINER} is not a trainer state ({problem(e)})"
     return None
+
+
+def trainer_state(path) -> TrainerCore:
+    """Checkpoint `path`'s trainer.json through its reader view (checkpoint_records.TrainerCore); UserError naming the
+    file and the key otherwise."""
+    f = Path(path, TRAINER)
+    try:
+        return TrainerCore.model_validate_json(f.read_bytes())
+    except OSError as e:
+        raise UserError(f"{f}: unreadable ({e.strerror or type(e).__name__})") from None
+    except ValidationError as e:
+        raise UserError(f"{f}: not a trainer state ({problem(e)})") from None
 
 
 def candidates(run_dir, folder: str = "checkpoints") -> list[Path]:
@@ -145,10 +171,10 @@ def identity(setup) -> dict:
     return {"result_hash": setup.loaded.result_hash, "data_hash": read_manifest(setup).get("content_hash")}
 
 
-def finished(state: dict, setup) -> bool:
+def finished(saved: TrainerCore, setup) -> bool:
     """Whether a checkpoint's trainer state (trainer.json) ends its run: the one test of "finished" (train.steps
     reached, or the run ended by its train.time_budget_s: trainer.json's `finished`)."""
-    return bool(state.get("finished")) or state["step"] >= setup.cfg.train.steps
+    return saved.finished or saved.step >= setup.cfg.train.steps
 
 
 def resumable(setup) -> Path | None:
@@ -172,18 +198,17 @@ def resumable(setup) -> Path | None:
         if path is None:
             raise UserError(f"{run_dir / 'checkpoints'}: no intact checkpoint to resume from (each is named above "
                             f"with its fault); move that folder away to train from scratch, or set train.resume: false")
-        saved = read_json(path / TRAINER)
-        if any(saved.get(k) != v for k, v in want.items()):
-            why = f"they were made with another config or data ({ {k: saved.get(k) for k in want} } != {want})"
+        saved = trainer_state(path)
+        if not _same(saved, want):
+            why = f"they were made with another config or data ({_identity(saved, want)} != {want})"
         elif finished(saved, setup):
-            set_aside(run_dir, f"the run finished at step {saved['step']} ({path.name}), so this rerun trains a new "
+            set_aside(run_dir, f"the run finished at step {saved.step} ({path.name}), so this rerun trains a new "
                                f"run")
             return None
         else:
             return path
     back = _newest_intact(run_dir, PREVIOUS)
-    state = read_json(back / TRAINER) if back is not None else {}
-    if back is not None and _same(state, want) and not finished(state, setup):
+    if back is not None and _same(saved := trainer_state(back), want) and not finished(saved, setup):
         swap(run_dir, f"the interrupted run of this config and data ({back.name}) is resumed")
         return step_dir(run_dir, step_of(back))
     if why:
@@ -191,14 +216,19 @@ def resumable(setup) -> Path | None:
     return None
 
 
-def _same(saved: dict, want: dict) -> bool:
-    return all(saved.get(k) == v for k, v in want.items())
+def _identity(saved: TrainerCore, want: dict) -> dict:
+    """The identity (`identity`'s keys) a checkpoint was made with."""
+    return {k: getattr(saved, k) for k in want}
+
+
+def _same(saved: TrainerCore, want: dict) -> bool:
+    return _identity(saved, want) == want
 
 
 def _holds(run_dir, folder: str, want: dict) -> bool:
     """Whether the newest intact checkpoint of `folder` was made with identity `want`."""
     path = _newest_intact(run_dir, folder)
-    return path is not None and _same(read_json(path / TRAINER), want)
+    return path is not None and _same(trainer_state(path), want)
 
 
 def _newest_intact(run_dir, folder: str) -> Path | None:
@@ -253,13 +283,15 @@ def _within(path: Path, run_dir) -> bool:
     return Path(path).resolve().is_relative_to(Path(run_dir).resolve())
 
 
-def record_finished(run_dir, final: dict) -> None:
-    """Keep a finished run's outputs (OUTPUTS, as written) beside its checkpoints, for `restore`."""
-    atomic_write_json(Path(run_dir, "checkpoints", FINISHED),
-                      {"checkpoint": final, "outputs": {n: Path(run_dir, n).read_text() for n in OUTPUTS}})
+def record_finished(run_dir, final: dict, outputs: dict[str, str] | None = None) -> None:
+    """Keep a finished run's outputs (OUTPUTS, as written; or `outputs`) beside its checkpoints, for `restore`: the
+    record checkpoint_records.Finished describes, checked first."""
+    record = {"checkpoint": final, "outputs": outputs or {n: Path(run_dir, n).read_text() for n in OUTPUTS}}
+    Finished.model_validate(record)
+    atomic_write_json(Path(run_dir, "checkpoints", FINISHED), record)
 
 
-def restore(setup, retrain: bool = False) -> dict | None:
+def restore(setup, retrain: bool = False) -> FinishedCore | None:
     """A finished run whose config (result keys) and data did not change is never trained again: when the newest
     checkpoint of `checkpoints/` (or of `checkpoints.previous/`, where a run by hand with other settings moved it) is
     the intact final one of a finished run with this identity, write back the outputs it finished with (Snakemake
@@ -278,58 +310,69 @@ def restore(setup, retrain: bool = False) -> dict | None:
     for folder in ("checkpoints", PREVIOUS):
         if retrain and (folder == "checkpoints" or _holds(run_dir, "checkpoints", want)):
             continue
-        record = _finished_run(run_dir, folder, want, setup)
-        if record is None:
+        found = _finished_run(run_dir, folder, want, setup)
+        if found is None:
             continue
+        record, rebuilt = found
         if folder == PREVIOUS:
-            swap(run_dir, f"the finished run of this config and data ({record['checkpoint']['path']}) is restored")
+            swap(run_dir, f"the finished run of this config and data ({record.checkpoint.path}) is restored")
         for name in OUTPUTS:
-            atomic_write_text(run_dir / name, record["outputs"][name])
-        if record.pop("rebuilt", False):
+            atomic_write_text(run_dir / name, record.outputs[name])
+        if rebuilt:
             log.warning("%s was missing: rebuilt from %s and the checkpoint it names", run_dir / "checkpoints" /
                         FINISHED, run_dir / "summary.json")
-            atomic_write_json(run_dir / "checkpoints" / FINISHED, record)
+            record_finished(run_dir, record.checkpoint.model_dump(), record.outputs)
         return record
     return None
 
 
-def _finished_run(run_dir: Path, folder: str, want: dict, setup) -> dict | None:
-    """The record ({"checkpoint", "outputs"}) of the finished run whose final checkpoint is the newest of `folder`,
-    when it is intact and has identity `want`; None otherwise."""
-    record = _record(run_dir, folder)
-    if record is None:
+def _finished_run(run_dir: Path, folder: str, want: dict, setup) -> tuple[FinishedCore, bool] | None:
+    """The record (`_record`) of the finished run whose final checkpoint is the newest of `folder`, when it is intact
+    and has identity `want`; None otherwise."""
+    found = _record(run_dir, folder)
+    if found is None:
         return None
-    final = record["checkpoint"]
-    path = run_dir / folder / Path(final["path"]).name
-    if final["path"] != f"checkpoints/{path.name}" or candidates(run_dir, folder)[:1] != [path] \
-            or verify(path) is not None or _describe(path / MANIFEST)[HASH] != final.get("manifest"):
+    final = found[0].checkpoint
+    path = run_dir / folder / Path(final.path).name
+    if final.path != f"checkpoints/{path.name}" or candidates(run_dir, folder)[:1] != [path] \
+            or verify(path) is not None or _describe(path / MANIFEST)[HASH] != final.manifest:
         return None
-    saved = read_json(path / TRAINER)
-    return record if _same(saved, want) and finished(saved, setup) else None
+    saved = trainer_state(path)
+    return found if _same(saved, want) and finished(saved, setup) else None
 
 
-def _record(run_dir: Path, folder: str) -> dict | None:
-    """`folder`'s finished.json; where it is gone, one rebuilt from the run's outputs as they are, summary.json that
-    of a completed run ("rebuilt": True; `_finished_run` checks it names that very checkpoint)."""
+def _record(run_dir: Path, folder: str) -> tuple[FinishedCore, bool] | None:
+    """(`folder`'s finished.json through FinishedCore, False); where it is gone, (one rebuilt from the run's outputs as
+    they are, summary.json that of a completed run, True: `_finished_run` checks it names that very checkpoint). None
+    otherwise; a finished.json that is not one is named in one line."""
+    path = run_dir / folder / FINISHED
     try:
-        record = read_json(run_dir / folder / FINISHED)
-        if isinstance(record["checkpoint"]["path"], str) and all(isinstance(record["outputs"][n], str)
-                                                                 for n in OUTPUTS):
-            return record
-        return None
+        record = FinishedCore.model_validate_json(path.read_bytes())
+        lacks = [n for n in OUTPUTS if n not in record.outputs]
+        if not lacks:
+            return record, False
+        why = f"missing key 'outputs.{lacks[0]}'"
     except FileNotFoundError:
-        pass
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+        return _rebuilt(run_dir)
+    except OSError as e:
+        why = f"unreadable ({e.strerror or type(e).__name__})"
+    except ValidationError as e:
+        why = problem(e)
+    log.warning("%s: %s; the finished run cannot be restored from it", path, why)
+    return None
+
+
+def _rebuilt(run_dir: Path) -> tuple[FinishedCore, bool] | None:
+    """The record `record_finished` wrote, rebuilt from the run's outputs as they are: summary.json of a completed run,
+    naming its final checkpoint."""
     try:
         outputs = {n: (run_dir / n).read_text() for n in OUTPUTS}
         summary = json.loads(outputs["summary.json"])
-        final = summary["checkpoint"]
-        if summary["status"] != "completed" or not isinstance(final["path"], str):
+        if summary["status"] != "completed":
             return None
-    except (OSError, ValueError, KeyError, TypeError):
+        return Finished.model_validate({"checkpoint": summary["checkpoint"], "outputs": outputs}), True
+    except (OSError, ValueError, KeyError, TypeError):   # a ValidationError is a ValueError
         return None
-    return {"checkpoint": final, "outputs": outputs, "rebuilt": True}
 
 
 def set_aside(run_dir, why: str) -> Path:
@@ -364,8 +407,8 @@ def _finish_swap(run_dir: Path) -> None:
 
 
 # ---- reading -------------------------------------------------------------------------------------------------
-def load(path, drafter, optimizer, scheduler) -> dict:
-    """Restore a replica in place from a verified checkpoint; returns trainer.json (step, data_index, ...)."""
+def load(path, drafter, optimizer, scheduler) -> TrainerCore:
+    """Restore a replica in place from a verified checkpoint; returns its trainer state (step, data_index, ...)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
     path = Path(path)
@@ -378,12 +421,12 @@ def load(path, drafter, optimizer, scheduler) -> dict:
     if missing or unexpected:
         raise UserError(f"{path / WEIGHTS}: missing keys {missing}, unexpected keys {unexpected}")
     optimizer.load_state_dict(_torch_load(path / OPTIMIZER))
+    trainer = trainer_state(path)
     try:
-        trainer = read_json(path / TRAINER)
-        scheduler.load_state_dict(trainer["scheduler"])
-        v, s, g = trainer["python_random"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise UserError(f"{path / TRAINER}: not a trainer state ({type(e).__name__}: {e})") from None
+        scheduler.load_state_dict(trainer.scheduler)
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{path / TRAINER}: not a trainer state (its scheduler: {type(e).__name__}: {e})") from None
+    v, s, g = trainer.python_random
     rng = _torch_load(path / RNG)
     torch.set_rng_state(rng["torch"])
     if rng["cuda"] and torch.cuda.is_available() and len(rng["cuda"]) == torch.cuda.device_count():

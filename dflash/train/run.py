@@ -174,7 +174,7 @@ def train(ctx, transport: Transport, progress: bool = True) -> int:
     if metrics is not None:
         metrics.sampler = sampler   # started with the first training step, not during the warm-up
         metrics.set_warmup(warm, time.perf_counter() - t0)
-        metrics.start(start_step, getattr(replicas[0], "resumed", {}).get("metrics"))
+        metrics.start(start_step, replicas[0].resumed.metrics if replicas[0].resumed else None)
     else:
         sampler.start()
     process = Process(ctx, local, reader, targets, replicas, metrics, sampler, start_step, data_index)

@@ -117,6 +117,7 @@ class Replica:
         self.base_s = self.elapsed = 0.0   # training seconds before this process (resume); at the last step, agreed
         self.finished_by = None         # "steps" | "time_budget" once the run reached its end
         self.live = None                # dflash.evaluate.live.LiveEval: tau measured every train.eval_every steps
+        self.resumed = None             # the trainer state it resumed from (checkpoint_records.TrainerCore)
 
     # the clock of the training time (time.perf_counter); a class attribute so that tests can run on a fake one
     clock = staticmethod(time.perf_counter)
@@ -124,9 +125,9 @@ class Replica:
     # -- lifecycle ------------------------------------------------------------------------------------------
     def resume(self, path) -> None:
         state = checkpoint.load(path, self.drafter, self.optimizer, self.schedule)
-        self.start_step = self.steps = state["step"]
+        self.start_step = self.steps = state.step
         self.base_s = self.elapsed = self.schedule.elapsed_s
-        self.data_index = state["data_index"]
+        self.data_index = state.data_index
         self.resumed = state
 
     def warm_up(self) -> dict:
@@ -279,8 +280,7 @@ class Replica:
         self.schedule.elapsed_s = self.elapsed
         with self.metrics.paused():   # writing a checkpoint is no training: out of Ktok/s and the utilisation
             checkpoint.save(self.ctx.run_dir, step, self.index(step, 0) - self.rank, self.drafter, self.optimizer,
-                            self.schedule, {**self.identity, "metrics": self.metrics.rows_upto(step),
-                                            "finished": self.finished_by is not None, "finished_by": self.finished_by})
+                            self.schedule, self.identity, self.metrics.rows_upto(step), self.finished_by)
 
     def check_replicas(self, step: int):
         """The divergence guard: every replica compares exact weight checksums; any difference stops the run."""

@@ -298,7 +298,7 @@ def test_an_unwritable_checkpoint_while_training_is_one_line(tmp_path, monkeypat
     monkeypatch.setattr(C.torch, "save", denied)
     with pytest.raises(UserError, match=r"optimizer\.pt: not writable \(Permission denied\) while writing the "
                                         r"checkpoint; make .*checkpoints writable and rerun"):
-        C.save(setup.run_dir, 4, 8, *trained())
+        C.save(setup.run_dir, 4, 8, *trained(), C.identity(setup))
     assert [p.name for p in (setup.run_dir / "checkpoints").iterdir()] == []
 
 

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from dflash.cli import main
 from dflash.run_summary import RunSummary
+from dflash.train.checkpoint_records import Finished, TrainerState
 from support.train import REPO, dflash, prepared, run_dir, stop_with, train_ok
 
 STOP_STEPS = 8   # steps a run may take from the signal to its stop: the logging interval (2), the step agreed on, slack
@@ -37,6 +38,13 @@ def test_two_replicas_train_in_lockstep(tmp_path):
     assert sorted(p.name for p in (run_dir(cfg) / "checkpoints").iterdir()) == \
         ["finished.json", "step-000004", "step-000008", "step-000012"]
     assert s["checkpoint"]["path"] == "checkpoints/step-000012"       # what evaluate and export read
+    # the checkpoint's trainer state and the finished run's record: exactly their models (train/checkpoint_records.py)
+    state = TrainerState.model_validate_json((run_dir(cfg) / "checkpoints" / "step-000012" / "trainer.json").read_text())
+    assert (state.step, state.finished_by, [r["step"] for r in state.metrics]) == (12, "steps", [2, 4, 6, 8, 10, 12])
+    assert "smoothed_stats" in state.metrics[-1] and state.scheduler["elapsed_s"] > 0
+    record = Finished.model_validate_json((run_dir(cfg) / "checkpoints" / "finished.json").read_text())
+    assert record.checkpoint.model_dump() == s["checkpoint"]
+    assert record.outputs["summary.json"] == (run_dir(cfg) / "summary.json").read_text()
     # the target it trained on, as evaluate checks it: every file's size and mtime, the sha256 of the small ones
     import yaml
 

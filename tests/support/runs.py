@@ -44,7 +44,8 @@ def evaluable_run(tmp_path: Path, tiny_target: Path, questions, steps, evaluate:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     run_dir = tmp_path / "results" / "runs" / "t"
     for step in steps:
-        checkpoint.save(run_dir, step, step, d, opt, sched)
+        checkpoint.save(run_dir, step, step, d, opt, sched,
+                        {"result_hash": loaded.result_hash, "data_hash": "abcdef0123456789"})
     (run_dir / "summary.json").write_text(json.dumps({"run_id": "t-1", "status": "completed", "steps": steps[-1],
                                                        **(summary or {}),
                                                        "checkpoint": checkpoint.describe(run_dir, steps[-1])}))

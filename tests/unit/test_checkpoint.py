@@ -7,17 +7,21 @@ import json
 import logging
 import os
 import random
+import re
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from pydantic import ValidationError
 from safetensors.torch import load_file
 
 from dflash.errors import UserError
 from dflash.model import save_drafter
 from dflash.train import checkpoint as C
+from dflash.run_summary import CheckpointRef
+from dflash.train.checkpoint_records import Finished, TrainerCore, TrainerState
 from support.checkpoint import fake_setup, saved, trained
 from support.model import tiny_cfg
 
@@ -45,7 +49,7 @@ def test_checkpoint_is_the_reference_format_and_restores_exactly(tmp_path):
     # resume restores weights, optimizer and scheduler in place
     d2, opt2, sched2 = trained(seed=1)
     state = C.load(ck, d2, opt2, sched2)
-    assert state["step"] == 4 and state["data_index"] == 8
+    assert (state.step, state.data_index, state.result_hash, state.metrics) == (4, 8, "c1", [])
     for k, v in d.state_dict().items():
         assert torch.equal(d2.state_dict()[k], v)
     for (a, b) in zip(opt.state_dict()["state"].values(), opt2.state_dict()["state"].values()):
@@ -128,7 +132,7 @@ def test_full_disk_names_the_path_and_leaves_no_half_checkpoint(tmp_path, monkey
 
     monkeypatch.setattr(C.torch, "save", full)
     with pytest.raises(UserError, match="no space left on device") as e:
-        C.save(setup.run_dir, 8, 16, d, opt, sched)
+        C.save(setup.run_dir, 8, 16, d, opt, sched, C.identity(setup))
     assert str(C.step_dir(setup.run_dir, 8)) in str(e.value)
     assert [p.name for p in (setup.run_dir / "checkpoints").iterdir()] == ["step-000004"]   # no temp folder either
     assert C.verify(C.step_dir(setup.run_dir, 4)) is None
@@ -157,11 +161,90 @@ def test_a_run_finished_by_its_time_budget_is_not_resumed(tmp_path, caplog):
     rerun trains a new one, as after a run that reached train.steps."""
     setup = fake_setup(tmp_path, steps=12)
     d, opt, sched = trained()
-    C.save(setup.run_dir, 8, 16, d, opt, sched, {**C.identity(setup), "finished": True, "finished_by": "time_budget"})
+    C.save(setup.run_dir, 8, 16, d, opt, sched, C.identity(setup), finished_by="time_budget")
     with caplog.at_level(logging.WARNING, "dflash.train"):
         assert C.resumable(setup) is None
     assert [r.getMessage() for r in caplog.records if "finished at step 8" in r.getMessage()]
     assert not (setup.run_dir / "checkpoints").exists()
+
+
+def _reseal(ck: Path, name: str):
+    """Make checkpoint `ck`'s manifest agree with file `name` as it is now (an edit its hash cannot tell)."""
+    manifest = json.loads((ck / C.MANIFEST).read_text())
+    manifest["files"][name] = C._describe(ck / name)
+    (ck / C.MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_trainer_json_is_exactly_the_model_and_the_bytes_it_always_was(tmp_path):
+    """trainer.json is the writer's record (checkpoint_records.TrainerState), its bytes as before the model (the
+    manifest hashes them; a resume reads them); a key the model does not describe is refused before anything is
+    written."""
+    setup = fake_setup(tmp_path, steps=12)
+    d, opt, sched = trained()
+    rows = [{"step": 4, "loss": 2.5, "acc_per_position": [0.5, None], "smoothed_stats": [1.0, 2.0]}]
+    ck = C.save(setup.run_dir, 4, 8, d, opt, sched, C.identity(setup), rows, "time_budget")
+    text = (ck / C.TRAINER).read_text()
+    version, state, gauss = random.getstate()
+    assert text == json.dumps({"step": 4, "data_index": 8, "scheduler": sched.state_dict(),
+                               "python_random": [version, list(state), gauss], "result_hash": "c1", "data_hash": "d1",
+                               "metrics": rows, "finished": True, "finished_by": "time_budget"}, indent=2) + "\n"
+    state = TrainerState.model_validate_json(text)
+    assert (state.step, state.data_index, state.metrics, state.finished) == (4, 8, rows, True)
+    with pytest.raises(ValidationError, match="surprise"):
+        C.save(setup.run_dir, 8, 16, d, opt, sched, {**C.identity(setup), "surprise": 1})
+    with pytest.raises(ValidationError, match="result_hash"):
+        C.save(setup.run_dir, 8, 16, d, opt, sched, {"result_hash": 3, "data_hash": None})
+    assert [p.name for p in (setup.run_dir / "checkpoints").iterdir()] == ["step-000004"]
+
+
+def test_a_malformed_trainer_json_makes_its_checkpoint_not_intact(tmp_path, caplog):
+    """A trainer.json that its manifest agrees with but that is no trainer state (edited, or a bug): resume skips that
+    checkpoint in one line naming the key, as a damaged file (it used to stop on a traceback: "8" >= 12), and `load`
+    refuses it naming the file and the key. One of an older version, without `metrics` or `finished`, still resumes."""
+    setup = fake_setup(tmp_path, steps=12)
+    saved(setup)
+    ck = C.step_dir(setup.run_dir, 8)
+    f = ck / C.TRAINER
+    good = json.loads(f.read_text())
+    f.write_text(json.dumps({**good, "step": "8"}))
+    _reseal(ck, C.TRAINER)
+    with caplog.at_level(logging.WARNING, "dflash.train"):
+        assert C.resumable(setup) == C.step_dir(setup.run_dir, 4)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "step-000008 skipped: trainer.json is not a trainer state (key 'step': " in lines[0]
+    with pytest.raises(UserError, match=re.escape(f"{f}: not a trainer state (key 'step': Input should be a valid "
+                                                  f"integer, got '8')")):
+        C.load(ck, *trained())
+    f.write_text(json.dumps({k: v for k, v in good.items() if k not in ("metrics", "finished", "finished_by")}))
+    _reseal(ck, C.TRAINER)
+    assert C.resumable(setup) == ck
+    state = C.load(ck, *trained())
+    assert (state.step, state.metrics, state.finished) == (8, None, False) and not C.finished(state, setup)
+
+
+def test_finished_json_is_exactly_the_model_and_a_malformed_one_is_named(tmp_path, caplog):
+    """finished.json is the writer's record (checkpoint_records.Finished); restore reads it through FinishedCore: one
+    whose outputs are not text is named in one line (file and key) and restores nothing (it used to be silent), so the
+    finished run is set aside and a new one trains."""
+    setup = fake_setup(tmp_path, steps=8)
+    saved(setup)
+    finish(setup, 8)
+    f = setup.run_dir / "checkpoints" / C.FINISHED
+    record = Finished.model_validate_json(f.read_text())
+    assert record.checkpoint == CheckpointRef(**C.describe(setup.run_dir, 8))
+    assert record.outputs == {"summary.json": "summary of the finished run\n", "metrics.jsonl": '{"step": 1}\n'}
+    with pytest.raises(ValidationError, match="checkpoint.extra"):
+        C.record_finished(setup.run_dir, {**C.describe(setup.run_dir, 8), "extra": 1})
+    assert Finished.model_validate_json(f.read_text()) == record          # refused before anything was written
+    f.write_text(json.dumps({**json.loads(f.read_text()), "outputs": {"summary.json": 1, "metrics.jsonl": ""}}))
+    (setup.run_dir / "summary.json").unlink()
+    with caplog.at_level(logging.WARNING, "dflash.train"):
+        assert C.restore(setup) is None
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{f}: key 'outputs.summary.json': Input should be a valid string, got 1; the finished run cannot be restored "
+        f"from it"]
+    assert not (setup.run_dir / "summary.json").exists()
+    assert C.resumable(setup) is None and (setup.run_dir / C.PREVIOUS / "step-000008").is_dir()   # a new run trains
 
 
 def finish(setup, step, text="summary of the finished run\n"):
@@ -181,7 +264,7 @@ def test_a_finished_run_is_restored_never_retrained(tmp_path):
     finish(setup, 8)
     for name in ("summary.json", "metrics.jsonl"):
         (setup.run_dir / name).unlink()
-    assert C.restore(setup)["checkpoint"]["path"] == "checkpoints/step-000008"
+    assert C.restore(setup).checkpoint.path == "checkpoints/step-000008"
     assert (setup.run_dir / "summary.json").read_text() == "summary of the finished run\n"
     assert (setup.run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'
     assert sorted(p.name for p in (setup.run_dir / "checkpoints").iterdir()) == \
@@ -204,7 +287,7 @@ def test_a_run_moved_aside_comes_back_when_its_config_does(tmp_path, caplog):
     finish(mine, 8)
     assert C.resumable(other) is None                                    # the other run sets mine aside
     saved(other, (4,))                                                   # and is interrupted at step 4
-    assert C.restore(mine)["checkpoint"]["path"] == "checkpoints/step-000008"
+    assert C.restore(mine).checkpoint.path == "checkpoints/step-000008"
     assert (mine.run_dir / "summary.json").read_text() == "summary of the finished run\n"
     assert sorted(p.name for p in (mine.run_dir / "checkpoints").iterdir()) == [C.FINISHED, "step-000004",
                                                                                "step-000008"]
@@ -242,8 +325,11 @@ def test_a_swap_cut_short_is_finished(tmp_path):
 def test_finished_is_one_predicate():
     """resumable and restore ask one question of a checkpoint's trainer state (extend it there)."""
     setup = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(steps=8)))
-    assert C.finished({"step": 8}, setup) and not C.finished({"step": 7}, setup)
-    assert C.finished({"step": 3, "finished": True, "finished_by": "time_budget"}, setup)
+    def saved(**keys):   # a trainer.json as resuming reads it; without `finished` as one written before it existed
+        state = {"data_index": 0, "scheduler": {}, "python_random": [3, [], None], **keys}
+        return TrainerCore.model_validate_json(json.dumps(state))
+    assert C.finished(saved(step=8), setup) and not C.finished(saved(step=7), setup)
+    assert C.finished(saved(step=3, finished=True, finished_by="time_budget"), setup)
 
 
 def test_evaluate_and_export_read_exactly_the_checkpoint_the_run_ended_with(tmp_path):

@@ -196,6 +196,7 @@ def test_policies_follow_evaluate_proposal():
 
 def test_model_card_names_the_policy_of_each_tau():
     from dflash import config as C
+    from dflash.acceptance_model import AcceptanceCore
     from dflash.evaluate.modelcard import model_card
     cfg = C.from_dict({}).cfg
     tconf = types.SimpleNamespace(architectures=["Qwen3ForCausalLM"], num_hidden_layers=2, hidden_size=8,
@@ -203,7 +204,8 @@ def test_model_card_names_the_policy_of_each_tau():
     dcfg = types.SimpleNamespace(num_layers=1, block_size=4, target_layer_ids=[0], mask_token_id=3)
 
     def line(acc):
-        card = model_card(cfg, tconf, dcfg, "ckpt", {}, acc, {}, {"dtype": "float32"})
+        view = AcceptanceCore.model_validate(acc) if acc is not None else None   # as export reads the file
+        card = model_card(cfg, tconf, dcfg, "ckpt", {}, view, {}, {"dtype": "float32"})
         return next(x for x in card.splitlines() if x.startswith("| acceptance length tau |"))
     assert "| 2.000 (temperature 0, greedy: the same under every engine; 4 held-out prompts" in line(_acceptance(0.0))
     both = line(_acceptance(0.7, {"argmax": 2.96, "sample": 1.16}))

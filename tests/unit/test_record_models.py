@@ -1,18 +1,20 @@
 """The typed models of the files that cross a stage (issue 41 item 2): the docs' tables are generated from them, the
 writer's record is exactly the model, the readers' views take what they need and keep the rest."""
+import hashlib
 import json
 import re
 
 import pytest
 from pydantic import ValidationError
 
-from dflash import compile_record
+from dflash import acceptance_model, compile_record
 from dflash.cli import main
 from dflash.data import manifest, shards
 from dflash.errors import UserError
-from dflash.evaluate import acceptance_model
-from dflash.report import build, regress, regressions_model
+from dflash.report import build, history, regress, regressions_model
 from dflash.stages import gate
+from dflash.stages.export import _acceptance
+from dflash.train import checkpoint_records
 from support.report_factory import acceptance, settings, summary, with_pkg, write_run
 
 
@@ -26,11 +28,14 @@ from support.report_factory import acceptance, settings, summary, with_pkg, writ
     ("regressions-keys", regressions_model.key_table, ("latest_regressed", "runs[].quality.baseline.tau",
                                                        "runs[].changed.<category>[].old", "runs[].anomalies[].share",
                                                        "placement.colocated_speedup", "skipped[].reason")),
+    ("trainer-keys", checkpoint_records.trainer_key_table, ("step", "data_index", "scheduler", "python_random",
+                                                            "result_hash", "metrics", "finished_by")),
+    ("finished-keys", checkpoint_records.finished_key_table, ("outputs", "checkpoint.path", "checkpoint.manifest")),
 ])
 def test_docs_list_the_keys_of_the_model(repo, name, table, keys):
     text = (repo / "docs" / "architecture.md").read_text()
     block = re.search(rf"<!-- {name}:begin -->\n(.*?)<!-- {name}:end -->", text, re.S)
-    assert block and block.group(1) == table(), f"docs/architecture.md: paste {table.__module__}.key_table()"
+    assert block and block.group(1) == table(), f"docs/architecture.md: paste {table.__module__}.{table.__name__}()"
     for key in keys:
         assert f"| `{key}` |" in block.group(1)
 
@@ -51,17 +56,20 @@ def test_manifest_reader_checks_the_types_of_the_keys_it_uses(tmp_path):
         shards.read_manifest(tmp_path)
 
 
+FIGURES = {"tau": 2.5, "verify_steps": 4, "acceptance_histogram": {"1": 1, "2": 3},
+           "acceptance_distribution": {"1": 0.25, "2": 0.75}, "acceptance_per_position": [0.75],
+           "speculative_tokens_per_s": 10.0, "plain_tokens_per_s": 5.0, "speedup": 2.0}
+ACCEPTANCE = {**FIGURES, "run_name": "t", "created_at": "2026-01-01T00:00:00+00:00", "drafter": "ckpt",
+              "checkpoint_step": 10, "target": "tgt", "target_files": {}, "device": "cpu", "dtype": "float32",
+              "temperature": 0.0, "block_size": 2, "max_new_tokens": 10, "num_prompts": 1, "stop_token_ids": [2],
+              "proposal": "argmax", "by_proposal": {"argmax": FIGURES}, "engines": {"argmax": ["vLLM"]},
+              "lossless": True, "sets": {}}
+
+
 def test_acceptance_record_is_exactly_the_model():
     """The evaluate stage validates its record before writing (tests/stages/test_evaluate_stages.py runs it at
     temperature 0 and above): a key the model does not describe, or one left out, is refused."""
-    figures = {"tau": 2.5, "verify_steps": 4, "acceptance_histogram": {"1": 1, "2": 3},
-               "acceptance_distribution": {"1": 0.25, "2": 0.75}, "acceptance_per_position": [0.75],
-               "speculative_tokens_per_s": 10.0, "plain_tokens_per_s": 5.0, "speedup": 2.0}
-    doc = {**figures, "run_name": "t", "created_at": "2026-01-01T00:00:00+00:00", "drafter": "ckpt",
-           "checkpoint_step": 10, "target": "tgt", "target_files": {}, "device": "cpu", "dtype": "float32",
-           "temperature": 0.0, "block_size": 2, "max_new_tokens": 10, "num_prompts": 1, "stop_token_ids": [2],
-           "proposal": "argmax", "by_proposal": {"argmax": figures}, "engines": {"argmax": ["vLLM"]},
-           "lossless": True, "sets": {}}
+    doc, figures = ACCEPTANCE, FIGURES
     assert acceptance_model.Acceptance.model_validate(doc).by_proposal["argmax"].tau == 2.5
     with pytest.raises(ValidationError, match="surprise"):
         acceptance_model.Acceptance.model_validate({**doc, "surprise": 1})
@@ -167,3 +175,40 @@ def test_the_gate_reads_through_the_model_and_names_the_file_and_key(tmp_path, c
     path.write_text("[]")
     assert main(["gate", "--config", str(cfg), "--regressions", str(path), "--out", str(out)]) == 1
     assert f"{path}: expected a JSON object; rerun the report stage" in capsys.readouterr().err
+def test_acceptance_readers_take_files_of_every_age_through_the_core():
+    """AcceptanceCore, what the report, export and the model card read: the writer's record reads through it; the
+    older files the report's tests keep (only `tau`; `tau` per prompt set; no `by_proposal`) read with the values the
+    readers took from them by key before it, the evaluation hash included."""
+    core = acceptance_model.AcceptanceCore
+    assert set(core.model_fields) - {"run_id"} < set(acceptance_model.Acceptance.model_fields)   # run_id: by hand only
+    read = core.model_validate(ACCEPTANCE)
+    assert (read.tau, read.by_proposal["argmax"].tau, read.lossless, read.model_extra["engines"]) == \
+        (2.5, 2.5, True, {"argmax": ["vLLM"]})
+    assert history.tau_of({"tau": 6.2}) == 6.2 and history.tau_of({"tau": {"gsm8k": 6.0, "mt-bench": 5}}) == 5.5
+    assert history.tau_of({"tau": {"gsm8k": {"tau": 6.0}, "mt-bench": {"tau": None}}}) == 6.0
+    assert history.tau_of({**ACCEPTANCE, "temperature": 0.7}) is None
+    old = {"created_at": "2026-01-01T00:05:00+00:00", "temperature": 0, "block_size": 16, "max_new_tokens": 64,
+           "num_prompts": 16, "dtype": "float32", "device": "cpu", "tau": 1.866, "sets": {"holdout": {"tau": 1.866}},
+           "data_hash": "abc"}
+    settings = {**{k: old[k] for k in history.EVAL_KEYS if k in old}, "data_hash": "abc", "prompt_sets": ["holdout"]}
+    assert history.evaluation_settings(old) == settings and json.dumps(settings["temperature"]) == "0"
+    assert history.eval_hash(old) == hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    sampled = {"temperature": 1.0, "tau": 1.4}                               # before by_proposal: sampled drafts
+    assert history.proposal_taus(sampled) == (1.0, {"sample": 1.4})
+    assert history.proposal_text({**sampled, "by_proposal": {"argmax": {"tau": 2.96}, "sample": {"tau": 1.16}}}) == \
+        "T=1: argmax 2.960; sample 1.160"
+
+
+def test_a_malformed_acceptance_file_is_named_by_its_key(tmp_path):
+    """A number as text: the report skips the file naming the key (the run keeps no evaluation), export refuses it."""
+    path = tmp_path / "acceptance.json"
+    path.write_text(json.dumps({**ACCEPTANCE, "tau": "2.5"}))
+    summary = {"run_id": "t-1", "finished_at": "2025-12-31T00:00:00+00:00"}
+    data, skipped = history.read_acceptance(path, summary)
+    assert data is None and skipped == {"file": str(path), "reason": "key 'tau': Input should be a valid number, got "
+                                                                     "'2.5'; no tau for run t-1 until evaluate writes "
+                                                                     "it again"}
+    with pytest.raises(UserError, match=re.escape(f"{path}: key 'tau': Input should be a valid number")):
+        _acceptance(path)
+    path.write_text(json.dumps(ACCEPTANCE))
+    assert history.read_acceptance(path, summary) == (ACCEPTANCE, None) and _acceptance(path).drafter == "ckpt"

@@ -1,14 +1,20 @@
 """acceptance.json, the evaluate stage's record: one typed description for its writer (stages/evaluate.py, from the
-figures of evaluate/acceptance.py) and the docs (docs/architecture.md, checked against it by a test).
+figures of evaluate/acceptance.py), its readers (report/history.py, report/markdown.py, stages/export.py and the model
+card it writes) and the docs (docs/architecture.md, checked against it by a test). Beside summary.json's model, below
+both `evaluate` and `report`: the report reads it without importing the evaluation (torch).
 
-`Acceptance` is every key the writer writes, with its meaning. Its readers (report/history.py, evaluate/modelcard.py,
-bench/quality.py) read files of every age, some from before keys existed, and take what they use with `.get`.
+`Acceptance` is every key the writer writes, with its meaning. `AcceptanceCore` is what its readers use, of a file of
+any age: every key optional (the first files held only `tau`, some as {prompt set: tau}, read as their mean; later
+ones lack the keys added since), the types checked where present, other keys kept. (bench/quality.py still reads its
+own temperature files by key.)
 """
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+import math
 
-from dflash.records import WRITTEN
+from pydantic import BaseModel, Field, field_validator
+
+from dflash.records import WRITTEN, Read
 
 
 class Decoding(BaseModel):
@@ -97,6 +103,51 @@ class Acceptance(Figures):
     lossless: bool = Field(description="Every set lossless.")
     sets: dict[str, PromptSet] = Field(description=(
         "{name: figures per prompt set}: `holdout`, then one per evaluate.prompt_files stem (`PromptSet`)."))
+
+
+def _as(name: str, default=None):
+    """A reader's field: `default` where a file lacks the key, the writer's meaning."""
+    return Field(default, description=Acceptance.model_fields[name].description)
+
+
+class TauCore(Read):
+    """A draft policy's figures (`by_proposal.<policy>`) as the readers take them."""
+    tau: float | None = _as("tau")
+
+
+class AcceptanceCore(Read):
+    """What the readers take of an acceptance.json of any age (the module's docstring)."""
+    created_at: str | None = _as("created_at")
+    drafter: str | None = _as("drafter")
+    temperature: float | None = _as("temperature")
+    block_size: int | None = _as("block_size")
+    max_new_tokens: int | None = _as("max_new_tokens")
+    num_prompts: int | None = _as("num_prompts")
+    dtype: str | None = _as("dtype")
+    device: str | None = _as("device")
+    stop_token_ids: list[int] | None = _as("stop_token_ids")
+    tau: float | None = Field(None, description=(
+        Acceptance.model_fields["tau"].description + " The oldest files hold {prompt set: tau, or its figures}: read "
+        "as the mean of the sets that have one."))
+    proposal: str | None = _as("proposal")
+    by_proposal: dict[str, TauCore] | None = _as("by_proposal")
+    speedup: float | None = _as("speedup")
+    lossless: bool | None = _as("lossless")
+    sets: dict[str, dict] | None = _as("sets")
+    run_id: str | None = Field(None, description=(
+        "Not written by evaluate (the report tells an evaluation of the run from an older one by `created_at`): a "
+        "file made by hand may name the run it evaluates; one naming another run is not this run's."))
+
+    @field_validator("tau", mode="before")
+    @classmethod
+    def _mean_over_sets(cls, tau):
+        if not isinstance(tau, dict):
+            return tau
+        taus = [t.get("tau") if isinstance(t, dict) else t for t in tau.values()]
+        if any(isinstance(t, bool) or not isinstance(t, (int, float, type(None))) for t in taus):
+            raise ValueError("a prompt set's tau is not a number")
+        taus = [t for t in taus if t is not None and not math.isnan(t)]
+        return sum(taus) / len(taus) if taus else None
 
 
 def key_table() -> str:
