@@ -14,7 +14,7 @@ import math
 
 from pydantic import BaseModel, Field, field_validator
 
-from dflash.records import WRITTEN, Read
+from dflash.records import WRITTEN, Read, key_table as records_table
 
 
 class Decoding(BaseModel):
@@ -152,8 +152,5 @@ class AcceptanceCore(Read):
 
 def key_table() -> str:
     """The docs' table of acceptance.json's keys (docs/architecture.md holds it between its `acceptance-keys` markers)."""
-    rows = ["| key | meaning |", "| --- | --- |"]
-    for prefix, model in (("", Acceptance), ("sets.<name>.", PromptSet), ("sets.<name>.plain.", Decoding),
-                          ("sets.<name>.mismatches[].", Mismatch)):
-        rows += [f"| `{prefix}{key}` | {field.description} |" for key, field in model.model_fields.items()]
-    return "\n".join(rows) + "\n"
+    return records_table((("", Acceptance), ("sets.<name>.", PromptSet), ("sets.<name>.plain.", Decoding),
+                          ("sets.<name>.mismatches[].", Mismatch)))

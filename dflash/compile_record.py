@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from dflash.records import WRITTEN, Read
+from dflash.records import WRITTEN, Read, key_table as records_table
 
 
 class Shape(BaseModel):
@@ -68,7 +68,4 @@ class CompileRecord(CompileRecordCore):
 def key_table() -> str:
     """The docs' table of the compile record's keys (docs/architecture.md holds it between its `compile-keys`
     markers)."""
-    rows = ["| key | meaning |", "| --- | --- |"]
-    for prefix, model in (("", CompileRecord), ("per_role[].", WarmupPart), ("per_role[].shapes[].", Shape)):
-        rows += [f"| `{prefix}{key}` | {field.description} |" for key, field in model.model_fields.items()]
-    return "\n".join(rows) + "\n"
+    return records_table((("", CompileRecord), ("per_role[].", WarmupPart), ("per_role[].shapes[].", Shape)))

@@ -27,3 +27,12 @@ def problem(e: ValidationError) -> str:
         return f"missing key '{key}'"
     got = repr(err["input"])
     return f"key '{key}': {err['msg']}, got {got if len(got) <= 80 else got[:77] + '...'}"
+
+
+def key_table(parts: tuple[tuple[str, type[BaseModel]], ...]) -> str:
+    """A record's docs table (docs/architecture.md, between its markers): one row per key of each (prefix, model)
+    part, in order, with the field's description."""
+    rows = ["| key | meaning |", "| --- | --- |"]
+    for prefix, model in parts:
+        rows += [f"| `{prefix}{key}` | {field.description} |" for key, field in model.model_fields.items()]
+    return "\n".join(rows) + "\n"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from dflash.records import WRITTEN, Read
+from dflash.records import WRITTEN, Read, key_table as records_table
 
 
 class GitCore(Read):
@@ -173,8 +173,5 @@ class RunSummary(SummaryCore):
 
 def key_table() -> str:
     """The docs' table of summary.json's keys (docs/architecture.md holds it between its `summary-keys` markers)."""
-    rows = ["| key | meaning |", "| --- | --- |"]
-    for prefix, model in (("", RunSummary), ("git.", Git), ("throughput.", Throughput), ("compile.", Compile),
-                          ("eval.", LiveEval), ("checkpoint.", CheckpointRef)):
-        rows += [f"| `{prefix}{key}` | {field.description} |" for key, field in model.model_fields.items()]
-    return "\n".join(rows) + "\n"
+    return records_table((("", RunSummary), ("git.", Git), ("throughput.", Throughput), ("compile.", Compile),
+                          ("eval.", LiveEval), ("checkpoint.", CheckpointRef)))

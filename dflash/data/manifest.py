@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from dflash.records import WRITTEN, Read
+from dflash.records import WRITTEN, Read, key_table as records_table
 
 
 class ManifestCore(Read):
@@ -120,9 +120,6 @@ class Manifest(ManifestCore):
 
 def key_table() -> str:
     """The docs' table of manifest.json's keys (docs/architecture.md holds it between its `manifest-keys` markers)."""
-    rows = ["| key | meaning |", "| --- | --- |"]
-    for prefix, model in (("", Manifest), ("sources.<name>.", Source), ("regeneration.", Regeneration),
+    return records_table((("", Manifest), ("sources.<name>.", Source), ("regeneration.", Regeneration),
                           ("filters.", Filters), ("filters.too_few_supervised.", TooFew),
-                          ("filters.too_long.", TooLong), ("tokenizer.", Tokenizer)):
-        rows += [f"| `{prefix}{key}` | {field.description} |" for key, field in model.model_fields.items()]
-    return "\n".join(rows) + "\n"
+                          ("filters.too_long.", TooLong), ("tokenizer.", Tokenizer)))

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, ValidationError
 
 from dflash.errors import UserError
-from dflash.records import WRITTEN, Read
+from dflash.records import WRITTEN, Read, key_table as records_table
 
 Verdict = Literal["regression", "improvement", "ok", "not measured", "baseline", "first run", "no baseline"]
 VERDICTS = ("regression (the change below `threshold`), improvement (above -`threshold`), ok, not measured, baseline "
@@ -249,11 +249,8 @@ def read(path: str | Path) -> RegressionsCore:
 def key_table() -> str:
     """The docs' table of regressions.json's keys (docs/architecture.md holds it between its `regressions-keys`
     markers)."""
-    rows = ["| key | meaning |", "| --- | --- |"]
-    for prefix, model in (("", Regressions), ("skipped[].", Skipped), ("runs[].", RunVerdict),
+    return records_table((("", Regressions), ("skipped[].", Skipped), ("runs[].", RunVerdict),
                           ("runs[].baseline.", Baseline), ("runs[].changed.", Changed),
                           ("runs[].changed.<category>[].", Change), ("runs[].previous.", Previous),
                           ("runs[].quality.", Quality), ("runs[].quality.baseline.", TauBaseline),
-                          ("runs[].anomalies[].", Anomaly), ("placement.", Placement), ("placement.current.", Split)):
-        rows += [f"| `{prefix}{key}` | {field.description} |" for key, field in model.model_fields.items()]
-    return "\n".join(rows) + "\n"
+                          ("runs[].anomalies[].", Anomaly), ("placement.", Placement), ("placement.current.", Split)))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from dflash.records import WRITTEN, Read
+from dflash.records import WRITTEN, Read, key_table as records_table
 from dflash.run_summary import CheckpointCore, CheckpointRef
 
 
@@ -68,13 +68,9 @@ class Finished(FinishedCore):
 
 def trainer_key_table() -> str:
     """The docs' table of trainer.json's keys (docs/architecture.md holds it between its `trainer-keys` markers)."""
-    return "| key | meaning |\n| --- | --- |\n" + "".join(
-        f"| `{key}` | {field.description} |\n" for key, field in TrainerState.model_fields.items())
+    return records_table((("", TrainerState),))
 
 
 def finished_key_table() -> str:
     """The docs' table of finished.json's keys (docs/architecture.md holds it between its `finished-keys` markers)."""
-    rows = ["| key | meaning |", "| --- | --- |"]
-    for prefix, model in (("", Finished), ("checkpoint.", CheckpointRef)):
-        rows += [f"| `{prefix}{key}` | {field.description} |" for key, field in model.model_fields.items()]
-    return "\n".join(rows) + "\n"
+    return records_table((("", Finished), ("checkpoint.", CheckpointRef)))
