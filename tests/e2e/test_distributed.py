@@ -14,7 +14,7 @@ from dflash.errors import UserError
 from dflash.report.placement import suggest
 from dflash.train.placement import resolve
 from dflash.train.runtime.distributed import launch_config, torchrun_command
-from support.train import REPO, prepared, run_dir, stop_with, train_ok
+from support.train import REPO, prepared, prepared_eval, run_dir, stop_with, train_ok
 
 pytestmark = pytest.mark.slow
 
@@ -29,12 +29,12 @@ def losses(cfg):
     return [json.loads(l)["loss"] for l in (run_dir(cfg) / "metrics.jsonl").read_text().splitlines()]
 
 
-def agrees_with_threads(s: dict, dist_cfg, thr_cfg) -> None:
-    """A distributed run's summary `s` against the threads run of the same config: 4 logged losses within 1e-4
+def agrees_with_threads(s: dict, dist_cfg, thr_cfg, logged: int) -> None:
+    """A distributed run's summary `s` against the threads run of the same config: its `logged` losses within 1e-4
     relative (same data order and anchors; only the order of the gradient sum differs), and one lifecycle's summary:
     the same keys, at the top and in every section, and the same step counts."""
     a, b = losses(dist_cfg), losses(thr_cfg)
-    assert len(a) == len(b) == 4
+    assert len(a) == len(b) == logged
     for x, y in zip(a, b):
         assert abs(x - y) <= 1e-4 * abs(y), (a, b)
     t = json.loads((run_dir(thr_cfg) / "summary.json").read_text())
@@ -45,12 +45,20 @@ def agrees_with_threads(s: dict, dist_cfg, thr_cfg) -> None:
 
 
 def test_gloo_matches_threads_and_replicas_stay_identical(tmp_path):
-    dist_cfg, thr_cfg = prepared(tmp_path / "d", steps=8), prepared(tmp_path / "t", steps=8)
+    """1 target rank, 2 drafter ranks (one launch): train.objective ce+kl with train.loss_weighting dpace, so the split
+    layout's features travel target rank -> drafter ranks with the target's final-norm states beside the context
+    (gloo). The replicas stay identical; the losses, CE and KL and the summary equal the threads runtime's; the target
+    rank's forward time reaches the summary; the threads run, its last checkpoint damaged, resumes from step 2 to the
+    same weights."""
+    from safetensors.torch import load_file
+    recipe = {"steps": 4, "checkpoint_every": 2, "warmup_steps_excluded": 1, "objective": "ce+kl",
+              "loss_weighting": "dpace"}
+    dist_cfg, thr_cfg = prepared(tmp_path / "d", **recipe), prepared(tmp_path / "t", **recipe)
     r = train(dist_cfg, "distributed")
     assert r.returncode == 0, r.stderr[-3000:]
     train_ok(thr_cfg, "--set", "train.runtime=threads")   # the reference, in this process: one launch fewer
     s = json.loads((run_dir(dist_cfg) / "summary.json").read_text())
-    assert s["runtime"] == "distributed" and s["status"] == "completed" and s["steps"] == 8
+    assert s["runtime"] == "distributed" and s["status"] == "completed" and s["steps"] == 4
     assert s["replicas_identical"] is True and len(s["replica_checksums"]) == 2
     assert {w["name"] for w in s["workers"]} == {"target-0", "drafter-0", "drafter-1"}
     # the target rank's forward time reaches the summary (drafter rank 0 sees none of its own), so the report can
@@ -58,22 +66,6 @@ def test_gloo_matches_threads_and_replicas_stay_identical(tmp_path):
     tgt = next(w for w in s["workers"] if w["name"] == "target-0")
     assert tgt["forward_batches"] >= 2 * s["measured_steps"] and tgt["forward_s"] > 0
     assert s["time_split_s"]["target"] == pytest.approx(tgt["forward_s"])
-    s["devices"] = [{"device": f"cuda:{i}", "roles": [r]} for i, r in enumerate(["target", "drafter", "drafter"])]
-    assert suggest(s)["current"] == {"targets": 1, "drafters": 2}
-    agrees_with_threads(s, dist_cfg, thr_cfg)
-
-
-def test_loss_recipes_match_across_runtimes_and_resume(tmp_path):
-    """train.objective ce+kl with train.loss_weighting dpace: the split layout's features travel target rank ->
-    drafter ranks with the target's final-norm states beside the context (gloo), and give the threads runtime's
-    losses, CE and KL; the threads run, its last checkpoint damaged, resumes from step 2 to the same weights."""
-    from safetensors.torch import load_file
-    recipe = {"steps": 4, "checkpoint_every": 2, "warmup_steps_excluded": 1, "objective": "ce+kl",
-              "loss_weighting": "dpace"}
-    dist_cfg, thr_cfg = prepared(tmp_path / "d", **recipe), prepared(tmp_path / "t", **recipe)
-    r = train(dist_cfg, "distributed")
-    assert r.returncode == 0, r.stderr[-3000:]
-    train_ok(thr_cfg, "--set", "train.runtime=threads")
     rows = {c: [json.loads(x) for x in (run_dir(c) / "metrics.jsonl").read_text().splitlines()]
             for c in (dist_cfg, thr_cfg)}
     assert [x["step"] for x in rows[dist_cfg]] == [x["step"] for x in rows[thr_cfg]] == [1, 2, 4]
@@ -81,10 +73,13 @@ def test_loss_recipes_match_across_runtimes_and_resume(tmp_path):
         assert a["kl"] > 0 and a["loss"] == pytest.approx(a["ce"] + a["kl"], rel=1e-6)   # float32 sums
         for key in ("loss", "ce", "kl"):
             assert a[key] == pytest.approx(b[key], rel=1e-4), (key, a, b)
-    s, t = (json.loads((run_dir(c) / "summary.json").read_text()) for c in (dist_cfg, thr_cfg))
-    assert s["status"] == "completed" and s["replicas_identical"] is True and s["kl"] > 0
+    t = json.loads((run_dir(thr_cfg) / "summary.json").read_text())
+    assert s["kl"] > 0
     for key in ("loss", "ce", "kl"):   # summary.json's figures weight every step alike (DECAY) in both runtimes
         assert s[key] == pytest.approx(t[key], rel=1e-4), (key, s[key], t[key])
+    agrees_with_threads(s, dist_cfg, thr_cfg, logged=3)
+    s["devices"] = [{"device": f"cuda:{i}", "roles": [r]} for i, r in enumerate(["target", "drafter", "drafter"])]
+    assert suggest(s)["current"] == {"targets": 1, "drafters": 2}
     final = run_dir(thr_cfg) / "checkpoints" / "step-000004" / "model.safetensors"
     first = {k: v.clone() for k, v in load_file(str(final)).items()}
     final.write_bytes(final.read_bytes()[:1000])
@@ -94,22 +89,29 @@ def test_loss_recipes_match_across_runtimes_and_resume(tmp_path):
         torch.testing.assert_close(v, first[k], rtol=0, atol=0)
 
 
-def test_colocated_ranks_each_run_a_target_and_a_replica(tmp_path):
+def test_colocated_ranks_each_run_a_target_and_a_replica_and_rank_0_evaluates(tmp_path):
     """train.targets == train.drafters: 2 ranks, each with its own target and a drafter replica (no feature
-    transport); the same losses as the threads runtime on that placement, identical replicas."""
-    two = {"targets": ["cpu", "cpu"], "drafters": ["cpu", "cpu"]}
-    dist_cfg, thr_cfg = prepared(tmp_path / "d", steps=8, **two), prepared(tmp_path / "t", steps=8, **two)
+    transport); the same losses as the threads runtime on that placement (which evaluates nothing), identical
+    replicas. With train.eval_every 2, drafter-0 decodes with its own target at steps 2 and 4 while drafter-1 waits
+    on the store: one launch for both."""
+    two = {"targets": ["cpu", "cpu"], "drafters": ["cpu", "cpu"], "steps": 4, "log_every": 1}
+    dist_cfg, thr_cfg = prepared_eval(tmp_path / "d", eval_every=2, **two), prepared_eval(tmp_path / "t", **two)
     r = train(dist_cfg, "distributed")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "2 rank(s) on this node" in r.stderr
     train_ok(thr_cfg, "--set", "train.runtime=threads")   # the reference, in this process: one launch fewer
     s = json.loads((run_dir(dist_cfg) / "summary.json").read_text())
-    assert s["status"] == "completed" and s["steps"] == 8 and s["replicas_identical"] is True
+    assert s["status"] == "completed" and s["steps"] == 4 and s["replicas_identical"] is True
     assert {w["name"] for w in s["workers"]} == {"drafter-0", "drafter-1"}
     assert [d["roles"] for d in s["devices"]] == [["target", "drafter"]] * 2
     assert all(w["forward_batches"] >= s["measured_steps"] for w in s["workers"]) and s["time_split_s"]["target"] > 0
-    agrees_with_threads(s, dist_cfg, thr_cfg)
+    agrees_with_threads(s, dist_cfg, thr_cfg, logged=4)
     assert resolve(C.load(dist_cfg, {"train.runtime": "distributed"}).cfg.train).role(1) == "drafter-1 + target (cpu)"
+    # rank 0's evaluations: in their rows and in summary.json
+    rows = [json.loads(x) for x in (run_dir(dist_cfg) / "metrics.jsonl").read_text().splitlines()]
+    assert s["runtime"] == "distributed" and s["eval"]["steps"] == [2, 4]
+    assert [(x["step"], x["tau_step"]) for x in rows] == [(1, None), (2, 2), (3, None), (4, 4)]
+    assert all(x["tau"] >= 1.0 for x in rows if x["tau_step"] is not None)
 
 
 @pytest.mark.parametrize("fault", ["diverged", "non_finite"])
@@ -196,11 +198,11 @@ def test_time_budget_with_muon_stops_every_rank_together(tmp_path):
     """train.time_budget_s with Muon in the distributed runtime (1 target rank, 2 DDP replicas): the replicas agree on
     the time (reduced with the step's statistics), stop at the same step, identical, long before train.steps, and
     the target rank stops making features there (it is told the last step, not left to fill every step's)."""
-    cfg = prepared(tmp_path, steps=2000, time_budget_s=4, optimizer="muon", log_every=5, checkpoint_every=0)
+    cfg = prepared(tmp_path, steps=2000, time_budget_s=2, optimizer="muon", log_every=5, checkpoint_every=0)
     r = train(cfg, "distributed")
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads((run_dir(cfg) / "summary.json").read_text())
-    assert (s["status"], s["finished"], s["finished_by"], s["time_budget_s"]) == ("completed", True, "time_budget", 4)
-    assert s["train_seconds"] >= 4 and 1 <= s["steps"] < 2000 and s["replicas_identical"] is True   # ends by the budget, not steps
+    assert (s["status"], s["finished"], s["finished_by"], s["time_budget_s"]) == ("completed", True, "time_budget", 2)
+    assert s["train_seconds"] >= 2 and 1 <= s["steps"] < 2000 and s["replicas_identical"] is True   # ends by the budget, not steps
     target = next(w for w in s["workers"] if w["name"] == "target-0")
     assert target["steps"] <= 2 * s["steps"] + 2 * 4 + 2    # the steps' micro-batches, plus what was in flight

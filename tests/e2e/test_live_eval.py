@@ -1,46 +1,18 @@
 """tau measured while training (train.eval_every, dflash/evaluate/live.py): which steps evaluate, the last one equal
 to the evaluate stage's tau on the final checkpoint, nothing of training changed by it (weights, RNG, recompiles),
-its fields in metrics.jsonl, summary.json and the report's training plot, and the distributed (gloo) runtime."""
+its fields in metrics.jsonl, summary.json and the report's training plot; the distributed runtime's split layout
+refused (its co-located ranks evaluate in tests/e2e/test_distributed.py's co-located run)."""
 import json
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 
-from support.data import build_tiny_target
 from dflash import config as C
 from dflash.cli import main
 from dflash.evaluate.live import due, settings
-from support.train import config, run_dir, train_ok
-
-REPO = Path(__file__).resolve().parents[2]
-_DATA: dict = {}
-EVAL = {"num_prompts": 3, "max_new_tokens": 12, "device": "cpu"}
-
-
-def prepared(tmp_path: Path, **train) -> Path:
-    """test_train's tiny run, its dataset with 4 held-out prompts (built once per module), evaluate on the CPU."""
-    target = build_tiny_target()
-    raw = config(tmp_path / "results", target, **train)
-    raw["data"]["holdout"] = 4
-    raw["evaluate"] = dict(EVAL)
-    if "data" not in _DATA:
-        root = Path(os.environ.get("PYTEST_DATA_ROOT", tmp_path.parent)) / "live-data"
-        root.mkdir(parents=True, exist_ok=True)
-        (root / "c.yaml").write_text(yaml.safe_dump({**raw, "results_dir": str(root / "results")}))
-        assert main(["data", "--config", str(root / "c.yaml"), "--no-progress"]) == 0
-        _DATA["data"] = root / "results" / "data"
-    shutil.copytree(_DATA["data"], tmp_path / "results" / "data")
-    path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return path
-
+from support.data import build_tiny_target
+from support.train import EVAL, prepared_eval, run_dir, train_ok
 
 def rows(cfg) -> list[dict]:
     return [json.loads(x) for x in (run_dir(cfg) / "metrics.jsonl").read_text().splitlines()]
@@ -62,8 +34,8 @@ def test_final_tau_equals_the_evaluate_stage_and_training_is_unchanged(tmp_path)
     """Threads runtime, 2 replicas, steps 1..7 with eval_every 3: tau at steps 3, 6 and 7 (the last), each in a row of
     its own (whatever train.log_every) and in summary.json; the last equals `evaluate`'s tau on the final checkpoint
     (same prompts, tokens, weights); the weights, the checkpoint's RNG state and the losses equal a run without it."""
-    on = prepared(tmp_path / "on", steps=7, log_every=2, checkpoint_every=0, eval_every=3)
-    off = prepared(tmp_path / "off", steps=7, log_every=2, checkpoint_every=0)
+    on = prepared_eval(tmp_path / "on", steps=7, log_every=2, checkpoint_every=0, eval_every=3)
+    off = prepared_eval(tmp_path / "off", steps=7, log_every=2, checkpoint_every=0)
     train_ok(on)
     train_ok(off)
     got = rows(on)
@@ -123,24 +95,13 @@ def test_final_tau_equals_the_evaluate_stage_and_training_is_unchanged(tmp_path)
     plt.close(fig)
 
 
-@pytest.mark.slow
-def test_distributed_colocated_ranks_pause_for_rank_0s_eval_and_split_layout_is_refused(tmp_path):
-    """gloo, 2 co-located ranks: drafter-0 decodes with its own target at steps 2 and 4, drafter-1 waits on the store;
-    the split layout (drafter ranks without a target) is refused naming the key."""
-    two = {"targets": ["cpu", "cpu"], "drafters": ["cpu", "cpu"]}
-    cfg = prepared(tmp_path / "d", steps=4, log_every=2, checkpoint_every=0, eval_every=2, **two)
-    r = subprocess.run([sys.executable, "-m", "dflash", "train", "--config", str(cfg), "--no-progress", "--set",
-                        "train.runtime=distributed"], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    s = json.loads((run_dir(cfg) / "summary.json").read_text())
-    assert s["runtime"] == "distributed" and s["replicas_identical"] is True and s["eval"]["steps"] == [2, 4]
-    assert [(x["step"], x["tau_step"]) for x in rows(cfg)] == [(2, 2), (4, 4)]
-    assert all(x["tau"] >= 1.0 for x in rows(cfg))
-
-    split = prepared(tmp_path / "s", steps=2, eval_every=1)
-    r = subprocess.run([sys.executable, "-m", "dflash", "train", "--config", str(split), "--no-progress", "--set",
-                        "train.runtime=distributed"], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert r.returncode != 0 and "train.eval_every: drafter replica 0 has no target in its process" in r.stderr
+def test_the_distributed_split_layout_is_refused_naming_the_key(tmp_path, capsys):
+    """The split layout (drafter ranks without a target) is refused before anything is launched, naming the key. (The
+    co-located ranks' evaluation, drafter-0 decoding while drafter-1 waits, is tests/e2e/test_distributed.py's
+    co-located run: one launch.)"""
+    split = prepared_eval(tmp_path / "s", steps=2, eval_every=1)
+    assert main(["train", "--config", str(split), "--no-progress", "--set", "train.runtime=distributed"]) == 1
+    assert "train.eval_every: drafter replica 0 has no target in its process" in capsys.readouterr().err
 
 
 def test_decoding_with_a_compiled_target_after_warm_up_compiles_nothing(tmp_path):

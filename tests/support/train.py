@@ -1,5 +1,5 @@
 """The threads-runtime test helpers: a tiny run's config, a prepared results folder (the data stage run once per
-session), `dflash train` in process or as a subprocess, and a stop by signal."""
+session and holdout), `dflash train` in process or as a subprocess, and a stop by signal."""
 import json
 import os
 import shutil
@@ -28,21 +28,34 @@ def config(results: Path, target: Path, **train) -> dict:
             "train": t}
 
 
-def prepared(tmp_path: Path, **train) -> Path:
-    """A config file whose results folder already holds the expanded dataset (built once per session)."""
+def prepared(tmp_path: Path, holdout: int = 0, evaluate: dict | None = None, **train) -> Path:
+    """A config file whose results folder already holds the expanded dataset (built once per session for each
+    `holdout`); `evaluate`: the config's evaluate section (what the in-training evaluation reads too)."""
     target = build_tiny_target()
-    if "data" not in _DATA:
-        root = Path(os.environ.get("PYTEST_DATA_ROOT", tmp_path.parent)) / "train-data"
-        cfg = root / "c.yaml"
+    raw = config(tmp_path / "results", target, **train)
+    raw["data"]["holdout"] = holdout
+    if evaluate is not None:
+        raw["evaluate"] = dict(evaluate)
+    if holdout not in _DATA:
+        root = Path(os.environ.get("PYTEST_DATA_ROOT", tmp_path.parent)) / f"train-data-{holdout}"
         root.mkdir(parents=True, exist_ok=True)
-        cfg.write_text(yaml.safe_dump(config(root / "results", target)))
-        assert main(["data", "--config", str(cfg), "--no-progress"]) == 0
-        _DATA["data"] = root / "results" / "data"
-    results = tmp_path / "results"
-    shutil.copytree(_DATA["data"], results / "data")
+        data = config(root / "results", target)
+        data["data"]["holdout"] = holdout
+        (root / "c.yaml").write_text(yaml.safe_dump(data))
+        assert main(["data", "--config", str(root / "c.yaml"), "--no-progress"]) == 0
+        _DATA[holdout] = root / "results" / "data"
+    shutil.copytree(_DATA[holdout], tmp_path / "results" / "data")
     path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(config(results, target, **train)))
+    path.write_text(yaml.safe_dump(raw))
     return path
+
+
+EVAL = {"num_prompts": 3, "max_new_tokens": 12, "device": "cpu"}
+
+
+def prepared_eval(tmp_path: Path, **train) -> Path:
+    """A prepared run whose dataset holds 4 held-out prompts, decoded on the CPU by evaluate and train.eval_every."""
+    return prepared(tmp_path, holdout=4, evaluate=EVAL, **train)
 
 
 def run_dir(cfg: Path) -> Path:
