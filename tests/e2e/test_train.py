@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from dflash.cli import main
 from dflash.run_summary import RunSummary
 from dflash.train.checkpoint_records import Finished, TrainerState
-from support.train import REPO, dflash, prepared, run_dir, stop_with, train_ok
+from support.train import REPO, prepared, run_dir, stop_with, train_ok
 
 STOP_STEPS = 8   # steps a run may take from the signal to its stop: the logging interval (2), the step agreed on, slack
 
@@ -176,11 +176,10 @@ def test_failing_replica_stops_the_run_fast_and_is_named(tmp_path, step, monkeyp
     assert s["status"] == "failed" and (s["failure"]["kind"], s["failure"]["worker"]) == ("worker", "drafter-1")
 
 
-def test_failure_message_names_the_worker(tmp_path):
+def test_failure_message_names_the_worker(tmp_path, caplog):
     cfg = prepared(tmp_path, fail_at_step={"worker": "target-0", "step": 2})
-    r = dflash("train", "--config", str(cfg), "--no-progress", timeout=300)
-    assert r.returncode == 1
-    assert "worker target-0 failed" in r.stderr and "injected failure at step 2" in r.stderr
+    assert main(["train", "--config", str(cfg), "--no-progress"]) == 1   # in process: the same log lines, no launch
+    assert "worker target-0 failed" in caplog.text and "injected failure at step 2" in caplog.text
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1])
@@ -193,13 +192,13 @@ def test_stop_signals_checkpoint_and_exit_nonzero(tmp_path, sig):
     assert s["status"] == "interrupted" and last == s["steps"] < 400
 
 
-def test_diverged_replicas_stop_the_run_named(tmp_path):
+def test_diverged_replicas_stop_the_run_named(tmp_path, caplog):
     """The divergence guard: replica 1's weights are nudged after step 3; the exact checksums compared every
     2 steps differ at step 4, and the run stops there, naming the step and the replicas."""
     cfg = prepared(tmp_path, steps=40, check_every=2, diverge_at_step={"replica": 1, "step": 3})
-    r = dflash("train", "--config", str(cfg), "--no-progress", timeout=300)
-    assert r.returncode == 1
-    assert "replicas diverged at step 4" in r.stderr and "[0]" in r.stderr and "[1]" in r.stderr
+    assert main(["train", "--config", str(cfg), "--no-progress"]) == 1   # in process: the same log lines, no launch
+    err = "\n".join(r.getMessage() for r in caplog.records if "diverged" in r.getMessage())
+    assert "replicas diverged at step 4" in err and "[0]" in err and "[1]" in err
     s = json.loads((run_dir(cfg) / "summary.json").read_text())
     assert s["status"] == "failed" and s["failure"]["kind"] == "diverged" and s["steps"] <= 4
     assert s["replicas_identical"] is False and s["throughput"]["ktok_per_s"] is None
