@@ -127,45 +127,49 @@ def wait_for_chunks(cache: Path, n: int, proc, timeout=120):
     raise AssertionError("no chunk written")
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, talking_target):
+    """The stage's source for the kill tests (40 conversations, 2 held out) and its manifest from one uninterrupted
+    run (engine hf, 32 new tokens; the chunk size changes no hash): the hash both resumed stages must reach."""
+    root = tmp_path_factory.mktemp("ref")
+    src = write_jsonl(root / "a.jsonl", good_rows(40))
+    ref = expand(make_loaded(root, talking_target, [{"name": "a", "path": src}], min_supervised_blocks=1, holdout=2,
+                             regenerate={**REGEN, "max_new_tokens": 32, "chunk_size": 5}), root / "out", progress=False)
+    return src, ref
+
+
 @needs_serve
-def test_server_killed_mid_stage_then_rerun_resumes_to_the_same_hash(tmp_path, talking_target):
-    src = write_jsonl(tmp_path / "a.jsonl", good_rows(40))
-    # the reference: one uninterrupted run (engine hf; the test above holds the engines equal)
-    ref = expand(make_loaded(tmp_path / "ref", talking_target, [{"name": "a", "path": src}], min_supervised_blocks=1,
-                             holdout=2, regenerate={**REGEN, "max_new_tokens": 32, "chunk_size": 2}),
-                 tmp_path / "ref" / "out", progress=False)
-    srv = Server(talking_target).start()
+def test_server_killed_mid_stage_then_rerun_resumes_to_the_same_hash(tmp_path, talking_target, server, reference):
+    """The module's server, killed mid-stage, then started again on its port (for the tests after this one too)."""
+    src, ref = reference
+    conf = raw_config(tmp_path, talking_target, src, engine="openai", servers=[server.url], max_new_tokens=32,
+                      chunk_size=2, concurrency=1)
     try:
-        conf = raw_config(tmp_path, talking_target, src, engine="openai", servers=[srv.url], max_new_tokens=32,
-                          chunk_size=2, concurrency=1)
         proc = run_stage(tmp_path, conf)
         cache = tmp_path / "data" / "default.regen"
         wait_for_chunks(cache, 1, proc)
-        srv.kill()
+        server.kill()
         out, _ = proc.communicate(timeout=120)
     finally:
-        srv.kill()
-    assert proc.returncode == 1, out
-    assert f"regeneration server {srv.url}: ConnectError" in out and "retry 2/2" in out, out[-2000:]
-    assert f"regeneration server {srv.url} still failing after 2 retries" in out.splitlines()[-1], out[-2000:]
-    assert not (tmp_path / "data" / "default").exists()               # nothing half-written
-    kept = len(load_cache(next(cache.iterdir())))
-    assert 2 <= kept < 38
-    srv = Server(talking_target, srv.port).start()                     # the server is back: rerun
+        server.kill()
     try:
-        proc = run_stage(tmp_path, conf)
-        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 1, out
+        assert f"regeneration server {server.url}: ConnectError" in out and "retry 2/2" in out, out[-2000:]
+        assert f"regeneration server {server.url} still failing after 2 retries" in out.splitlines()[-1], out[-2000:]
+        assert not (tmp_path / "data" / "default").exists()               # nothing half-written
+        kept = len(load_cache(next(cache.iterdir())))
+        assert 2 <= kept < 38
     finally:
-        srv.kill()
-    assert proc.returncode == 0, out
+        server.start()                                                    # the server is back: rerun
+    out, _ = run_stage(tmp_path, conf).communicate(timeout=300)
     m = json.loads((tmp_path / "data" / "default" / "manifest.json").read_text())
-    assert m["regeneration"]["cached"] == kept and m["regeneration"]["conversations"] == 38
+    assert m["regeneration"]["cached"] == kept and m["regeneration"]["conversations"] == 38, out
     assert m["content_hash"] == ref["content_hash"]
 
 
-def test_kill_9_of_the_stage_redoes_at_most_one_chunk(tmp_path, talking_target):
-    src = write_jsonl(tmp_path / "a.jsonl", good_rows(30))
-    conf = raw_config(tmp_path, talking_target, src, engine="hf", max_new_tokens=48, chunk_size=2)
+def test_kill_9_of_the_stage_redoes_at_most_one_chunk(tmp_path, talking_target, reference):
+    src, ref = reference
+    conf = raw_config(tmp_path, talking_target, src, engine="hf", max_new_tokens=32, chunk_size=2)
     proc = run_stage(tmp_path, conf)
     cache = tmp_path / "data" / "default.regen"
     wait_for_chunks(cache, 2, proc)
@@ -175,14 +179,11 @@ def test_kill_9_of_the_stage_redoes_at_most_one_chunk(tmp_path, talking_target):
     assert done >= 4
     out, _ = run_stage(tmp_path, conf).communicate(timeout=300)
     m = json.loads((tmp_path / "data" / "default" / "manifest.json").read_text())
-    assert m["regeneration"]["cached"] == done and m["regeneration"]["conversations"] == 28, out
+    assert m["regeneration"]["cached"] == done and m["regeneration"]["conversations"] == 38, out
     # nothing regenerated twice: every finished conversation is in exactly one chunk file
     hashes = [json.loads(line)["hash"] for f in next(cache.iterdir()).glob("chunk-*.jsonl")
               for line in f.read_text().splitlines()]
-    assert len(hashes) == len(set(hashes)) == 28
-    ref = expand(make_loaded(tmp_path / "ref", talking_target, [{"name": "a", "path": src}], min_supervised_blocks=1,
-                             holdout=2, regenerate={**REGEN, "max_new_tokens": 48, "chunk_size": 5}),
-                 tmp_path / "ref" / "out", progress=False)
+    assert len(hashes) == len(set(hashes)) == 38
     assert m["content_hash"] == ref["content_hash"]
 
 
