@@ -1,6 +1,4 @@
 import json
-import subprocess
-import sys
 
 from dflash import fingerprint
 
@@ -31,20 +29,20 @@ def test_pin_mismatch_listed(tmp_path):
     assert problems == [f"torch: pinned 0.0.1, found {fp['packages']['torch']}"]
 
 
-def test_env_stage_writes_fingerprint_and_strict_fails(tmp_path, repo):
+def test_env_stage_writes_fingerprint_and_strict_fails(tmp_path, monkeypatch, capsys):
+    """The env stage through the CLI, in process (no launch): it writes the fingerprint; strict_env with a pin that
+    cannot match fails naming it."""
+    from dflash.cli import main
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"results_dir: {tmp_path}/results\n")
-    r = subprocess.run([sys.executable, "-m", "dflash", "env", "--config", str(cfg)], cwd=repo, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
+    assert main(["env", "--config", str(cfg)]) == 0, capsys.readouterr().err
     fp = json.loads((tmp_path / "results/env/fingerprint.json").read_text())
     for key in ("python", "packages", "cuda", "cudnn", "gpu", "cpu", "hash"):
         assert key in fp
     # strict mode with a pin that cannot match
     pins = tmp_path / "pins.txt"
     pins.write_text("torch==0.0.1\n")
-    code = ("import sys; from dflash import fingerprint; from pathlib import Path; "
-            f"fingerprint.PINS=Path('{pins}'); "
-            "from dflash.cli import main; sys.exit(main(sys.argv[1:]))")
-    r = subprocess.run([sys.executable, "-c", code, "env", "--config", str(cfg), "--set", "strict_env=true"],
-                       cwd=repo, capture_output=True, text=True)
-    assert r.returncode == 1 and "torch: pinned 0.0.1" in r.stderr
+    monkeypatch.setattr(fingerprint, "PINS", pins)
+    capsys.readouterr()
+    assert main(["env", "--config", str(cfg), "--set", "strict_env=true"]) == 1
+    assert "torch: pinned 0.0.1" in capsys.readouterr().err
