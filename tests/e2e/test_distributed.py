@@ -1,4 +1,5 @@
-"""The distributed runtime on CPU (gloo): 1 target rank + 2 drafter ranks under torchrun."""
+"""The distributed runtime on CPU (gloo): 1 target rank + 2 drafter ranks under torchrun (SIGTERM to the launcher and
+its lock: tests/e2e/test_faults_runs.py)."""
 import json
 import os
 import signal
@@ -14,7 +15,7 @@ from dflash.errors import UserError
 from dflash.report.placement import suggest
 from dflash.train.placement import resolve
 from dflash.train.runtime.distributed import launch_config, torchrun_command
-from support.train import REPO, prepared, prepared_eval, run_dir, stop_with, train_ok
+from support.train import REPO, prepared, prepared_eval, run_dir, train_ok
 
 pytestmark = pytest.mark.slow
 
@@ -190,13 +191,3 @@ def test_torchrun_command_construction(tmp_path, fake_gpus):
     pl = resolve(eight.cfg.train)
     assert launch_config(eight, pl).nproc_per_node == 8 and "--nproc-per-node=8" in torchrun_command(eight, pl)
     assert pl.role(3) == "drafter-3 + target (cuda:3)"
-
-
-def test_sigterm_to_the_launcher_checkpoints_and_exits_143(tmp_path):
-    """SLURM's SIGTERM reaches the launcher: it forwards SIGUSR1 to its ranks, the replicas agree to stop after
-    their step, drafter rank 0 checkpoints, the targets stop and every rank exits; the launcher exits 143."""
-    cfg = prepared(tmp_path, steps=400, checkpoint_every=0)
-    code, err, logged, s, last = stop_with(cfg, signal.SIGTERM, "--set", "train.runtime=distributed")
-    assert code == 143, err[-3000:]
-    assert s["steps"] - logged <= 8 and s["status"] == "interrupted" and s["replicas_identical"] is True
-    assert last == s["steps"] < 400

@@ -339,10 +339,12 @@ def test_a_run_starts_from_the_pipelines_own_export(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_distributed_launcher_is_the_one_writer_and_sighup_checkpoints(tmp_path, capsys):
-    """The distributed runtime (1 target rank, 2 drafter ranks on gloo): the launcher holds the run folder for its
-    ranks (none of them is refused), a second train is refused naming the launcher, and SIGHUP to the launcher (a
-    closed terminal: the ranks run in sessions of their own) stops every rank after its step with a checkpoint."""
+def test_the_distributed_launcher_is_the_one_writer_and_sigterm_checkpoints(tmp_path, capsys):
+    """The distributed runtime (1 target rank, 2 drafter ranks on gloo; one launch): the launcher holds the run folder
+    for its ranks (none of them is refused), a second train is refused naming the launcher. SLURM's SIGTERM reaches
+    the launcher: it forwards SIGUSR1 to its ranks, the replicas agree to stop after their step, drafter rank 0
+    checkpoints, the target stops and every rank exits; the launcher exits 143. (Any other stop signal is the same
+    SIGUSR1 to the ranks: the launcher's part for each, SIGHUP of a closed terminal included, is the next test's.)"""
     cfg = prepared(tmp_path, steps=400, checkpoint_every=0)
     proc = start(cfg, "--no-progress", "--set", "train.runtime=distributed", stdout=subprocess.DEVNULL,
                  stderr=subprocess.PIPE, text=True)
@@ -351,15 +353,64 @@ def test_the_distributed_launcher_is_the_one_writer_and_sighup_checkpoints(tmp_p
     capsys.readouterr()
     assert main(["train", "--config", str(cfg), "--no-progress"]) == 1
     assert f"another train is writing this run folder: pid {proc.pid} " in capsys.readouterr().err
-    proc.send_signal(signal.SIGHUP)
+    proc.send_signal(signal.SIGTERM)
+    logged = json.loads((run_dir(cfg) / "metrics.jsonl").read_text().splitlines()[-1])["step"]   # at least this far
     try:
         _, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    assert proc.returncode == 128 + signal.SIGHUP, err[-3000:]
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     s = json.loads((run_dir(cfg) / "summary.json").read_text())
     assert s["status"] == "interrupted" and s["replicas_identical"] is True and 3 <= s["steps"] < 400
+    assert s["steps"] - logged <= 8                           # a few steps after the signal, not hundreds
     assert s["checkpoint"]["path"] == f"checkpoints/step-{s['steps']:06d}"
+    assert sorted((run_dir(cfg) / "checkpoints").glob("step-*"))[-1].name == f"step-{s['steps']:06d}"
+
+
+RANK = textwrap.dedent("""
+    import signal, sys, time
+    signal.signal(signal.SIGUSR1, lambda *a: sys.exit(10))
+    print("up", flush=True)
+    time.sleep(60)
+""")
+
+
+def test_the_launcher_forwards_every_stop_signal_to_its_ranks_and_exits_128_plus_it(tmp_path, monkeypatch):
+    """The launcher's part of a stop signal, for each of failures.STOP_SIGNALS (SIGHUP: a closed terminal; SIGINT;
+    SIGTERM; SIGUSR1), with a stand-in for torchrun's agent and a stand-in rank of this node: the signal is caught
+    while the agent runs, forwarded to the rank as SIGUSR1 (what the ranks act on, whichever signal it was: the launch
+    above), and the launcher exits 128 + the signal."""
+    from torch.distributed.launcher import api
+
+    from dflash.cli import build_parser
+    from dflash.config import load
+    from dflash.train import failures
+    from dflash.train.context import prepare
+    from dflash.train.runtime import distributed
+    cfg = prepared(tmp_path, steps=4)
+    argv = ["train", "--config", str(cfg), "--no-progress", "--set", "train.runtime=distributed"]
+    ctx = prepare(load(str(cfg), {"train.runtime": "distributed"}))
+    monkeypatch.setenv("PYTHONUNBUFFERED", "1")                # the launcher sets it for its ranks
+    (ctx.run_dir / "ranks").mkdir(parents=True)
+    for sig in failures.STOP_SIGNALS:
+        rank = subprocess.Popen([sys.executable, "-c", RANK], stdout=subprocess.PIPE, text=True)
+        assert rank.stdout.readline() == "up\n"
+        (ctx.run_dir / "ranks" / "rank-1.json").write_text(json.dumps({"pid": rank.pid, "host": os.uname().nodename}))
+        seen = []
+
+        def agent(config, entrypoint):
+            def run(*args):
+                seen.append(signal.getsignal(sig) not in (signal.SIG_DFL, signal.SIG_IGN, None))
+                if seen[-1]:                                   # caught: sent to this process, as a terminal would
+                    os.kill(os.getpid(), sig)
+                    seen.append(rank.wait(timeout=30))         # until the launcher forwarded it
+            return run
+        monkeypatch.setattr(api, "elastic_launch", agent)
+        try:
+            code = distributed.launch(ctx, build_parser().parse_args(argv))
+        finally:
+            rank.kill()
+        assert seen == [True, 10] and code == 128 + sig, (signal.Signals(sig).name, seen, code)
 
 
 def test_a_write_protected_output_folder_of_any_stage_is_one_line(tmp_path, capsys):

@@ -1,5 +1,5 @@
 """The threads-runtime test helpers: a tiny run's config, a prepared results folder (the data stage run once per
-session and holdout), `dflash train` in process or as a subprocess, and a stop by signal."""
+session and holdout), `dflash train` in process or as a subprocess, and a stop by a signal sent to this process."""
 import json
 import os
 import shutil
@@ -75,18 +75,28 @@ def dflash(*args, **kw):
     return subprocess.run([sys.executable, "-m", "dflash", *args], cwd=REPO, capture_output=True, text=True, **kw)
 
 
-def stop_with(cfg, sig, *args):
-    """Start `train`, send `sig` after a few logged steps; (exit code, stderr, the last logged step when the signal
-    was sent, summary, newest checkpoint step)."""
-    proc = subprocess.Popen([sys.executable, "-m", "dflash", "train", "--config", str(cfg), "--no-progress", *args],
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    metrics = run_dir(cfg) / "metrics.jsonl"
-    deadline = time.time() + 300
-    while (not metrics.exists() or len(metrics.read_text().splitlines()) < 3) and time.time() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(sig)
-    logged = json.loads(metrics.read_text().splitlines()[-1])["step"]   # at least this far when the signal came
-    _, err = proc.communicate(timeout=120)
+def stop_here(cfg, sig, *args):
+    """`train` in this process, `sig` sent to this process after a few logged steps (as a terminal or a scheduler
+    would send it to `python -m dflash train`; no launch): (exit code, the last logged step when the signal was sent,
+    summary, newest checkpoint step)."""
+    import threading
+    metrics, done, sent = run_dir(cfg) / "metrics.jsonl", threading.Event(), {}
+
+    def send():   # only while the run trains: its handlers are this process's then
+        while not done.is_set() and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+            time.sleep(0.05)
+        if not done.is_set():
+            os.kill(os.getpid(), sig)
+            sent["logged"] = json.loads(metrics.read_text().splitlines()[-1])["step"]   # at least this far
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    try:
+        code = main(["train", "--config", str(cfg), "--no-progress", *args])
+    finally:
+        done.set()
+        sender.join()
+    assert "logged" in sent, f"train ended ({code}) before 3 rows were logged"
     s = json.loads((run_dir(cfg) / "summary.json").read_text())
     ckpts = sorted((run_dir(cfg) / "checkpoints").glob("step-*"))
-    return proc.returncode, err, logged, s, int(ckpts[-1].name.split("-")[1]) if ckpts else None
+    return code, sent["logged"], s, int(ckpts[-1].name.split("-")[1]) if ckpts else None
