@@ -4,13 +4,15 @@ config values reach the stages quoted; config mistakes are one short message."""
 import json
 import os
 import shutil
+import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
 
 from support.data import good_rows, write_jsonl
-from support.workflow import REPO, SNAKEMAKE, copy_repo, snakemake
+from support.workflow import REPO, SNAKEMAKE, bare_env, copy_repo, snakemake
 
 STAGES = ("env", "target", "data", "warmup", "train", "evaluate", "export", "report", "gate")
 
@@ -48,14 +50,32 @@ def write_config(work: Path, name: str, cfg: dict) -> str:
     return f"config/{name}"
 
 
-@pytest.fixture(scope="module")
-def done(tmp_path_factory):
-    """A copy of the repository where the whole pipeline ran once on the tiny config."""
+@pytest.fixture(scope="module", autouse=True)
+def pipeline_started(request, tmp_path_factory):
+    """The whole pipeline on the tiny config, started in the background as this module's first test starts (where a
+    selected test needs `done`): its jobs and the dry runs of the tests before `done` each take a core of two."""
+    if not any(item.module is request.module and "done" in item.fixturenames for item in request.session.items):
+        yield None
+        return
     work = copy_repo(tmp_path_factory.mktemp("done") / "wf")
     (work / "sources").mkdir()
     write_jsonl(work / "sources" / "mine.jsonl", good_rows(12))
     write_config(work, "tiny.yaml", tiny_config(work))
-    r = snakemake(work, "--cores", "2", "--configfile", "config/tiny.yaml")
+    with open(work.parent / "snakemake.out", "w") as out:
+        proc = subprocess.Popen([str(SNAKEMAKE), "--cores", "2", "--configfile", "config/tiny.yaml"], cwd=work,
+                                stdout=out, stderr=subprocess.STDOUT, text=True, env=bare_env())
+    try:
+        yield work, proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def done(pipeline_started):
+    """A copy of the repository where the whole pipeline ran once on the tiny config (r.out: its console)."""
+    work, proc = pipeline_started
+    r = SimpleNamespace(returncode=proc.wait(timeout=600), out=(work.parent / "snakemake.out").read_text())
     assert r.returncode == 0, r.out[-5000:]
     return work, r
 
@@ -183,6 +203,40 @@ def test_config_values_are_passed_quoted(wf):
     assert Path(fp["executable"]).parent.resolve() == SNAKEMAKE.parent.resolve()  # the venv's interpreter ran it
     r = snakemake(wf, "-n", "-p", "--configfile", "config/evil.yaml")
     assert "--out 'res x; touch PWNED; echo /my target'" in r.out     # the target path: one quoted argument
+
+
+# ---- issue 40 rules 5 and 6, issue 41 item 1: bad values refused by `snakemake -n`; roles decide the reruns -------
+@pytest.mark.parametrize("bad,named", [
+    ({"data__max_length": 256, "data__bucket_edges": [64, 128]}, "data.max_length (256) exceeds the largest "
+                                                                 "data.bucket_edges entry (128)"),
+    ({"train__gamma": 0}, "key 'train.gamma': Input should be greater than 0"),
+    ({"drafter__num_target_layers": 3}, "drafter.num_target_layers (3) disagrees with drafter.target_layer_ids"),
+], ids=["bucket_edges", "gamma", "num_target_layers"])
+def test_dry_run_refuses_what_a_stage_would(wf, bad, named):
+    """A value only a stage refused (or nothing did) is refused by `snakemake -n`, in one message line naming the
+    key and the file."""
+    r = snakemake(wf, "-n", "--configfile", write_config(wf, "bad.yaml", tiny_config(wf, **bad)))
+    assert r.returncode != 0 and f"config error: config/bad.yaml: {named}" in r.out, r.out[-2000:]
+    assert len(error_lines(r)) <= 4, r.out
+
+
+def test_dry_run_refuses_a_path_like_name(wf):
+    r = snakemake(wf, "-n", "--config", "dataset_name=..")
+    assert r.returncode != 0 and "config/config.yaml: key 'dataset_name' must be a folder name" in r.out, r.out[-2000:]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a CUDA GPU")
+def test_dry_run_refuses_cuda_devices_the_machine_lacks(wf):
+    """config/quality.yaml on a machine without CUDA built the corpus and the tokenizer for minutes, then died in
+    "Torch not compiled with CUDA enabled". `snakemake -n` refuses it in one line; planned for a cluster (the slurm
+    profile: the jobs run on its GPU nodes, which check themselves), it plans."""
+    r = snakemake(wf, "-n", "--configfile", "config/quality.yaml")
+    assert r.returncode != 0, r.out[-2000:]
+    assert ("config error: config/quality.yaml: target.pretrain.device names cuda:0 but this machine has no CUDA GPU"
+            in r.out), r.out[-2000:]
+    assert len(error_lines(r)) <= 4, r.out
+    r = snakemake(wf, "-n", "--workflow-profile", "workflow/profiles/slurm", "--configfile", "config/quality.yaml")
+    assert r.returncode == 0, r.out[-2000:]
 
 
 # ---- the pipeline, then what reruns -------------------------------------------------------------------------
@@ -320,40 +374,6 @@ def test_run_by_hand_with_other_settings_is_not_taken_for_the_pipelines(after, m
     assert "results/runs/tiny/summary.json was trained with another config" in r.out
     acceptance = after / "results/runs/tiny/acceptance.json"
     assert not acceptance.exists() or json.loads(acceptance.read_text())["checkpoint_step"] == 3
-
-
-# ---- issue 40 rules 5 and 6, issue 41 item 1: bad values refused by `snakemake -n`; roles decide the reruns -------
-@pytest.mark.parametrize("bad,named", [
-    ({"data__max_length": 256, "data__bucket_edges": [64, 128]}, "data.max_length (256) exceeds the largest "
-                                                                 "data.bucket_edges entry (128)"),
-    ({"train__gamma": 0}, "key 'train.gamma': Input should be greater than 0"),
-    ({"drafter__num_target_layers": 3}, "drafter.num_target_layers (3) disagrees with drafter.target_layer_ids"),
-], ids=["bucket_edges", "gamma", "num_target_layers"])
-def test_dry_run_refuses_what_a_stage_would(wf, bad, named):
-    """A value only a stage refused (or nothing did) is refused by `snakemake -n`, in one message line naming the
-    key and the file."""
-    r = snakemake(wf, "-n", "--configfile", write_config(wf, "bad.yaml", tiny_config(wf, **bad)))
-    assert r.returncode != 0 and f"config error: config/bad.yaml: {named}" in r.out, r.out[-2000:]
-    assert len(error_lines(r)) <= 4, r.out
-
-
-def test_dry_run_refuses_a_path_like_name(wf):
-    r = snakemake(wf, "-n", "--config", "dataset_name=..")
-    assert r.returncode != 0 and "config/config.yaml: key 'dataset_name' must be a folder name" in r.out, r.out[-2000:]
-
-
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a CUDA GPU")
-def test_dry_run_refuses_cuda_devices_the_machine_lacks(wf):
-    """config/quality.yaml on a machine without CUDA built the corpus and the tokenizer for minutes, then died in
-    "Torch not compiled with CUDA enabled". `snakemake -n` refuses it in one line; planned for a cluster (the slurm
-    profile: the jobs run on its GPU nodes, which check themselves), it plans."""
-    r = snakemake(wf, "-n", "--configfile", "config/quality.yaml")
-    assert r.returncode != 0, r.out[-2000:]
-    assert ("config error: config/quality.yaml: target.pretrain.device names cuda:0 but this machine has no CUDA GPU"
-            in r.out), r.out[-2000:]
-    assert len(error_lines(r)) <= 4, r.out
-    r = snakemake(wf, "-n", "--workflow-profile", "workflow/profiles/slurm", "--configfile", "config/quality.yaml")
-    assert r.returncode == 0, r.out[-2000:]
 
 
 @pipeline
