@@ -1,6 +1,9 @@
 """The compile path on CPU (sdpa): every bucket compiled in the warm-up, worker threads then run many steps over
-several buckets with zero recompiles; a shape the warm-up did not see fails fast, naming the shape."""
+several buckets with zero recompiles (a `dflash train` process, beside the in-process tests); a shape the warm-up
+did not see fails fast, naming the shape."""
 import json
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -8,20 +11,30 @@ import torch
 from transformers import Qwen3Config
 
 from dflash import config as C
-from support.train import prepared, run_dir, train_ok
+from support.train import REPO, prepared, run_dir
 
 pytestmark = pytest.mark.slow
 
 
-def test_threads_over_buckets_with_zero_recompiles(tmp_path):
-    cfg = prepared(tmp_path, compile=True, steps=10, checkpoint_every=0)
-    train_ok(cfg)
-    s = json.loads((run_dir(cfg) / "summary.json").read_text())
-    buckets = [b for b, n in s["data"]["buckets"].items() if n >= 2]
-    assert len(buckets) >= 2                      # several length buckets in the stream
-    assert s["compile"]["graphs"] >= len(buckets)  # each compiled in the warm-up
-    assert s["compile"]["recompiles_after_warmup"] == 0 and s["compile"]["eager_fallbacks"] == 0
-    assert s["status"] == "completed" and s["replicas_identical"] is True
+@pytest.fixture(scope="module", autouse=True)
+def compiled_run(request, tmp_path_factory):
+    """`python -m dflash train` with train.compile, started in the background as this module's first test starts
+    (where the test reading it is selected): its warm-up compiles on one core while the in-process compile tests
+    here use the other. (config file, process, its stderr file)."""
+    if not any(getattr(item, "module", None) is request.module and item.name == "test_threads_over_buckets_with_zero_recompiles"
+               for item in request.session.items):
+        yield None
+        return
+    cfg = prepared(tmp_path_factory.mktemp("compiled"), compile=True, steps=10, checkpoint_every=0)
+    err = cfg.parent / "train.err"
+    with open(err, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "dflash", "train", "--config", str(cfg), "--no-progress"],
+                                cwd=REPO, stdout=subprocess.DEVNULL, stderr=f)
+    try:
+        yield cfg, proc, err
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def _tiny(compiled: bool, **train):
@@ -115,3 +128,15 @@ def test_unwarmed_shape_fails_fast_naming_it(monkeypatch):
         compile_guard.allow_compiles()
     assert len(errors) == 1 and isinstance(errors[0], compile_guard.RecompileError), errors
     assert "(1, 40)" in str(errors[0])
+
+
+def test_threads_over_buckets_with_zero_recompiles(compiled_run):
+    """Last in this module: its run (compiled_run) trained beside the tests above."""
+    cfg, proc, err = compiled_run
+    assert proc.wait(timeout=900) == 0, err.read_text()[-3000:]
+    s = json.loads((run_dir(cfg) / "summary.json").read_text())
+    buckets = [b for b, n in s["data"]["buckets"].items() if n >= 2]
+    assert len(buckets) >= 2                      # several length buckets in the stream
+    assert s["compile"]["graphs"] >= len(buckets)  # each compiled in the warm-up
+    assert s["compile"]["recompiles_after_warmup"] == 0 and s["compile"]["eager_fallbacks"] == 0
+    assert s["status"] == "completed" and s["replicas_identical"] is True

@@ -54,7 +54,8 @@ def write_config(work: Path, name: str, cfg: dict) -> str:
 def pipeline_started(request, tmp_path_factory):
     """The whole pipeline on the tiny config, started in the background as this module's first test starts (where a
     selected test needs `done`): its jobs and the dry runs of the tests before `done` each take a core of two."""
-    if not any(item.module is request.module and "done" in item.fixturenames for item in request.session.items):
+    if not any(getattr(item, "module", None) is request.module and "done" in item.fixturenames
+               for item in request.session.items):
         yield None
         return
     work = copy_repo(tmp_path_factory.mktemp("done") / "wf")
