@@ -16,7 +16,7 @@ from pathlib import Path
 
 from bench.common import REPO
 
-H200, LONG = "config/h200.yaml", "config/h200-long.yaml"
+H200, LONG, LONG32K = "config/h200.yaml", "config/h200-long.yaml", "config/h200-32k.yaml"
 MASK_ID = 151669   # the mask token id the bench has always given the 8B-shaped drafter (any id in the vocabulary
 #                    times the same; min(., vocab - 1) on a shrunk one)
 

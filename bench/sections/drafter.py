@@ -39,9 +39,10 @@ def context_inputs(sh, s: int, g: torch.Generator | None = None):
 def drafter_variants(job) -> dict:
     """The production drafter step (build_drafter + micro_step + AdamW), as train runs it, per variant and shape,
     each in a fresh process (so each peak is its own). Options: `variants`, comma list of
-    [base:]BACKEND[+compile][:chunk=N][:casts=recompute] (`base:` runs the tree at option `base`, another commit's
-    whole tree, e.g. from `git archive`, for before/after in one run; `:chunk=N` sets train.loss_chunk,
-    `:casts=recompute` train.recompute_weight_casts); `shapes`, comma list of CONTEXTxANCHORS (keys of a shape other
+    [base:]BACKEND[+compile][:chunk=N][:casts=recompute][:SECTION.KEY=VALUE...] (`base:` runs the tree at option
+    `base`, another commit's whole tree, e.g. from `git archive`, for before/after in one run; `:chunk=N` sets
+    train.loss_chunk, `:casts=recompute` train.recompute_weight_casts, `:train.precision=fp8` any config key);
+    `shapes`, comma list of CONTEXTxANCHORS (keys of a shape other
     than the config's end in @CONTEXTxANCHORS); `profile`, a file for a CUDA profile of the first variant at the first
     shape. Per variant: step_ms (median of 10), peak_gb (max allocated, GiB, weights and AdamW state included),
     peak_reserved_gb, first_step_s, drafter_only_ktok_s."""
@@ -74,13 +75,18 @@ def drafter_variants(job) -> dict:
 
 
 def variant_sets(spec: str, anchors: int) -> tuple[str, bool, dict]:
-    """BACKEND[+compile][:chunk=N][:casts=recompute] -> (backend, compiled, config keys)."""
+    """BACKEND[+compile][:chunk=N][:casts=recompute][:SECTION.KEY=VALUE...] -> (backend, compiled, config keys); a
+    dotted KEY is any config key, its VALUE read as YAML (`:train.precision=fp8:train.fp8_recipe=rowwise`)."""
+    import yaml
     name, *opts = spec.split(":")
     sets = {"train.num_anchors": anchors}
     for o in opts:
-        k, v = o.split("=")
-        sets[{"chunk": "train.loss_chunk", "casts": "train.recompute_weight_casts"}[k]] = (
-            v == "recompute" if k == "casts" else int(v))
+        k, v = o.split("=", 1)
+        if "." in k:
+            sets[k] = yaml.safe_load(v)
+        else:
+            sets[{"chunk": "train.loss_chunk", "casts": "train.recompute_weight_casts"}[k]] = (
+                v == "recompute" if k == "casts" else int(v))
     return name.split("+")[0], name.endswith("+compile"), sets
 
 
@@ -317,7 +323,8 @@ def specforge(job) -> dict:
 SECTIONS = [
     Section("drafter_variants", drafter_variants, "the production drafter step per variant and shape, one process each",
             default=True, options=(
-                Option("variants", "flex+compile,flex,sdpa", "[base:]BACKEND[+compile][:chunk=N][:casts=recompute],...",
+                Option("variants", "flex+compile,flex,sdpa",
+                       "[base:]BACKEND[+compile][:chunk=N][:casts=recompute][:KEY=VALUE],...",
                        "BENCH_VARIANTS"),
                 Option("shapes", "", "CONTEXTxANCHORS,... (default: the config's)", "BENCH_SHAPES"),
                 Option("profile", "", "a file for a CUDA profile table of the first variant", "BENCH_PROFILE"),

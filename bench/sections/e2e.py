@@ -10,9 +10,9 @@ from pathlib import Path
 
 from bench import traces
 from bench.common import REPO, Option, Section, Stopwatch
-from bench.shapes import H200, LONG
+from bench.shapes import H200, LONG, LONG32K
 
-OPT_IN = ("long", "1t1d-eager", "1t1d-fp8", "1t1d-fp8head", "1t1d-fp8all", "1t1d-fp8target")   # only when named
+OPT_IN = ("long", "long32k", "1t1d-eager", "1t1d-fp8", "1t1d-fp8head", "1t1d-fp8all", "1t1d-fp8target")   # only when named
 SUMMARY_KEYS = ("steps", "measured_steps", "throughput", "time_split_s", "seconds_to_first_step", "loss", "eval",
                 "devices", "compile", "replicas_identical", "replica_checksums", "status", "failure")
 
@@ -39,6 +39,8 @@ def e2e_runs() -> dict:
             "x2-dp-threads": (H200, ["--set", 'train.drafters=["cuda:0","cuda:1"]', "--set", "train.runtime=threads"]),
             # long context: config/h200-long.yaml's buckets and anchors, 1 target + 1 drafter
             "long": (LONG, one),
+            # 32K-token contexts: config/h200-32k.yaml (h200-long.yaml with a 32K bucket), 1 target + 1 drafter
+            "long32k": (LONG32K, one),
             # 1t1d with the target eager (config/h200.yaml compiles it: train.compile_target)
             "1t1d-eager": (H200, [*one, "--set", "train.compile_target=false"]),
             # FP8 (issue 28): the drafter's layers; + the frozen LM head; + the target's forward

@@ -118,6 +118,8 @@ def test_the_drafter_step_module_leaves_dflash_to_the_base_tree():
     assert r.stdout.strip() == "[]"
     assert drafter.variant_sets("flex+compile:chunk=2048:casts=recompute", 512) == (
         "flex", True, {"train.num_anchors": 512, "train.loss_chunk": 2048, "train.recompute_weight_casts": True})
+    assert drafter.variant_sets("flex+compile:train.precision=fp8:train.fp8_lm_head=true", 512) == (
+        "flex", True, {"train.num_anchors": 512, "train.precision": "fp8", "train.fp8_lm_head": True})
 
 
 def test_loss_variants_agree_with_training_loss():

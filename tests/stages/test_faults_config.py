@@ -218,7 +218,7 @@ def test_what_agrees_still_loads():
     C.from_dict({"drafter": {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}})
     C.from_dict({"target": {"build": "none"}, "drafter": {"target_layer_ids": [0, 30]}})
     C.from_dict({"data": {"max_length": 512, "bucket_edges": [512, 128]}})
-    for name in ("config", "h200", "h200-long", "quality", "2gpu", "8gpu", "seed-2gpu", "seed-8gpu"):
+    for name in ("config", "h200", "h200-long", "h200-32k", "quality", "2gpu", "8gpu", "seed-2gpu", "seed-8gpu"):
         C.load(REPO / "config" / f"{name}.yaml")
 
 

@@ -72,7 +72,7 @@ def test_config_hash_ignores_names_but_not_settings(tmp_path):
 
 
 def test_shipped_configs_validate(repo):
-    for name in ("config.yaml", "h200.yaml", "h200-long.yaml", "seed-8gpu.yaml", "seed-2gpu.yaml", "8gpu.yaml",
+    for name in ("config.yaml", "h200.yaml", "h200-long.yaml", "h200-32k.yaml", "seed-8gpu.yaml", "seed-2gpu.yaml", "8gpu.yaml",
                  "2gpu.yaml"):
         C.load(repo / "config" / name)
 
