@@ -91,30 +91,17 @@ def variant_sets(spec: str, anchors: int) -> tuple[str, bool, dict]:
 
 
 def drafter_step(tree: str, spec: str, shape: str, profile: str = ""):
-    """One drafter_variants measurement in this process, with the dflash package of `tree`; prints one JSON line."""
+    """One drafter_variants measurement in this process, with the dflash package of `tree`; prints one JSON line.
+    The step is the trainer's (our_step: warm-up, micro_step, the clip and the optimizer as Replica runs them), so a
+    `base:` tree's step is the one that tree trains with."""
     sys.path.insert(0, tree)
-    from dflash.train import optim
-    from dflash.train.step import build_drafter, micro_step, random_head
     use_compile_cache()   # share the train stage's cache
     s, a = (int(x) for x in shape.split("x"))
     backend, compiled, sets = variant_sets(spec, a)
-    sh = SH.load(SH.H200, sets)
-    feats, ids, mask = context_inputs(sh, s)
-    setup = sh.run_context(backend, compiled)
-    embed, head = random_head(setup, device(), torch.bfloat16)
-    model = build_drafter(setup, embed, head, device())
-    opt, sched = optim.build(model.named_parameters(), sh.cfg.train, device())
-    counter = [0]
-
-    def step():
-        counter[0] += 1
-        res = micro_step(model, feats, ids, mask, counter[0], setup, torch.bfloat16)
-        res.loss.backward()
-        opt.set_lr(sched.factor(counter[0], 0.0))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    feats, ids, mask = context_inputs(SH.load(SH.H200, sets), s)
     torch.cuda.reset_peak_memory_stats()
     first = Stopwatch()
+    step = our_step(a, feats, ids, mask, sets, backend, compiled)
     step()
     torch.cuda.synchronize()
     out = {"first_step_s": round(first.s, 1)}
@@ -206,16 +193,17 @@ def specforge_step(num_anchors, feats, ids, loss_mask, *, vocab, layers, heads, 
     return step
 
 
-def our_step(num_anchors, feats, ids, loss_mask, sets=None):
-    """This project's drafter step as train runs it: build_drafter (compiled flex layers, warmed up for this shape)
-    and the trainer's Replica: micro_step (fused loss), then optimizer_step (the global-weight-sum scale and the
-    clip folded into the fused AdamW's grad_scale) with its schedule; config/h200.yaml with train.num_anchors =
-    num_anchors and the config keys `sets` (e.g. FP8_VARIANTS[name])."""
+def our_step(num_anchors, feats, ids, loss_mask, sets=None, backend: str = "flex", compiled: bool = True):
+    """This project's drafter step as train runs it: build_drafter (compiled flex layers by default, warmed up for
+    this shape, with the optimizer's compiled step where train compiles it) and the trainer's Replica: micro_step
+    (fused loss), then optimizer_step (the global-weight-sum scale and the clip applied where the optimizer reads the
+    gradients) with its schedule; config/h200.yaml with train.num_anchors = num_anchors and the config keys `sets`
+    (e.g. FP8_VARIANTS[name])."""
     from dflash.train.runtime.threads import GradSync
     from dflash.train.step import build_drafter, random_head
     from dflash.train.trainer import Micro, Replica
     sh = SH.load(SH.H200, {"train.num_anchors": num_anchors, **(sets or {})})
-    setup = sh.run_context("flex", True, shapes=[tuple(ids.shape)])
+    setup = sh.run_context(backend, compiled, shapes=[tuple(ids.shape)])
     embed, head = random_head(setup, feats.device, torch.bfloat16)
     rep = Replica(setup, 0, 1, feats.device, build_drafter(setup, embed, head, feats.device), GradSync(1))
     rep.warm_up()

@@ -130,8 +130,11 @@ def _hbm(fn, gb: float, reps: int = 10) -> dict:
 
 
 def adamw_parts(params, train, compiled: bool) -> dict:
-    """The optimizer step train runs (fused AdamW, the clip folded into grad_scale), foreach and (compiled) foreach
-    under torch.compile: ms and bandwidth (read p, g, m, v; write p, m, v in fp32)."""
+    """The optimizer steps: torch's fused AdamW (the clip folded into grad_scale), foreach and (compiled) foreach under
+    torch.compile, each on its own: ms and bandwidth (read p, g, m, v; write p, m, v in fp32); and `adamw_clip`,
+    what train runs on the compile path (dflash.train.adamw: the clip's norm, the clip and the update in one compiled
+    function; eager where `compiled` is False), which reads the gradients once more."""
+    from dflash.train.adamw import CompiledAdamW
     n = sum(p.numel() for p in params)
     kw = dict(lr=train.lr, betas=tuple(train.betas), weight_decay=train.weight_decay)
     opts = {"adamw_fused": torch.optim.AdamW(params, fused=True, **kw),
@@ -148,6 +151,12 @@ def adamw_parts(params, train, compiled: bool) -> dict:
             out["adamw_foreach_compiled"] = _hbm(torch.compile(comp.step), adam_gb)
         except Exception as e:
             out["adamw_foreach_compiled"] = {"error": f"{type(e).__name__}: {e}"[:500]}
+        comp.state.clear()
+    ours = CompiledAdamW(torch.optim.AdamW(params, **kw), compiled=compiled)
+    ours.warm_up()
+    grads, scale = [p.grad for p in params], torch.ones((), device=device())
+    out["adamw_clip"] = _hbm(lambda: ours.step(grads, scale, train.grad_clip), adam_gb + n * 4 / 1e9)
+    ours.opt.state.clear()
     return out
 
 

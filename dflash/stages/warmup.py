@@ -100,12 +100,14 @@ def run(loaded: Loaded, args) -> int:
 def _drafter(ctx, device) -> dict:
     import torch
 
-    from dflash.train import placement as P
+    from dflash.train import optim, placement as P
     from dflash.train.step import build_drafter, random_head, warm_up
 
     dtype = P.autocast_dtype(ctx.cfg.train, device) or torch.float32
     drafter = build_drafter(ctx, *random_head(ctx, device, dtype), device)
-    return warm_up(drafter, ctx, device, ctx.shapes)
+    optimizer, _ = optim.build(drafter.named_parameters(), ctx.cfg.train, device,
+                               compiled=ctx.compile and device.type == "cuda")   # as train.trainer.Replica builds it
+    return warm_up(drafter, ctx, device, ctx.shapes, optimizer)
 
 
 def _target(ctx, device) -> dict:

@@ -94,12 +94,17 @@ def check_partition(named, groups: dict[str, list]) -> None:
 
 class DrafterOptimizer:
     """The drafter's optimizers stepped as one (`parts`: {"adamw": AdamW} or {"muon": Muon, "adamw": AdamW}). Each
-    group's LR is its peak LR (train.lr; train.muon_lr for Muon's) times the schedule's factor (`set_lr`)."""
+    group's LR is its peak LR (train.lr; train.muon_lr for Muon's) times the schedule's factor (`set_lr`). `compiled`
+    (AdamW alone, on the compile path): the clip and AdamW's update as one compiled function (train/adamw.py)."""
 
-    def __init__(self, parts: dict[str, torch.optim.Optimizer]):
+    def __init__(self, parts: dict[str, torch.optim.Optimizer], compiled: bool = False):
         self.parts = parts
         for g in self.param_groups:
             g["peak_lr"] = g["lr"]
+        self.compiled = None
+        if compiled and set(parts) == {"adamw"}:
+            from dflash.train.adamw import CompiledAdamW
+            self.compiled = CompiledAdamW(parts["adamw"])
 
     @property
     def param_groups(self) -> list[dict]:
@@ -114,18 +119,31 @@ class DrafterOptimizer:
         for g in self.param_groups:
             g["lr"] = g["peak_lr"] * factor
 
-    def step(self, scale: torch.Tensor | None = None) -> None:
-        """One step of every optimizer on `.grad * scale` (a 0-dim tensor; None: the gradients as they are). The
-        fused AdamW applies the scale in its own kernel (its grad_scale divides); the others (Muon has no
-        grad_scale) get one in-place multiply of their gradients."""
+    def step(self, params: list[torch.Tensor], scale: torch.Tensor, clip: float) -> torch.Tensor:
+        """One step of every optimizer on `.grad * scale` (`scale` a 0-dim tensor) clipped to a global norm of `clip`
+        (0: not clipped), as clip_grad_norm_ and then the optimizers, with one factor (scale x the clip coefficient)
+        applied where the optimizer reads the gradients: in the compiled update, in the fused AdamW's own kernel
+        (its grad_scale divides), or as one in-place multiply of the gradients (Muon has no grad_scale). Returns
+        the norm of `.grad * scale`, in the gradients' dtype."""
+        grads = [p.grad for p in params]
+        if self.compiled is not None:
+            return self.compiled.step(grads, scale, clip).to(grads[0].dtype)
+        scale = scale.double()
+        gnorm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True).double() * scale
+        factor = scale * (torch.clamp(clip / (gnorm + 1e-6), max=1.0) if clip else 1.0)   # clip_grad_norm_'s coef
         for opt in self.parts.values():
-            if scale is not None:
-                if opt.defaults.get("fused"):
-                    opt.grad_scale = (1 / scale).float()
-                else:
-                    grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
-                    torch._foreach_mul_(grads, scale.to(grads[0].dtype))
+            if opt.defaults.get("fused"):
+                opt.grad_scale = (1 / factor).float()
+            else:
+                own = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+                torch._foreach_mul_(own, factor.to(own[0].dtype))
             opt.step()
+        return gnorm.to(grads[0].dtype)
+
+    def warm_up(self) -> None:
+        """Compile the compiled update (a step that changes nothing: train/adamw.py); nothing to do otherwise."""
+        if self.compiled is not None:
+            self.compiled.warm_up()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.parts.values():
@@ -141,8 +159,11 @@ class DrafterOptimizer:
             opt.load_state_dict(state[name])
 
 
-def build(named, train_cfg: TrainSection, device: torch.device) -> tuple[DrafterOptimizer, Schedule]:
-    """The optimizer of the trainable parameters `named` ((name, parameter) pairs) and its schedule."""
+def build(named, train_cfg: TrainSection, device: torch.device, compiled: bool = False
+          ) -> tuple[DrafterOptimizer, Schedule]:
+    """The optimizer of the trainable parameters `named` ((name, parameter) pairs) and its schedule. `compiled` (the
+    run's compile path on a GPU): AdamW's step compiled with the clip (train/adamw.py), else torch's fused AdamW on a
+    GPU, its for-each one on the CPU."""
     named = list(named)
     groups = param_groups(named, train_cfg.optimizer)
     check_partition(named, groups)
@@ -150,6 +171,8 @@ def build(named, train_cfg: TrainSection, device: torch.device) -> tuple[Drafter
     if "muon" in groups:
         parts["muon"] = torch.optim.Muon([p for _, p in groups["muon"]], lr=train_cfg.muon_lr,
                                          weight_decay=train_cfg.weight_decay, adjust_lr_fn="match_rms_adamw")
+    compiled = compiled and "muon" not in parts
     parts["adamw"] = torch.optim.AdamW([p for _, p in groups["adamw"]], lr=train_cfg.lr, betas=tuple(train_cfg.betas),
-                                       weight_decay=train_cfg.weight_decay, fused=device.type == "cuda")
-    return DrafterOptimizer(parts), Schedule(train_cfg)
+                                       weight_decay=train_cfg.weight_decay,
+                                       fused=device.type == "cuda" and not compiled)
+    return DrafterOptimizer(parts, compiled), Schedule(train_cfg)

@@ -96,10 +96,11 @@ def dummy_batch(ctx, batch: int, length: int, device, dtype):
     return feats, ids, torch.ones(batch, length, dtype=torch.bool, device=device)
 
 
-def warm_up(drafter, ctx, device, shapes) -> dict:
+def warm_up(drafter, ctx, device, shapes, optimizer=None) -> dict:
     """Compile (or just run) the drafter's forward and backward for every shape, single-threaded, holding the
     FX guard exclusively in the threads runtime (each backward compiled with its forward, on this thread: never lazily
-    on the CUDA autograd thread, which would wait on that guard). Leaves no gradients behind."""
+    on the CUDA autograd thread, which would wait on that guard), then the optimizer's compiled step (a step that
+    changes nothing: train/adamw.py). Leaves no gradients behind."""
     dtype = P.autocast_dtype(ctx.cfg.train, device)
     before = compile_guard.counters()
     t0 = time.perf_counter()
@@ -116,6 +117,8 @@ def warm_up(drafter, ctx, device, shapes) -> dict:
                 torch.cuda.synchronize(device)
             per_shape.append({"batch": b, "length": s, "seconds": round(time.perf_counter() - t, 3)})
         drafter.zero_grad(set_to_none=True)
+        if optimizer is not None:
+            optimizer.warm_up()
     after = compile_guard.counters()
     return {"device": str(device), "role": "drafter", "backend": ctx.backend, "compiled": ctx.compile,
             "shapes": per_shape,

@@ -111,7 +111,8 @@ class Replica:
         self.drafter = self.model = drafter         # `model` is what is called: the drafter or its DDP wrapper
         self.sync, self.metrics, self.fail = sync, metrics, fail
         self.params = [p for p in drafter.parameters() if p.requires_grad]
-        self.optimizer, self.schedule = optim.build(drafter.named_parameters(), ctx.cfg.train, device)
+        self.optimizer, self.schedule = optim.build(drafter.named_parameters(), ctx.cfg.train, device,
+                                                    compiled=ctx.compile and device.type == "cuda")
         self.start_step = self.data_index = self.steps = 0
         self.t0 = self.clock()
         self.base_s = self.elapsed = 0.0   # training seconds before this process (resume); at the last step, agreed
@@ -131,7 +132,7 @@ class Replica:
         self.resumed = state
 
     def warm_up(self) -> dict:
-        return warm_up(self.drafter, self.ctx, self.device, self.ctx.shapes)
+        return warm_up(self.drafter, self.ctx, self.device, self.ctx.shapes, self.optimizer)
 
     def index(self, step: int, a: int) -> int:
         per_step = self.n * self.ctx.cfg.train.grad_accum
@@ -176,18 +177,12 @@ class Replica:
         return stats, stop
 
     def optimizer_step(self):
-        """Step `self.steps` (0-based): set the schedule's LR, clip to train.grad_clip and step, as clip_grad_norm_ +
-        the optimizer on `.grad * grad_scale`, with one factor (grad_scale x the clip coefficient) applied where the
-        optimizer reads the gradients (DrafterOptimizer.step). Returns the gradient's norm."""
-        clip = self.ctx.cfg.train.grad_clip
-        grads = [p.grad for p in self.params]
-        scale = self.grad_scale.double()
-        gnorm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True).double() * scale
-        factor = scale * (torch.clamp(clip / (gnorm + 1e-6), max=1.0) if clip else 1.0)   # clip_grad_norm_'s coef
+        """Step `self.steps` (0-based): set the schedule's LR, clip to train.grad_clip and step on `.grad * grad_scale`
+        (DrafterOptimizer.step). Returns the gradient's norm."""
         self.optimizer.set_lr(self.schedule.factor(self.steps, self.elapsed))
-        self.optimizer.step(factor)
+        gnorm = self.optimizer.step(self.params, self.grad_scale, self.ctx.cfg.train.grad_clip)
         self.optimizer.zero_grad(set_to_none=True)
-        return gnorm.to(grads[0].dtype)
+        return gnorm
 
     # -- the loop ---------------------------------------------------------------------------------------------
     def run(self, take: Callable[[int], Micro], want_stop: Callable[[], bool], queue_depth: Callable[[], int]):

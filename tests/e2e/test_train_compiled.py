@@ -140,3 +140,38 @@ def test_threads_over_buckets_with_zero_recompiles(compiled_run):
     assert s["compile"]["graphs"] >= len(buckets)  # each compiled in the warm-up
     assert s["compile"]["recompiles_after_warmup"] == 0 and s["compile"]["eager_fallbacks"] == 0
     assert s["status"] == "completed" and s["replicas_identical"] is True
+
+
+def test_the_compiled_adamw_step_equals_eager_and_never_recompiles():
+    """dflash.train.adamw compiled (on the CPU here; train compiles it on a GPU): its warm-up step leaves weights and
+    state bit for bit as they were; after it, with recompiles forbidden, steps at new learning rates and clips run
+    with no new graph and equal the eager function's."""
+    from dflash.train import compile_guard
+    from dflash.train.adamw import CompiledAdamW
+
+    def params(seed):
+        g = torch.Generator().manual_seed(seed)
+        return [torch.nn.Parameter(torch.randn(*s, generator=g)) for s in ((48, 16), (16,), (8, 8, 3))]
+    ours, ref = params(0), params(0)
+    fast = CompiledAdamW(torch.optim.AdamW(ours, lr=1e-2, weight_decay=0.1), compiled=True)
+    slow = CompiledAdamW(torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1), compiled=False)
+    fast.state()
+    before = [p.detach().clone() for p in ours]
+    fast.warm_up()
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before, ours))
+    assert all(not v.any() for st in fast.opt.state.values() for k, v in st.items() if k != "step")
+    compile_guard.forbid_recompiles()
+    try:
+        graphs = compile_guard.counters()["graphs"]
+        for step, (lr, clip) in enumerate([(1e-2, 1.0), (3e-3, 0.0), (5e-4, 0.1)]):
+            g = torch.Generator().manual_seed(step)
+            grads = [torch.randn(p.shape, generator=g) * 3 for p in ours]
+            fast.group["lr"] = slow.group["lr"] = lr
+            n1 = fast.step(grads, torch.tensor(0.5), clip)
+            n2 = slow.step([x.clone() for x in grads], torch.tensor(0.5), clip)
+            assert float(n1) == pytest.approx(float(n2), rel=1e-5)
+        assert compile_guard.counters()["graphs"] == graphs
+    finally:
+        compile_guard.allow_compiles()
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-7)

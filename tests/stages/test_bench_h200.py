@@ -268,7 +268,7 @@ def test_step_parts_measures_every_part_against_its_floor():
     # 64 each), fc 5*64 -> 64, the context and final norms
     assert n == 5 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 16 + 2 * 64) + 5 * 64 * 64 + 2 * 64
     assert out["adamw_fused"]["gb"] == round(n * 28 / 1e9, 3) and "adamw_foreach_compiled" not in out
-    for part in ("copy", "adamw_fused", "adamw_foreach", "grad_norm", "casts_fwd", "casts_grad", "loss_kernel",
+    for part in ("copy", "adamw_fused", "adamw_foreach", "adamw_clip", "grad_norm", "casts_fwd", "casts_grad", "loss_kernel",
                  "loss_reduction"):
         r = out[part]
         assert r["ms"] > 0 and r["tb_per_s"] == pytest.approx(r["gb"] / r["ms"], rel=0.05, abs=2e-3), part

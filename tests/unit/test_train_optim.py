@@ -62,7 +62,7 @@ def test_optimizer_state_round_trips_and_refuses_another_optimizer():
     d = make_drafter(tiny_cfg())
     opt, _ = optim.build(d.named_parameters(), train_cfg(optimizer="muon"), torch.device("cpu"))
     sum(p.square().sum() for p in d.parameters()).backward()
-    opt.step()
+    opt.step([p for p in d.parameters() if p.requires_grad], torch.tensor(1.0), 0.0)
     state = opt.state_dict()
     assert set(state) == {"muon", "adamw"} and len(state["muon"]["state"]) == len(MATRICES)
     again, _ = optim.build(d.named_parameters(), train_cfg(optimizer="muon"), torch.device("cpu"))

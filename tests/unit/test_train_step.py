@@ -94,11 +94,13 @@ def test_gradsync_sums_in_place_by_shards(n):
             assert torch.equal(out[r][k], out[0][k])
 
 
-@pytest.mark.parametrize("optimizer,fused", [("adamw", False), ("adamw", True), ("muon", False), ("muon", True)])
+@pytest.mark.parametrize("optimizer,fused", [("adamw", False), ("adamw", True), ("adamw", "compiled"),
+                                             ("muon", False), ("muon", True)])
 @pytest.mark.parametrize("clip", [0.0, 1e-3, 1e6])
 def test_optimizer_step_is_clip_then_the_optimizer_on_the_step_gradient(optimizer, fused, clip):
     """optimizer_step folds the 1/weight-sum scale and the clip coefficient into one factor (the fused AdamW's
-    grad_scale, or one multiply; Muon has no grad_scale: always the multiply): the weights after it equal torch's
+    grad_scale, or one multiply; Muon has no grad_scale: always the multiply; "compiled": dflash.train.adamw's clip
+    and update in one function, what train runs on a GPU's compile path, eager here): the weights after it equal torch's
     clip_grad_norm_ + the optimizer on the step gradient. muon: torch's Muon at train.muon_lr (match_rms_adamw) on
     the 2-D weights, AdamW at train.lr on the rest, both with train.weight_decay (not Muon's own default 0.1)."""
     cfg = tiny_cfg()
@@ -107,9 +109,13 @@ def test_optimizer_step_is_clip_then_the_optimizer_on_the_step_gradient(optimize
     t = ctx.cfg.train
     rep = Replica(ctx, 0, 1, torch.device("cpu"), make_drafter(cfg), GradSync(1))
     adamw = rep.optimizer.parts["adamw"]
-    adamw.defaults["fused"] = fused
-    for g in adamw.param_groups:
-        g["fused"], g["foreach"] = fused, None if fused else True
+    if fused == "compiled":
+        from dflash.train.adamw import CompiledAdamW
+        rep.optimizer.compiled = CompiledAdamW(adamw, compiled=False)
+    else:
+        adamw.defaults["fused"] = fused
+        for g in adamw.param_groups:
+            g["fused"], g["foreach"] = fused, None if fused else True
     ref = make_drafter(cfg)
     ref.load_state_dict(rep.drafter.state_dict())
     ref_params = [p for p in ref.parameters() if p.requires_grad]
