@@ -12,10 +12,11 @@ INTEROP_STAMP := $(INTEROP_VENV)/.installed
 
 venv: $(STAMP)
 
-$(STAMP): envs/requirements.txt pyproject.toml
+$(STAMP): envs/requirements.txt envs/bench.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -r envs/requirements.txt
+	$(BIN)/pip install --quiet --no-deps -r envs/bench.txt
 	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 

@@ -132,7 +132,6 @@ def test_loss_variants_agree_with_training_loss():
     assert res["fastest_agreeing"] in ("fused", "torch_chunked_checkpointed", "torch_full")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("specforge") is None, reason="specforge wheel not installed")
 def test_specforge_step_runs_on_cpu():
     g = torch.Generator().manual_seed(0)
     feats, ids = torch.randn(1, 128, 5 * 32, generator=g), torch.randint(0, 200, (1, 128), generator=g)
@@ -180,7 +179,6 @@ def test_reduce_trace_finds_busy_time_gaps_and_syncs(tmp_path):
     assert r["host_syncs"]["cudaStreamSynchronize"] == {"count": 1, "ms": 2.8} and r["steps"] == 1
 
 
-@pytest.mark.skipif(importlib.util.find_spec("specforge") is None, reason="specforge wheel not installed")
 def test_specforge_computes_our_loss_with_our_weights_and_anchors():
     """The comparison is like for like: SpecForge's OnlineDFlashModel, given our drafter's weights and anchors,
     computes our loss and our gradients (same layers, mask, positions, RoPE, weights exp(-(k-1)/gamma))."""

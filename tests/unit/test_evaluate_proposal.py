@@ -62,11 +62,11 @@ class FixedDraft:
         return self.target.P[start:start + g][None] + self.noise[:, :g]
 
 
-def decode_law(target, proposal, n=4000, seed=0):
+def decode_law(target, proposal, n=4000, seed=0, block_size=3):
     """Empirical law of the first NEW tokens over n speculative decodes, and the share of first steps that rejected
     their first draft token / accepted all of them."""
     g = torch.Generator().manual_seed(seed)
-    draft = FixedDraft(target)
+    draft = FixedDraft(target, block_size)
     counts = torch.zeros((V,) * NEW)
     rejected = full = 0
     for _ in range(n):
@@ -108,6 +108,35 @@ def test_each_policy_samples_the_targets_law(target, law, proposal):
     bound = tv_bound(law, 4000)
     assert bound < 0.09
     assert tv(emp, law) < bound, (tv(emp, law), bound)
+
+
+@pytest.mark.parametrize("proposal", ["argmax", "sample"])
+def test_each_policy_samples_the_targets_law_through_the_bonus(target, law, proposal):
+    """Blocks of 2 (one draft token): the first step's bonus, drawn after a fully accepted block, is the third token,
+    inside the law checked (with blocks of 3 it falls past NEW and is never seen): a third of the first steps or more
+    end that way."""
+    emp, rejected, full = decode_law(target, proposal, block_size=2)
+    assert 0.3 < full and 0.3 < rejected, (rejected, full)
+    assert tv(emp, law) < tv_bound(law, 4000), tv(emp, law)
+
+
+def _bonus_from_the_last_draft_row(real):
+    """`real`'s acceptance, but after a fully accepted block the bonus is drawn from p_{g-1} (the last draft
+    position's row) instead of p_g."""
+    def rule(draft_tokens, *rest):
+        p, generator = rest[-2], rest[-1]
+        acc, tok = real(draft_tokens, *rest)
+        g = draft_tokens.shape[0]
+        return (acc, int(_sample(p[g - 1], generator).item())) if acc == g else (acc, tok)
+    return rule
+
+
+@pytest.mark.parametrize("proposal,name", [("argmax", "accept_onehot"), ("sample", "accept_sampling")])
+def test_a_wrong_bonus_row_fails_the_bonus_check(target, law, monkeypatch, proposal, name):
+    """(With blocks of 3, test_each_policy_samples_the_targets_law, this wrong rule passes: its bonus is never seen.)"""
+    monkeypatch.setattr(specdec, name, _bonus_from_the_last_draft_row(getattr(specdec, name)))
+    emp, _, full = decode_law(target, proposal, block_size=2)
+    assert full > 0.3 and tv(emp, law) > 1.25 * tv_bound(law, 4000), tv(emp, law)
 
 
 def _accept_every_argmax_draft(draft_tokens, p, generator):

@@ -18,13 +18,15 @@ def decoded(target, drafter, ps, max_new, stops):
     return [speculative_generate(target, d, p, max_new, stops, 0.0, drafter.cfg.mask_token_id) for p in ps]
 
 
-@pytest.mark.parametrize("layout", [{}, {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6}])
-def test_replay_equals_speculative_decoding(layout, monkeypatch):
-    # vocab 12: a random drafter's drafts are often right, so steps accept 0..block-1 tokens
+@pytest.mark.parametrize("layout,block", [({}, 5), ({"layer_types": ["sliding_attention", "full_attention"],
+                                                       "sliding_window": 6}, 5), ({}, 2)])
+def test_replay_equals_speculative_decoding(layout, block, monkeypatch):
+    # vocab 12: a random drafter's drafts are often right, so steps accept 0..block-1 tokens; blocks of 2: whole
+    # blocks accepted (then the bonus is the target's token after the last draft), 10 of 122 steps here
     target = tiny_target(vocab=12, init=0.5)
     target.generation_config.repetition_penalty = 1.3     # a model's generation defaults: not the argmax, ignored
     monkeypatch.setattr("dflash.evaluate.replay.ANCHOR_CHUNK", 7)   # the anchors in several drafter forwards
-    drafter = tiny_drafter(target, block_size=5, **layout)
+    drafter = tiny_drafter(target, block_size=block, **layout)
     ps = prompts(6, 12, seed=4)
     for max_new, stops in ((23, []), (30, [3])):        # 23: the last blocks are narrower than 5
         want = decoded(target, drafter, ps, max_new, stops)
@@ -35,8 +37,9 @@ def test_replay_equals_speculative_decoding(layout, monkeypatch):
             assert (g.tokens, g.produced, g.accepted, g.drafted, g.stopped) == \
                    (w.tokens, w.produced, w.accepted, w.drafted, w.stopped)
         assert sum(a > 0 for g in got for a in g.accepted) >= 3                 # drafts were accepted, not only bonuses
-        assert stops or sum(g.drafted[-1] < 4 for g in got if g.drafted) >= 1    # narrower last blocks replayed
-        s, t = summarize(got, [], 5), summarize(want, [], 5)
+        assert block == 2 or stops or sum(g.drafted[-1] < 4 for g in got if g.drafted) >= 1   # narrower last blocks
+        assert block > 2 or sum(a == d for g in got for a, d in zip(g.accepted, g.drafted)) >= 3   # whole blocks
+        s, t = summarize(got, [], block), summarize(want, [], block)
         assert s["tau"] == t["tau"] and s["acceptance_per_position"] == t["acceptance_per_position"]
     assert any(g.stopped for g in got)
 
