@@ -52,10 +52,11 @@ def sweep(path: str | Path) -> list[Path]:
     when it died mid-write (kill -9, a lost node, a SIGTERM that ran no cleanup); never one of this process, of a
     process still running, or of another host, nor a name of another form. Returns what it removed."""
     path = Path(path)
-    mine = re.compile(rf"\.{re.escape(path.name)}\.([0-9]+)-{_HOST}\.[^/]+")
+    start, mine = f".{path.name}.", re.compile(rf"\.{re.escape(path.name)}\.([0-9]+)-{_HOST}\.[^/]+")
     gone = []
     try:
-        entries = list(os.scandir(path.parent))
+        with os.scandir(path.parent) as listing:
+            entries = [e for e in listing if e.name.startswith(start)]
     except OSError:
         return gone
     for entry in entries:
