@@ -141,7 +141,9 @@ def yaml_flow(value) -> str:
 def write_config(src: str, changes: dict, dst: str) -> None:
     """CONFIG with dotted-key `changes` applied, written to dst (what every snakemake and stage call reads)."""
     import yaml
-    doc = yaml.safe_load(Path(src).read_text()) or {}
+
+    from dflash.config import parse_yaml     # as the stages read it: `1e-4` a number, not text written back quoted
+    doc = parse_yaml(Path(src).read_text(), src) or {}
     for key, value in changes.items():
         node, (*mid, last) = doc, key.split(".")
         for k in mid:

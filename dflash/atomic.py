@@ -9,6 +9,8 @@ Public:
 - `check_file_ours(path, keys, stage)`: refuse a folder, or a file that is not the stage's JSON, where it writes a file
 - `describe_files(folder, skip)`: {name: {size, mtime_ns, sha256}} of a folder's files (a record's `files`)
 - `files_in(folder)`, `follow_umask(path)`, `read_json(path)`
+- `temp_prefix(path)`, `sweep(path)`: the name of `path`'s temporary sibling (`.NAME.PID-HOST.XXXXXXXX`), and the
+  removal of those a process of this host left when it died mid-write; every writer above sweeps first
 """
 from __future__ import annotations
 
@@ -18,10 +20,55 @@ import json
 import os
 import re
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 
 from dflash.errors import UserError, io_error
+
+
+# This host, in the names of temporaries: on a disk several hosts share, a pid means something only on its own host.
+_HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:6]
+
+
+def temp_prefix(path: Path) -> str:
+    """The name of `path`'s temporary sibling up to its random part: its writer's pid and host, so that a later writer
+    of `path` can tell one left by a dead process (`sweep`)."""
+    return f".{path.name}.{os.getpid()}-{_HOST}."
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:            # another user's process
+        return True
+    return True
+
+
+def sweep(path: str | Path) -> list[Path]:
+    """Remove the temporaries of `path` (files or folders, named by `temp_prefix`) that a process of this host left
+    when it died mid-write (kill -9, a lost node, a SIGTERM that ran no cleanup); never one of this process, of a
+    process still running, or of another host, nor a name of another form. Returns what it removed."""
+    path = Path(path)
+    start, mine = f".{path.name}.", re.compile(rf"\.{re.escape(path.name)}\.([0-9]+)-{_HOST}\.[^/]+")
+    gone = []
+    try:
+        with os.scandir(path.parent) as listing:
+            entries = [e for e in listing if e.name.startswith(start)]
+    except OSError:
+        return gone
+    for entry in entries:
+        m = mine.fullmatch(entry.name)
+        if m and int(m[1]) != os.getpid() and not _alive(int(m[1])):
+            with contextlib.suppress(FileNotFoundError):
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path)
+                else:
+                    os.unlink(entry.path)
+                gone.append(Path(entry.path))
+    return gone
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:
@@ -30,9 +77,10 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
         raise UserError(f"{path}: a folder, where a file is to be written: give the path of a file")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        sweep(path)
+        fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), dir=path.parent)
     except OSError as e:
-        raise io_error(e, path.parent if isinstance(e, PermissionError) else path) or e
+        raise io_error(e, path.parent if isinstance(e, PermissionError) else path, "write") or e
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
@@ -42,7 +90,7 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         if isinstance(e, OSError) and io_error(e):
-            raise io_error(e, path) from e
+            raise io_error(e, path, "write") from e
         raise
     return path
 
@@ -177,7 +225,7 @@ def check_file_ours(path: str | Path, keys: tuple[str, ...], stage: str) -> Path
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        raise io_error(e, path.parent) or e
+        raise io_error(e, path.parent, "write") or e
     return path
 
 
@@ -193,9 +241,10 @@ def atomic_dir(path: str | Path, record: str | None = None, layout: str | None =
         raise UserError(f"{path}: a file, where a folder is to be written: {remedy}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+        sweep(path)
+        tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(path), dir=path.parent))
     except OSError as e:
-        raise io_error(e, path.parent) or e
+        raise io_error(e, path.parent, "write") or e
     try:
         yield tmp
         try:
@@ -209,7 +258,7 @@ def atomic_dir(path: str | Path, record: str | None = None, layout: str | None =
             else:
                 os.replace(tmp, path)
         except OSError as e:
-            raise io_error(e, path) or e
+            raise io_error(e, path, "write") or e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -8,7 +8,7 @@ import logging
 import signal
 import sys
 
-from dflash.config import ConfigError, check_here, load
+from dflash.config import ConfigError, check_here, load, parse_value
 from dflash.errors import UserError, disk_full, io_error, written_path
 
 # stage name -> one-line help; the module is dflash.stages.<name> (dashes become underscores).
@@ -23,11 +23,6 @@ STAGES = {
     "report": "throughput history, regressions with attribution, plots and report.md",
     "gate": "exit non-zero when report.fail_on_regression is set and the newest run regressed",
 }
-
-
-def _parse_value(text: str):
-    import yaml
-    return yaml.safe_load(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,13 +125,16 @@ def _run(args) -> int:
             key, sep, value = item.partition("=")
             if not sep:
                 raise ConfigError(f"--set {item}: expected KEY=VALUE")
-            overrides[key] = _parse_value(value)
+            overrides[key] = parse_value(value, f"--set {item}")
         loaded = load(args.config, overrides)
         # what this machine must have for the keys this stage reads (a CUDA GPU); a warm-up job compiles for its one
         # --device and names its own remedy (a cluster job sees its GPUs renumbered from 0)
         check_here(loaded, args.stage, devices=args.stage != "warmup")
         module = importlib.import_module(f"dflash.stages.{args.stage}")
         return int(module.run(loaded, args) or 0)
+    except KeyboardInterrupt:        # Ctrl-C (train checkpoints first and ends itself, with the same code)
+        return _fail(args, f"dflash {args.stage}: interrupted (Ctrl-C); every output is written whole or not at all, "
+                           f"so rerun to do it again", 130)
     except ConfigError as e:
         return _fail(args, f"dflash {args.stage}: config error: {e}", 2)
     except UserError as e:

@@ -14,15 +14,17 @@ import dataclasses
 import functools
 import hashlib
 import json
+import re
 import typing
 from pathlib import Path
 
 import yaml
 from pydantic import ValidationError
 
-from dflash.config_model import DEVICE_PATTERN, NAME, PLACED_PATTERN, DflashConfig, OnDevice, Role, Section
+from dflash.config_model import (DEVICE_PATTERN, NAME, PLACED_PATTERN, DflashConfig, OnDevice, Role, Section,
+                                  drafter_misfit)
 from dflash.device_names import normalize
-from dflash.errors import UserError
+from dflash.errors import UserError, io_error
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEMA_PATH = REPO / "workflow" / "schemas" / "config.schema.yaml"
@@ -177,7 +179,22 @@ def load_schema() -> dict:
 
 
 class StrictLoader(yaml.SafeLoader):
-    """yaml.safe_load that refuses a duplicate key (PyYAML silently keeps the last value)."""
+    """yaml.safe_load that refuses a duplicate key (PyYAML silently keeps the last value) and reads a number in
+    scientific notation as a number (`1e-4`, `6E-4`, `1e5`: YAML 1.2 reads them so; PyYAML's YAML 1.1 reads them as
+    text unless they have a dot)."""
+
+
+# YAML 1.1's float pattern, the exponent's dot and sign made optional (as YAML 1.2): never an integer (a dot or an
+# exponent is needed), so `5` stays an int
+_FLOAT = re.compile(r"""^(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
+    |[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""", re.X)
+StrictLoader.yaml_implicit_resolvers = {
+    first: [(tag, _FLOAT if tag == "tag:yaml.org,2002:float" else regexp) for tag, regexp in resolvers]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
 
 
 def _mapping(loader: StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
@@ -195,20 +212,38 @@ def _mapping(loader: StrictLoader, node: yaml.MappingNode, deep: bool = False) -
 StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping)
 
 
+def parse_yaml(text: str, where: str, marks: bool = True):
+    """YAML text read as a config is (StrictLoader); a syntax error or a duplicate key is one line naming `where` (a
+    file, or with `marks` off a command-line value) and for a file the line and column: `file:line:column: what`."""
+    try:
+        return yaml.load(text, Loader=StrictLoader)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        at = f"{where}:{mark.line + 1}:{mark.column + 1}" if mark and marks else where
+        what = " ".join(x for x in (e.problem, f"({e.context})" if e.context else None) if x)
+        raise ConfigError(f"{at}: not valid YAML: {what}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where}: not valid YAML: {str(e).splitlines()[0]}") from None
+
+
+def parse_value(text: str, where: str):
+    """A value given on a command line (`--set KEY=VALUE`, Snakemake's `--config`), read as the same value in the
+    config file would be: `1e-4` a number, `[1` one line naming `where`."""
+    return parse_yaml(text, where, marks=False)
+
+
 def read_yaml(path: str | Path):
-    """A config file's YAML; a syntax error or a duplicate key is one line: `file:line:column: what`."""
+    """A config file's YAML; a syntax error or a duplicate key is one line: `file:line:column: what`; a file that
+    cannot be read is one line saying so (and what to do)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
     try:
-        return yaml.load(path.read_text(), Loader=StrictLoader)
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        what = " ".join(x for x in (e.problem, f"({e.context})" if e.context else None) if x)
-        raise ConfigError(f"{where}: not valid YAML: {what}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        fix = io_error(e, path, "read") if isinstance(e, OSError) else None
+        raise ConfigError(str(fix) if fix else f"{path}: cannot read it ({e}): give a YAML config file") from None
+    return parse_yaml(text, str(path))
 
 
 def _merged(base: dict, over: dict) -> dict:
@@ -219,14 +254,11 @@ def _merged(base: dict, over: dict) -> dict:
     return out
 
 
-def read_config(path: str | Path, _seen: tuple = ()):
-    """A config file's keys, on top of those of the file its `base:` names (relative to its own folder; a base may
-    name a base): a GPU config keeps only its differences. The merged keys are the config; `base` is not one of them
-    (a config and its base merged by hand hash the same)."""
-    path = Path(path)
+def _chain(path: Path, _seen: tuple = ()) -> list[tuple[Path, typing.Any]]:
+    """(file, its keys less `base`) of the config at `path` and of every base under it, the deepest base first."""
     data = read_yaml(path)
     if not isinstance(data, dict) or "base" not in data:
-        return data
+        return [(path, data)]
     base = data.pop("base")
     if not isinstance(base, str):
         raise ConfigError(f"{path}: key 'base' must be the path of a config file, got {base!r}")
@@ -235,10 +267,30 @@ def read_config(path: str | Path, _seen: tuple = ()):
         raise ConfigError(f"{path}: base {base} names a config that names this one (a circle of bases)")
     if not base_path.is_file():
         raise ConfigError(f"{path}: base {base}: no such config file ({base_path})")
-    under = read_config(base_path, _seen + (path.resolve(),))
-    if not isinstance(under, dict):
-        raise ConfigError(f"{base_path}: the config must be a mapping of keys, got {type(under).__name__}")
-    return _merged(under, data)
+    under = _chain(base_path, _seen + (path.resolve(),))
+    if not isinstance(under[-1][1], dict):
+        raise ConfigError(f"{base_path}: the config must be a mapping of keys, got {type(under[-1][1]).__name__}")
+    return under + [(path, data)]
+
+
+def _read(path: str | Path) -> tuple[typing.Any, dict[str, str]]:
+    """A config file's keys on top of its bases' (read_config), and {dotted key: the file that set it} for every
+    leaf, a base named as the base of `path` (what an error about that key names)."""
+    chain = _chain(Path(path))
+    data, origins = chain[0][1], {}
+    for file, keys in chain[1:]:
+        data = _merged(data, keys)
+    for file, keys in chain:
+        name = str(file) if file == chain[-1][0] else f"{file} (a base of {path})"
+        origins.update({key: name for key, _ in _leaves(keys)} if isinstance(keys, dict) else {})
+    return data, origins
+
+
+def read_config(path: str | Path):
+    """A config file's keys, on top of those of the file its `base:` names (relative to its own folder; a base may
+    name a base): a GPU config keeps only its differences. The merged keys are the config; `base` is not one of them
+    (a config and its base merged by hand hash the same)."""
+    return _read(path)[0]
 
 
 def set_dotted(data: dict, overrides: dict) -> dict:
@@ -281,8 +333,20 @@ _PATTERNS = {NAME: "a folder name (letters, digits, _ . -, not starting with . o
              DEVICE_PATTERN: "a device (auto, cpu, cuda, cuda:N or N)", PLACED_PATTERN: "a device (cpu, cuda:N or N)"}
 
 
-def _message(error: ValidationError, source: str) -> str:
-    """The first error in one line naming the file and the dotted key (pydantic's `loc`, less its union tags)."""
+def _origin(origins: dict[str, str], source: str, path: list) -> str:
+    """The file that set the key at `path` (a leaf, or a list or section above it): the one that set it or its
+    list, else the one file that set every key under it, else `source`."""
+    parts = [str(p) for p in path]
+    for n in range(len(parts), 0, -1):
+        if (key := ".".join(parts[:n])) in origins:
+            return origins[key]
+    under = {f for k, f in origins.items() if k.startswith(".".join(parts) + ".")} if parts else set()
+    return under.pop() if len(under) == 1 else source
+
+
+def _message(error: ValidationError, source: str, origins: dict[str, str] | None = None) -> str:
+    """The first error in one line naming the file that set the key (`origins`: a `base:` file for its keys; else
+    `source`) and the dotted key (pydantic's `loc`, less its union tags)."""
     e = error.errors()[0]
     path, node = [], json_schema()
     for part in e["loc"]:
@@ -295,7 +359,9 @@ def _message(error: ValidationError, source: str) -> str:
         path.append(part)
     if e["type"] == "extra_forbidden":
         allowed = ", ".join(sorted(node.get("properties", {})))
-        return f"{source}: unknown key '{_key(path + [e['loc'][-1]])}' (allowed here: {allowed})"
+        key = path + [e["loc"][-1]]
+        return f"{_origin(origins or {}, source, key)}: unknown key '{_key(key)}' (allowed here: {allowed})"
+    source = _origin(origins or {}, source, path)
     if e["type"] in _WRONG_TYPE:
         return (f"{source}: key '{_key(path)}' must be {node.get('type')}, "
                 f"got {type(e['input']).__name__} {e['input']!r}")
@@ -306,13 +372,19 @@ def _message(error: ValidationError, source: str) -> str:
         return f"{source}: key '{_key(path)}' {text}, got {e['input']!r}"
     if e["type"] == "string_pattern_mismatch" and e["ctx"]["pattern"] in _PATTERNS:
         return f"{source}: key '{_key(path)}' must be {_PATTERNS[e['ctx']['pattern']]}, got {e['input']!r}"
+    if e["type"] == "string_too_long":
+        return (f"{source}: key '{_key(path)}' must be at most {e['ctx']['max_length']} characters (it names folders "
+                f"and files, and a file system takes 255 per name), got {len(e['input'])}: {e['input'][:40]!r}...")
+    if e["type"] == "finite_number":
+        return f"{source}: key '{_key(path)}' must be a finite number, got {e['input']!r}"
     got = "" if e["type"] == "missing" else f", got {e['input']!r}"
     return f"{source}: key '{_key(path)}': {e['msg']}{got}"
 
 
-def resolve(data, source: str = "<config>") -> tuple[DflashConfig, dict]:
+def resolve(data, source: str = "<config>", origins: dict[str, str] | None = None) -> tuple[DflashConfig, dict]:
     """(the typed config, the resolved dict: the YAML's keys as written plus every default) or ConfigError naming
-    the key. The dict is what the config hashes and what runs record."""
+    the key and the file that set it (`origins`: {dotted key: file}, for keys a `base:` file set; else `source`).
+    The dict is what the config hashes and what runs record."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -321,7 +393,7 @@ def resolve(data, source: str = "<config>") -> tuple[DflashConfig, dict]:
     try:
         return DflashConfig.model_validate(raw), raw
     except ValidationError as e:
-        raise ConfigError(_message(e, source)) from None
+        raise ConfigError(_message(e, source, origins)) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -340,15 +412,22 @@ class Loaded:
         return result_hash(self.raw)
 
 
-def from_dict(data: dict, source: str = "<config>") -> Loaded:
-    return Loaded(*resolve(data, source), source)
+def from_dict(data: dict, source: str = "<config>", origins: dict[str, str] | None = None) -> Loaded:
+    return Loaded(*resolve(data, source, origins), source)
 
 
 def load(path: str | Path, overrides: dict | None = None) -> Loaded:
-    data = read_config(path) or {}
+    data, origins = _read(path)
+    data = data or {}
     if isinstance(data, dict):
         set_dotted(data, overrides or {})
-    return from_dict(data, str(path))
+    return from_dict(data, str(path), _given(origins, overrides or {}, str(path)))
+
+
+def _given(origins: dict[str, str], overrides: dict, source: str) -> dict[str, str]:
+    """`origins` less what the command line's values replace (an error about one names `source`)."""
+    return {k: f for k, f in origins.items()
+            if not any(k == o or k.startswith(f"{o}.") or o.startswith(f"{k}.") for o in map(str, overrides))}
 
 
 def _digest(data: dict) -> str:
@@ -382,22 +461,39 @@ def _value(cfg, key: str):
     return cfg
 
 
+def _target_sizes(path: Path) -> dict[str, int]:
+    """{num_hidden_layers, vocab_size, num_attention_heads, num_key_value_heads} that a target folder's config.json
+    states (those it states as integers); {} where it cannot be read (the stage that loads the target names it)."""
+    try:
+        hf = json.loads(path.read_text())
+        hf = hf.get("text_config") or hf
+    except (OSError, ValueError, AttributeError):
+        return {}
+    keys = ("num_hidden_layers", "vocab_size", "num_attention_heads", "num_key_value_heads")
+    out = {k: hf[k] for k in keys if isinstance(hf, dict) and type(hf.get(k)) is int and hf[k] > 0}
+    if "num_attention_heads" in out:           # Qwen3 and its kind: no num_key_value_heads is one per query head
+        out.setdefault("num_key_value_heads", out["num_attention_heads"])
+    return out
+
+
 def check_here(loaded: Loaded, stage: str | None = None, devices: bool = True) -> None:
     """What a config needs of this machine and of the files already there, refused before any work in one line naming
-    the key and the file: a target layer id past the layers of the target folder used as it is (target.build none; a
-    target the config builds is checked by the model), and (`devices`) a CUDA device where torch has none, or fewer
-    GPUs than named. `stage`: only the keys that stage reads (those whose Role reruns it); None: every key."""
+    the key and the file: the drafter against the target folder used as it is (target.build none; a target the
+    config builds is checked by the model): a target layer id past its layers, a mask token id past its vocabulary,
+    heads that do not divide; and (`devices`) a CUDA device where torch has none, or fewer GPUs than named. `stage`:
+    only the keys that stage reads (those whose Role reruns it); None: every key."""
     cfg, src, wanted = loaded.cfg, loaded.source, lambda key: stage is None or stage in roles()[key].reruns
     ids, path = cfg.drafter.target_layer_ids, Path(cfg.target.path) / "config.json"
-    if ids and cfg.target.build == "none" and wanted("drafter.target_layer_ids") and path.is_file():
-        try:
-            hf = json.loads(path.read_text())
-            layers = int((hf.get("text_config") or hf)["num_hidden_layers"])
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            layers = None                            # unreadable: the stage that loads the target names the file
-        if layers is not None and max(ids) >= layers:
-            raise ConfigError(f"{src}: drafter.target_layer_ids has id {max(ids)}, past the {layers} layers of the "
-                              f"target {path} (ids 0-{layers - 1})")
+    sizes = _target_sizes(path) if cfg.target.build == "none" and wanted("drafter.target_layer_ids") else {}
+    layers = sizes.get("num_hidden_layers")
+    if ids and layers is not None and max(ids) >= layers:
+        raise ConfigError(f"{src}: drafter.target_layer_ids has id {max(ids)}, past the {layers} layers of the "
+                          f"target {path} (ids 0-{layers - 1})")
+    if {"vocab_size", "num_attention_heads"} <= set(sizes):
+        why = drafter_misfit(cfg.drafter, sizes["vocab_size"], sizes["num_attention_heads"],
+                             sizes["num_key_value_heads"], f"the target {path}")
+        if why:
+            raise ConfigError(f"{src}: {why}")
     cuda = [(key, v) for key in device_keys() if devices and wanted(key)
             for v in (lambda x: x if isinstance(x, tuple) else (x,))(_value(cfg, key))
             if normalize(v).startswith("cuda")]
@@ -444,13 +540,17 @@ def for_workflow(path: str | Path, cli: dict) -> tuple[Loaded, list[str]]:
     validated as the stages validate it, and the `--set KEY=VALUE` arguments that give every stage the same config.
 
     Snakemake reads `--config train="{steps: 5}"` with YAML's base loader (every scalar a string): nested values
-    are read again as YAML, so 5 is an integer as it would be in the file."""
-    data = read_config(path) or {}
+    are read again as YAML (StrictLoader), so 5 is an integer and 1e-4 a number as they would be in the file, and a
+    section's text that is no YAML mapping (`train="{lr: [1}"`) is one line naming it."""
+    data, origins = _read(path)
+    data = data or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the config must be a mapping of keys, got {type(data).__name__}")
     overrides = {}
     for key, value in _leaves(dict(cli)):
-        if isinstance(value, str) and "." in key:
-            value = yaml.safe_load(value)
+        field = DflashConfig.model_fields.get(key)
+        if isinstance(value, str) and ("." in key or field is not None and _section(field.annotation) is not None):
+            value = parse_value(value, f"--config {key}={value}")   # a nested value, or a section Snakemake left text
         overrides[key] = value
-    return from_dict(set_dotted(data, overrides), str(path)), [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
+    return (from_dict(set_dotted(data, overrides), str(path), _given(origins, overrides, str(path))),
+            [f"{k}={json.dumps(v)}" for k, v in overrides.items()])

@@ -46,8 +46,9 @@ NAMES = Role((), None)                         # where outputs land: a new name 
 
 
 class Section(BaseModel):
-    """A config section: frozen, strict types (no "5" for 5), unknown keys refused."""
-    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+    """A config section: frozen, strict types (no "5" for 5), unknown keys refused, every number finite (no key means
+    `.inf` or `.nan`: a limit that is off is null or 0, as its description says)."""
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid", allow_inf_nan=False)
 
     @field_validator("*", mode="wrap")
     @classmethod
@@ -62,9 +63,14 @@ class Section(BaseModel):
 HookSpec = Annotated[dict[str, int | str], WithJsonSchema({"type": "object"})]
 # Names that become folder names: letters, digits, _ . -, not starting with a dot or a dash (no `..`, no hidden folder).
 NAME = r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$"
+# Their length: a run name also names its run id (+17 characters), history snapshot (+5) and temporary files (+25);
+# a file system takes 255 bytes per name.
+NAME_MAX = 128
 # A device: auto (where the key allows it), cpu, cuda, cuda:N or N (cuda:N).
 DEVICE_PATTERN = r"^(auto|cpu|cuda|cuda:[0-9]+|[0-9]+)$"
 PLACED_PATTERN = r"^(cpu|cuda|cuda:[0-9]+|[0-9]+)$"
+# The largest seed: numpy's legacy range, and torch's generators take seed * 1_000_003 + step (below 2^64).
+SEED_MAX = 2**32 - 1
 DEFAULT_CONTEXT_LAYERS = 5     # drafter.num_target_layers when neither it nor drafter.target_layer_ids is given
 
 
@@ -187,7 +193,8 @@ class SyntheticSection(Section):
 
 
 class SourceSection(Section):
-    name: Annotated[str, DATA] = Field(pattern=NAME, description="Short name used in the manifest.")
+    name: Annotated[str, DATA] = Field(pattern=NAME, max_length=NAME_MAX, description=(
+        "Short name used in the manifest."))
     path: Annotated[str, DATA] = Field(description="File, datasets folder, or hub dataset name (kind hub).")
     kind: Annotated[Literal["auto", "jsonl", "json", "parquet", "disk", "hub"], DATA] = Field("auto", description=(
         "How to read path; auto picks by suffix (.jsonl, .ndjson, .json, each optionally .gz, .zst or .bz2 "
@@ -373,6 +380,24 @@ class DrafterSection(Section):
             raise ValueError(f"drafter.num_attention_heads ({heads}) is not a multiple of drafter.num_key_value_heads "
                              f"({kv})")
         return self
+
+def drafter_misfit(d: DrafterSection, vocab: int, heads: int, kv: int, target: str) -> str | None:
+    """What the drafter section asks of a target of `vocab` tokens, `heads` query and `kv` key/value heads that it
+    cannot give, in words (`target` names where these numbers come from); None when it fits. Checked at config load
+    against `target.arch`, against a `build: none` folder's config.json (dflash.config.check_here), and where the
+    drafter meets the target's HF config (DrafterConfig.from_target)."""
+    if d.mask_token_id is not None and d.mask_token_id >= vocab:
+        return (f"drafter.mask_token_id ({d.mask_token_id}) is past the vocabulary of {target} ({vocab} tokens, ids "
+                f"0-{vocab - 1}): give an id below {vocab}, or null for the tokenizer's mask token")
+    h, k = d.num_attention_heads or heads, d.num_key_value_heads or kv
+    if h % k:
+        def named(key, value, given):
+            return f"drafter.{key} ({value})" if given is not None else f"drafter.{key} ({value}, null: from {target})"
+        return (f"{named('num_attention_heads', h, d.num_attention_heads)} is not a multiple of "
+                f"{named('num_key_value_heads', k, d.num_key_value_heads)}: give drafter.num_key_value_heads a "
+                f"divisor of {h}")
+    return None
+
 
 class ProfileSection(Section):
     start_step: Annotated[int, TRAIN_OPS] = Field(20, ge=0, description="Steps done before the window opens.")
@@ -623,16 +648,17 @@ class DflashConfig(Section):
     model_config = ConfigDict(title="dflash pipeline configuration", json_schema_extra={
         "$schema": "https://json-schema.org/draft/2020-12/schema", "$id": "https://dflash.local/config.schema.yaml"})
 
-    run_name: Annotated[str, NAMES] = Field("demo", pattern=NAME, description=(
+    run_name: Annotated[str, NAMES] = Field("demo", pattern=NAME, max_length=NAME_MAX, description=(
         "Name of the training run; outputs land in results/runs/<run_name>/."))
-    dataset_name: Annotated[str, Role((), "result")] = Field("default", pattern=NAME, description=(
+    dataset_name: Annotated[str, Role((), "result")] = Field("default", pattern=NAME, max_length=NAME_MAX,
+                                                             description=(
         "Name of the expanded dataset; shards land in results/data/<dataset_name>/."))
     results_dir: Annotated[str, NAMES] = Field("results", description=(
         "Folder that holds every output. Paths from config must stay inside it or the repository."))
     strict_env: Annotated[bool, Role((), None)] = Field(False, description=(
         "Treat a mismatch between the running environment and the pins in envs/ as an error, not a warning."))
-    seed: Annotated[int, SEED] = Field(0, ge=0, description=(
-        "Global seed for data order, anchor sampling and initialisation."))
+    seed: Annotated[int, SEED] = Field(0, ge=0, le=SEED_MAX, description=(
+        "Global seed for data order, anchor sampling and initialisation (0 to 2^32-1)."))
     target: TargetSection = Field({}, validate_default=True, description=(
         "The frozen target LLM whose hidden states condition the drafter."))
     data: DataSection = Field({}, validate_default=True, description="Dataset expansion (stage `data`).")
@@ -659,4 +685,7 @@ class DflashConfig(Section):
         if d.hidden_size is not None and d.hidden_size != t.arch.hidden_size:
             raise ValueError(f"drafter.hidden_size ({d.hidden_size}) must equal target.arch.hidden_size "
                              f"({t.arch.hidden_size}): the drafter uses the target's embedding and LM head")
+        a = t.arch
+        if why := drafter_misfit(d, a.vocab_size, a.num_attention_heads, a.num_key_value_heads, "target.arch"):
+            raise ValueError(why)
         return self

@@ -43,10 +43,11 @@ _FIXES = {
 }
 
 
-def io_error(e: BaseException | None, path=None, action: str = "write") -> UserError | None:
+def io_error(e: BaseException | None, path=None, action: str | None = None) -> UserError | None:
     """One line for an OSError in `e`'s chain that the user fixes (permissions, a read-only disk, a folder where a file
     belongs or the reverse), naming `path` (else the file the error names) and what to do; None for any other error.
-    `action`: "read" or "write", what was being done to the path."""
+    `action`: "read" or "write", what was being done to the path; None: told from the error (`_action`). Every
+    message of a file or folder that cannot be read or written is worded here."""
     import errno
     for _ in range(8):
         if e is None:
@@ -54,7 +55,18 @@ def io_error(e: BaseException | None, path=None, action: str = "write") -> UserE
         if isinstance(e, OSError) and e.errno is not None and errno.errorcode.get(e.errno) in _FIXES:
             what, fix = _FIXES[errno.errorcode[e.errno]]
             where = path if path is not None else (e.filename or "a file")
+            action = action or _action(e)
             how = "readable" if action == "read" else "writable"
             return UserError(f"{where}: cannot {action} it: {what}; {fix.format(how=how)}")
         e = e.__cause__ or e.__context__
     return None
+
+
+def _action(e: OSError) -> str:
+    """What an OSError refused, where the code that met it did not say: a permission refused on one file or folder
+    that exists is a read of it (outputs are written into new temporary files, then renamed, so a write names a path
+    not yet there, or two); anything else is a write."""
+    import errno
+    import os
+    return "read" if (e.errno in (errno.EACCES, errno.EPERM) and e.filename and not e.filename2
+                      and os.path.lexists(e.filename)) else "write"

@@ -10,7 +10,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from dflash.config import ConfigError
-from dflash.config_model import DrafterSection
+from dflash.config_model import DrafterSection, drafter_misfit
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -137,6 +137,9 @@ class DrafterConfig:
         if sec.hidden_size is not None and sec.hidden_size != t.hidden_size:
             raise ValueError(f"drafter.hidden_size {sec.hidden_size} must equal the target's hidden_size "
                              f"{t.hidden_size} (the drafter uses the target's embedding and LM head)")
+        why = drafter_misfit(sec, t.vocab_size, t.num_attention_heads, t.num_key_value_heads, "the target")
+        if why:
+            raise ConfigError(why)
         heads = sec.num_attention_heads or t.num_attention_heads
         mask_id = sec.mask_token_id if sec.mask_token_id is not None else mask_token_id
         if mask_id is None:

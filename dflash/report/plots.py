@@ -29,9 +29,10 @@ DPI = 80
 
 def _save(fig, path: Path) -> Path:
     """Atomic like every output: render to a temporary sibling, then rename (modes as the umask gives)."""
-    from dflash.atomic import follow_umask
+    from dflash.atomic import follow_umask, sweep, temp_prefix
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
+    sweep(path)
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), suffix=".png", dir=path.parent)
     os.close(fd)
     try:
         fig.savefig(tmp, dpi=DPI, metadata={"Software": None})

@@ -70,13 +70,14 @@ def run(loaded: Loaded, args) -> int:
     # the mask token's text, which SGLang checks against the target's tokenizer (docs/serving.md)
     mask_token = load_tokenizer(cfg.target).convert_ids_to_tokens(dcfg.mask_token_id)
 
-    summary = _read(run_dir / "summary.json")
+    summary = _read(run_dir / "summary.json", "retrain the run (snakemake -R train)")
     acceptance = _acceptance(run_dir / "acceptance.json")
     # the card states its tau: of this very drafter
     if acceptance is not None and Path(str(acceptance.drafter)).resolve() != ckpt.resolve():
         raise UserError(f"{run_dir / 'acceptance.json'} evaluated {acceptance.drafter}, not {ckpt}: evaluate "
                         f"this drafter first (snakemake -R evaluate)")
-    manifest = _read(Path(args.data or paths.dataset(cfg.results_dir, cfg.dataset_name)) / "manifest.json")
+    manifest = _read(Path(args.data or paths.dataset(cfg.results_dir, cfg.dataset_name)) / "manifest.json",
+                     "rerun the data stage (snakemake -R data)")
     with atomic_dir(out, RECORD) as tmp:
         write_drafter(drafter, tmp, dtype=dtype, mask_token=mask_token)
         card = model_card(cfg, tconf, dcfg, ckpt, summary, acceptance, manifest, read_json(tmp / "config.json"))
@@ -90,25 +91,38 @@ def run(loaded: Loaded, args) -> int:
     return 0
 
 
-def _read(path):
+def _read(path, remedy: str):
+    """The JSON record at `path` that the model card states (the run's summary, evaluation, dataset manifest); None
+    where there is none. One that cannot be read or is not JSON is refused in one line: a card saying "not
+    evaluated" beside a damaged acceptance.json would be wrong without a word."""
     import json
     from pathlib import Path
+
+    from dflash.errors import UserError, io_error
     try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError):
+        text = Path(path).read_text()
+    except FileNotFoundError:
         return None
+    except OSError as e:
+        raise io_error(e, path, "read") or UserError(f"{path}: cannot read it ({e.strerror})") from None
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise UserError(f"{path}: damaged (not JSON), so the model card cannot state it: {remedy}, or move it "
+                        f"away to export without it") from None
 
 
 def _acceptance(path):
     """The run's evaluation through its reader view (dflash/acceptance_model.py: AcceptanceCore), for the card; None
-    without one (no file, unreadable, empty); one whose keys have other types is refused, naming the key."""
+    without one (no file); a damaged one, or one whose keys have other types, is refused, naming the file (and the
+    key)."""
     from pydantic import ValidationError
 
     from dflash.acceptance_model import AcceptanceCore
     from dflash.errors import UserError
     from dflash.records import problem
-    data = _read(path)
-    if not data:
+    data = _read(path, "rerun evaluate (snakemake -R evaluate)")
+    if data is None:
         return None
     try:
         return AcceptanceCore.model_validate(data)

@@ -29,7 +29,7 @@ from pydantic import ValidationError
 
 from dflash import paths
 from dflash.atomic import atomic_dir, atomic_write_json, atomic_write_text, read_json
-from dflash.errors import UserError, disk_full
+from dflash.errors import UserError, disk_full, io_error
 from dflash.records import problem
 from dflash.train.checkpoint_records import Finished, FinishedCore, TrainerCore, TrainerState
 
@@ -262,8 +262,10 @@ def ended_with(run_dir) -> Path:
     except FileNotFoundError:
         raise UserError(f"{summary}: missing, so the run's final checkpoint is unknown: train the run first, or "
                         f"give a drafter folder by hand") from None
-    except (OSError, ValueError, AttributeError) as e:
-        raise UserError(f"{summary}: unreadable ({type(e).__name__}); {again}") from None
+    except OSError as e:                           # permissions, a folder in its place: not a damaged run
+        raise io_error(e, summary, "read") or UserError(f"{summary}: cannot read it ({e.strerror})") from None
+    except (ValueError, AttributeError):
+        raise UserError(f"{summary}: damaged (not a JSON object); {again}") from None
     if not isinstance(final, dict) or not final.get("path"):
         raise UserError(f"{summary}: names no final checkpoint (the run failed before one, or an older train stage "
                         f"wrote it); {again}")

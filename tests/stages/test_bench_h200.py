@@ -216,13 +216,13 @@ def test_specforge_computes_our_loss_with_our_weights_and_anchors():
 def test_e2e_run_table_loads_every_config():
     """Each e2e run's config and --set arguments load as the train stage loads them (a dry run of the table)."""
     from dflash import config as C
-    from dflash.cli import _parse_value
     runs = e2e.e2e_runs()
     assert set(e2e.OPT_IN) <= set(runs)
     for name, (path, sets) in runs.items():
         items = (sets or [])[1::2]
         assert (sets or [])[0::2] == ["--set"] * len(items), name
-        cfg = C.load(REPO / path, {k: _parse_value(v) for k, _, v in (i.partition("=") for i in items)}).cfg
+        cfg = C.load(REPO / path, {k: C.parse_value(v, f"--set {i}") for i in items
+                                   for k, _, v in [i.partition("=")]}).cfg
         assert cfg.train.compile_target is (path == shapes.H200 and name != "1t1d-eager"), name
         if name == "1t1d-eager":   # 1t1d with the target eager: one GPU, one target and one drafter thread
             assert (path, tuple(cfg.train.targets), tuple(cfg.train.drafters), cfg.train.runtime) == \

@@ -46,3 +46,15 @@ def test_e2e_is_marked_slow_by_folder():
     items = [Item(TESTS / "e2e" / "test_workflow.py"), Item(TESTS / "unit" / "test_config.py")]
     hook.pytest_collection_modifyitems(None, items)
     assert [i.marks for i in items] == [["slow"], []]
+
+
+def test_every_test_docs_faults_md_names_exists():
+    """docs/faults.md stays the truth: each test a row names (`test_...`) is defined, each tests/ file it names is
+    there (a renamed or removed test fails here, not silently in the docs)."""
+    import re
+    text = (TESTS.parent / "docs" / "faults.md").read_text()
+    named = set(re.findall(r"`(test_\w+)`", text))
+    defined = {name for p in TESTS.rglob("test_*.py") for name in re.findall(r"^def (test_\w+)", p.read_text(), re.M)}
+    assert len(named) >= 10 and sorted(named - defined) == []
+    files = set(re.findall(r"(tests/[\w/]+\.py)", text))
+    assert files and sorted(f for f in files if not (TESTS.parent / f).is_file()) == []
