@@ -16,6 +16,18 @@ from pydantic import BaseModel, Field, field_validator
 
 from dflash.records import WRITTEN, Read, key_table as records_table
 
+# Who decodes with each draft policy at temperature > 0, today (one source: acceptance.json's `engines`, the model
+# card, the report's tables and plots). vLLM drafts argmax by default; its `draft_sample_method: probabilistic` samples
+# each DFlash position independently (the `sample` policy), lossless only from vLLM PR #54282 on.
+ENGINES = {"argmax": ["vLLM (default)", "SGLang", "TensorRT-LLM"],
+           "sample": ["DeepSpec", "dflash 0.1.0 (reference package)",
+                      "vLLM draft_sample_method: probabilistic (lossless from vLLM PR #54282)"]}
+
+
+def engines(policy: str) -> str:
+    """The engines of a draft policy, as one phrase ("vLLM (default), SGLang, TensorRT-LLM")."""
+    return ", ".join(ENGINES.get(policy, []))
+
 
 class Decoding(BaseModel):
     model_config = WRITTEN

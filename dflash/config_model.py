@@ -592,8 +592,9 @@ class EvaluateSection(Section):
     temperature: Annotated[float, EVALUATE] = Field(0.0, ge=0, description="0 is greedy (and must be lossless).")
     proposal: Annotated[Literal["auto", "argmax", "sample", "both"], EVALUATE] = Field("auto", description=(
         "Draft policy at temperature > 0 (tau depends on it): argmax, argmax drafts verified against a one-hot "
-        "proposal (vLLM, SGLang, TensorRT-LLM); sample, drafts sampled from the drafter's softmax and verified by "
-        "speculative sampling (DeepSpec, the reference package); both (and auto): each, the top-level tau being "
+        "proposal (vLLM by default, SGLang, TensorRT-LLM); sample, drafts sampled from the drafter's softmax and "
+        "verified by speculative sampling (DeepSpec, the reference package; vLLM with draft_sample_method: "
+        "probabilistic, lossless from vLLM PR #54282 on); both (and auto): each, the top-level tau being "
         "argmax's. Both are exact (the output follows the target's sampling). At temperature 0 the two are one "
         "greedy rule: only argmax is decoded."))
     device: Annotated[str, EVALUATE, ON_DEVICE] = Field("auto", pattern=DEVICE_PATTERN, description=(

@@ -12,11 +12,12 @@ from typing import Sequence
 
 import torch
 
+from dflash.acceptance_model import ENGINES
+
 from .specdec import Draft, Generation, speculative_generate, target_generate
 
 log = logging.getLogger("dflash.evaluate")
 
-ENGINES = {"argmax": ["vLLM", "SGLang", "TensorRT-LLM"], "sample": ["DeepSpec", "dflash 0.1.0 (reference package)"]}
 
 
 def policies(proposal: str, temperature: float) -> list[str]:

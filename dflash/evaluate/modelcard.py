@@ -1,9 +1,8 @@
 """README.md model card of an exported drafter."""
 from __future__ import annotations
 
-from dflash.acceptance_model import AcceptanceCore
+from dflash.acceptance_model import AcceptanceCore, engines
 from dflash.config_model import DflashConfig
-from dflash.evaluate.acceptance import ENGINES
 
 
 def _fmt(x, spec=".3f"):
@@ -20,7 +19,7 @@ def _tau(acc: AcceptanceCore | None) -> str:
     if t == 0:
         return f"{_fmt(acc.tau)} (temperature 0, greedy: the same under every engine; {setting})"
     by = {k: b.tau for k, b in acc.by_proposal.items()} if acc.by_proposal else {acc.proposal or "sample": acc.tau}
-    taus = "; ".join(f"{_fmt(tau)} with {k} drafts ({', '.join(ENGINES.get(k, []))})" for k, tau in by.items())
+    taus = "; ".join(f"{_fmt(tau)} with {k} drafts ({engines(k)})" for k, tau in by.items())
     return f"{taus} (temperature {t:g}; {setting})"
 
 

@@ -8,8 +8,7 @@ overwritten by the next run of the same name. A snapshot's summary is never rewr
 acceptance.json: a re-evaluation becomes `acceptance` and the one it replaces moves to `earlier_evaluations` (oldest
 first), so the report shows the figure on disk and the earlier one stays visible. The history's `tau` is the
 temperature-0 tau (quality is judged there); `tau_by_proposal` is that of an evaluation at temperature > 0, by draft
-policy (argmax: vLLM, SGLang, TensorRT-LLM; sample: DeepSpec, the reference package): `T=0.7: argmax 2.960; sample
-1.160`.
+policy (who drafts each way: acceptance_model.ENGINES): `T=0.7: argmax 2.960; sample 1.160`.
 
 The history is never rewritten smaller than what any of its sources holds: a run that history.csv holds but whose
 snapshot is gone (deleted, damaged) gets its snapshot back from its row (`{"run_id", "restored_from", "row"}`: the

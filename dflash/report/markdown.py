@@ -6,6 +6,7 @@ from __future__ import annotations
 from datetime import datetime
 from pathlib import Path
 
+from dflash.acceptance_model import engines
 from dflash.config_model import ReportSection
 from dflash.report.history import Run, evaluation, hardware_of, parse_time, proposal_text, tau_of, to_float
 from dflash.report.placement import gpu_roles
@@ -186,8 +187,8 @@ def _quality(records: list[dict], settings: ReportSection, sampled: dict[str, st
     hot = [r["run_id"] for r in reversed(records) if sampled.get(r["run_id"])]
     if hot:
         lines += ["", "Evaluated at temperature > 0 (not judged: no temperature-0 tau), tau by draft policy: argmax "
-                  "(argmax drafts verified against a one-hot proposal: vLLM, SGLang, TensorRT-LLM) and sample (drafts "
-                  "sampled from the drafter: DeepSpec, the reference package):", ""]
+                  f"(argmax drafts verified against a one-hot proposal: {engines('argmax')}) and sample (drafts "
+                  f"sampled from the drafter: {engines('sample')}):", ""]
         lines += [f"- **{_cell(rid)}**: {sampled[rid]}" for rid in hot]
     return lines + [""]
 

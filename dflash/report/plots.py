@@ -12,6 +12,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from dflash.acceptance_model import engines  # noqa: E402
 from dflash.config_model import ReportSection  # noqa: E402
 from dflash.report.history import TIME_KEYS, Run, proposal_taus, to_float  # noqa: E402
 
@@ -67,8 +68,8 @@ def ktok_history(runs: list[Run], records: list[dict], path: Path) -> Path:
                     "Ktok/s per run", "trained throughput (Ktok/s)", "trained Ktok/s", path)
 
 
-SAMPLED = {"argmax": ("^", "tab:purple", "argmax drafts (vLLM, SGLang, TensorRT-LLM)"),
-           "sample": ("v", "tab:orange", "sampled drafts (DeepSpec, reference)")}  # marker, color, draft policy
+SAMPLED = {"argmax": ("^", "tab:purple", f"argmax drafts ({engines('argmax')})"),
+           "sample": ("v", "tab:orange", f"sampled drafts ({engines('sample')})")}  # marker, color, draft policy
 
 
 def tau_history(runs: list[Run], records: list[dict], path: Path) -> Path:

@@ -48,7 +48,7 @@ def test_evaluate_writes_acceptance(run, tmp_path):
     assert acc["speculative_tokens_per_s"] > 0 and acc["plain_tokens_per_s"] > 0
     # temperature 0: one greedy rule for every engine, named argmax
     assert acc["proposal"] == "argmax" and list(acc["by_proposal"]) == ["argmax"]
-    assert acc["by_proposal"]["argmax"]["tau"] == acc["tau"] and acc["engines"]["argmax"][0] == "vLLM"
+    assert acc["by_proposal"]["argmax"]["tau"] == acc["tau"] and acc["engines"]["argmax"][0] == "vLLM (default)"
 
 
 def test_evaluate_at_temperature_labels_each_policy(run):
@@ -62,8 +62,9 @@ def test_evaluate_at_temperature_labels_each_policy(run):
     acc = json.loads((run_dir / "acceptance.json").read_text())
     assert acc["temperature"] == 0.8 and acc["proposal"] == "argmax" and acc["lossless"] is True
     assert list(acc["by_proposal"]) == ["argmax", "sample"]
-    assert acc["engines"] == {"argmax": ["vLLM", "SGLang", "TensorRT-LLM"],
-                              "sample": ["DeepSpec", "dflash 0.1.0 (reference package)"]}
+    assert acc["engines"] == {"argmax": ["vLLM (default)", "SGLang", "TensorRT-LLM"],
+                              "sample": ["DeepSpec", "dflash 0.1.0 (reference package)",
+                                         "vLLM draft_sample_method: probabilistic (lossless from vLLM PR #54282)"]}
     for k, b in acc["by_proposal"].items():
         assert 1.0 <= b["tau"] <= 4.0 and len(b["acceptance_per_position"]) == 3
         assert sum(b["acceptance_histogram"].values()) == b["verify_steps"] and b["speedup"] > 0

@@ -238,7 +238,9 @@ def test_model_card_names_the_policy_of_each_tau():
         return next(x for x in card.splitlines() if x.startswith("| acceptance length tau |"))
     assert "| 2.000 (temperature 0, greedy: the same under every engine; 4 held-out prompts" in line(_acceptance(0.0))
     both = line(_acceptance(0.7, {"argmax": 2.96, "sample": 1.16}))
-    assert "| 2.960 with argmax drafts (vLLM, SGLang, TensorRT-LLM); 1.160 with sample drafts (DeepSpec, " in both
+    assert ("| 2.960 with argmax drafts (vLLM (default), SGLang, TensorRT-LLM); 1.160 with sample drafts "
+            "(DeepSpec, ") in both
+    assert "vLLM draft_sample_method: probabilistic (lossless from vLLM PR #54282))" in both
     assert "(temperature 0.7; 4 held-out prompts, 16 new tokens, lossless True) |" in both
     assert "1.400 with sample drafts (DeepSpec" in line(_acceptance(1.0, tau=1.4))   # before by_proposal: sampled
     assert "not evaluated when exported" in line(None)

@@ -125,15 +125,17 @@ def test_a_tau_at_temperature_above_0_is_shown_with_its_draft_policy(tmp_path, m
     md = (out / "report.md").read_text()
     assert f"| {s2['run_id']} | 2026-11-02 10:00 | 12.00 | (T=0.7: argmax 2.960; sample 1.160) |" in md
     quality = md.split("## Quality (tau)")[1].split("## Anomalies")[0]
-    assert "argmax (argmax drafts verified against a one-hot proposal: vLLM, SGLang, TensorRT-LLM)" in quality
-    assert "sample (drafts sampled from the drafter: DeepSpec, the reference package)" in quality
+    assert "argmax (argmax drafts verified against a one-hot proposal: vLLM (default), SGLang, TensorRT-LLM)" in quality
+    assert ("sample (drafts sampled from the drafter: DeepSpec, dflash 0.1.0 (reference package), vLLM "
+            "draft_sample_method: probabilistic (lossless from vLLM PR #54282))") in quality
     assert f"- **{s2['run_id']}**: T=0.7: argmax 2.960; sample 1.160" in quality
     assert f"- **{s3['run_id']}**: T=1: sample 1.400" in quality
     args, kw = drawn["tau_history.png"]
     assert args[1] == [1.866, None, None]                                   # the line: temperature 0 only
     assert [(pts, label) for pts, _, _, label in kw["extra"]] == [
-        ([(1, 2.96)], "tau at T=0.7, argmax drafts (vLLM, SGLang, TensorRT-LLM)"),
-        ([(1, 1.16), (2, 1.4)], "tau at T=0.7, 1, sampled drafts (DeepSpec, reference)")]
+        ([(1, 2.96)], "tau at T=0.7, argmax drafts (vLLM (default), SGLang, TensorRT-LLM)"),
+        ([(1, 1.16), (2, 1.4)], "tau at T=0.7, 1, sampled drafts (DeepSpec, dflash 0.1.0 (reference package), vLLM "
+                                "draft_sample_method: probabilistic (lossless from vLLM PR #54282))")]
     assert (out / "tau_history.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
