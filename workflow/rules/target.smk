@@ -10,8 +10,16 @@ if CFG.target.build != "none":
         check_target_out(TARGET_DIR, RESULTS)
     except (ConfigError, UserError) as e:
         raise WorkflowError(str(e)) from None
+    TARGET_STAMP = stamp("target", TARGET_DIR)
+    # a built target changed in place since (build.json records its files) is refused by every stage that loads it:
+    # the plan says so now, in the stages' words, unless the target rule reruns anyway (a changed key, -R target)
+    if ("target", TARGET_DIR) not in STAMPS.moved and not forced("target", [TARGET_DIR]):
+        if _changed := target_problem(TARGET_DIR):
+            raise WorkflowError(_changed)
 
     rule target:
+        input:
+            stamp=TARGET_STAMP,
         output:
             directory(TARGET_DIR),
         params:
