@@ -206,7 +206,8 @@ class SyntheticSection(Section):
 
 class SourceSection(Section):
     name: Annotated[str, DATA] = Field(pattern=NAME, description="Short name used in the manifest.")
-    path: Annotated[str, DATA, SOURCE_FILE] = Field(description="File, datasets folder, or hub dataset name (kind hub).")
+    path: Annotated[str, DATA, SOURCE_FILE] = Field(description=(
+        "File, datasets folder, or hub dataset name (kind hub)."))
     kind: Annotated[Literal["auto", "jsonl", "json", "parquet", "disk", "hub"], DATA] = Field("auto", description=(
         "How to read path; auto picks by suffix (.jsonl, .ndjson, .json, each optionally .gz, .zst or .bz2 "
         "compressed; .parquet; a folder)."))

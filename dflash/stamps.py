@@ -8,21 +8,20 @@ only when that hash changes, atomically: its mtime moves only on a real change. 
 change reruns the rule and what follows it by Snakemake's own mtime rule, and nothing else does (a results folder
 copied with its mtimes into a fresh clone reruns nothing; the same with a config change reruns what it affects).
 
-Modes (what Snakemake was asked to do): `run` writes a changed stamp; `plan` (a dry run, --summary, --lint, ...) never
-touches the stamps a run relies on: a changed hash goes to `<results>/stamps/plan/` and that file is the input, so the
-plan shows the rerun and a later run of the unchanged config reruns nothing; `read` (a cluster job reading the workflow
-again on its node, --lint, --list-rules) writes nothing. A stamp made for the first time beside Snakemake's metadata (results made before
-stamps existed) is dated 1970: the metadata's params decide that once, instead of a rerun of every stage.
+Modes (what Snakemake was asked to do): `run` writes a changed stamp; `plan` (a dry run, --summary, ...) never touches
+the stamps a run relies on: a changed hash goes to `<results>/stamps/plan/` and that file is the input, so the plan
+shows the rerun and a later run of the unchanged config reruns nothing; `read` (a cluster job reading the workflow again
+on its node, --lint, --list-rules) writes nothing. A stamp made for the first time is new, so its rule reruns (results
+made before stamps existed rerun once; `snakemake --touch` marks them current instead).
 
-Public: `Stamps(results_dir, cfg, raw, mode, metadata=False)`, `.path(rule, name="", files=(), extra=None)` -> the
-stamp's path (written as the mode allows), `.moved`: the (rule, name) pairs whose hash changed; `mode_of(args, remote)`:
-the mode of a Snakemake command line.
+Public: `Stamps(results_dir, cfg, raw, mode)`, `.path(rule, name="", files=(), extra=None)` -> the stamp's path
+(written as the mode allows), `.moved`: the (rule, name) pairs whose hash changed; `mode_of(args, remote)`: the mode
+of a Snakemake command line.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from pathlib import Path
 
@@ -65,10 +64,10 @@ def _hash(what: dict) -> str:
 
 
 class Stamps:
-    def __init__(self, results_dir: str | Path, cfg: DflashConfig, raw: dict, mode: str, metadata: bool = False):
+    def __init__(self, results_dir: str | Path, cfg: DflashConfig, raw: dict, mode: str):
         if mode not in MODES:
             raise ValueError(f"stamp mode {mode!r}: one of {', '.join(MODES)}")
-        self.root, self.cfg, self.raw, self.mode, self.metadata = paths.stamps(results_dir), cfg, raw, mode, metadata
+        self.root, self.cfg, self.raw, self.mode = paths.stamps(results_dir), cfg, raw, mode
         self.digests = Digests(paths.digests(results_dir))
         self.moved: set[tuple[str, str]] = set()   # (rule, name) of the stamps whose hash changed
 
@@ -99,6 +98,4 @@ class Stamps:
         if self.mode == "plan":
             stamp = self.root / "plan" / stamp.relative_to(self.root)
         atomic_write_json(stamp, what)
-        if old is None and self.metadata:
-            os.utime(stamp, (0, 0))
         return str(stamp)

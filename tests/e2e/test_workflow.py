@@ -461,8 +461,8 @@ def test_without_snakemakes_metadata_nothing_changed_reruns_nothing(after):
 
 @pipeline
 def test_without_snakemakes_metadata_a_changed_key_reruns_what_it_affects(after):
-    """`.snakemake/` gone, then `train.lr` changed: nothing reran (Snakemake's only word: "missing provenance/metadata").
-    The key stamps rerun train onward; a dry run of the change moves no stamp a run relies on (back to the old config:
+    """`.snakemake/` gone, then `train.lr` changed: nothing reran (Snakemake's only word: "missing provenance/
+    metadata"). The key stamps rerun train onward; a dry run of the change moves no stamp a run relies on (back to the old config:
     nothing to do); after the change ran (--touch: outputs and stamps as a run leaves them), going back reruns train
     onward again."""
     shutil.rmtree(after / ".snakemake")
@@ -502,7 +502,8 @@ def test_a_target_rebuilt_to_the_same_weights_is_evaluated(after):
     now = {p.name: p.read_bytes() for p in target.iterdir() if p.is_file()}
     assert now["build.json"] != before["build.json"]                  # another build: its timing differs
     assert {k: v for k, v in now.items() if k != "build.json"} == {k: v for k, v in before.items() if k != "build.json"}
-    r = snakemake(after, "--touch", "results/runs/tiny/summary.json", "--cores", "1", "--configfile", "config/tiny.yaml")
+    r = snakemake(after, "--touch", "results/runs/tiny/summary.json", "--cores", "1", "--configfile",
+                  "config/tiny.yaml")
     assert r.returncode == 0, r.out[-3000:]
     acceptance = after / "results" / "runs" / "tiny" / "acceptance.json"
     r = snakemake(after, str(acceptance.relative_to(after)), "--cores", "1", "--configfile", "config/tiny.yaml")

@@ -89,10 +89,10 @@ def test_a_stamp_moves_only_when_what_it_holds_changes(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n')
 
-    def stamp(mode="run", metadata=False, **over):
+    def stamp(mode="run", **over):
         raw = {"evaluate": {"prompt_files": ["p.jsonl"]}, **over}
         loaded = C.from_dict(raw)
-        return stamps.Stamps("res", loaded.cfg, loaded.raw, mode, metadata).path("evaluate", "demo")
+        return stamps.Stamps("res", loaded.cfg, loaded.raw, mode).path("evaluate", "demo")
 
     path = stamp()
     assert path == "res/stamps/evaluate/demo.json"
@@ -103,13 +103,12 @@ def test_a_stamp_moves_only_when_what_it_holds_changes(tmp_path, monkeypatch):
     assert stamp() == path and os.stat(path).st_mtime_ns == 10**9
     held = json.loads(open(path).read())
     assert held["config"]["evaluate"]["prompt_files"] == ["p.jsonl"] and held["inputs"]["evaluate.prompt_files[0]"]
-    assert stamp("plan", evaluate={"num_prompts": 3, "prompt_files": ["p.jsonl"]}) == "res/stamps/plan/evaluate/demo.json"
-    assert stamp("read", evaluate={"num_prompts": 3, "prompt_files": ["p.jsonl"]}) == path
+    other = {"num_prompts": 3, "prompt_files": ["p.jsonl"]}
+    assert stamp("plan", evaluate=other) == "res/stamps/plan/evaluate/demo.json"
+    assert stamp("read", evaluate=other) == path
     assert os.stat(path).st_mtime_ns == 10**9
     (tmp_path / "p.jsonl").write_text('{"prompt": "b"}\n')
     assert stamp() == path and os.stat(path).st_mtime_ns > 10**9
-    os.remove(path)                                  # made for the first time beside Snakemake's metadata: dated 1970
-    assert stamp(metadata=True) == path and os.stat(path).st_mtime == 0
 
 
 def test_the_stamp_mode_follows_the_command_line():

@@ -91,8 +91,8 @@ RESULTS = CFG.results_dir
 RUN = CFG.run_name
 DATASET = CFG.dataset_name
 TARGET_DIR = CFG.target.path
-# the target folder the target rule builds (its output, so a rebuild reruns what reads it); with build none the folder is
-# the user's, an input each rule that reads it names (reads) and its stamp holds by content
+# the target folder the target rule builds (its output, so a rebuild reruns what reads it); with build none the folder
+# is the user's, an input each rule that reads it names (reads) and its stamp holds by content
 TARGET_BUILT = [TARGET_DIR] if CFG.target.build != "none" else []
 LOGS = paths.logs(RESULTS)
 BENCH = paths.benchmarks(RESULTS)
@@ -120,14 +120,16 @@ def rerun_by(rule):
     return trigger(config, rule)
 
 
-STAMPS = stamps.Stamps(RESULTS, CFG, config, stamps.mode_of(_CLI, workflow.remote_exec),
-                       metadata=os.path.isdir(".snakemake/metadata"))
+STAMPS = stamps.Stamps(RESULTS, CFG, config, stamps.mode_of(_CLI, workflow.remote_exec))
 
 
 def stamp(rule, name="", files=(), extra=None):
     """The rule's key stamp (an input): the hash of its config keys and of the content of the files the config names
     for it (and of `files`, `extra`), for the output named `name`; rewritten only when that hash changes."""
-    return STAMPS.path(rule, name, files, extra)
+    try:
+        return STAMPS.path(rule, name, files, extra)
+    except (UserError, OSError) as e:  # a named file that cannot be read, a stamps folder that cannot be written
+        raise WorkflowError(f"{rule}'s key stamp: {e}") from None
 
 
 def reads(rule):

@@ -12,8 +12,9 @@ if CFG.target.build != "none":
         raise WorkflowError(str(e)) from None
     TARGET_STAMP = stamp("target", TARGET_DIR)
     # a built target changed in place since (build.json records its files) is refused by every stage that loads it:
-    # the plan says so now, in the stages' words, unless the target rule reruns anyway (a changed key, -R target)
-    if ("target", TARGET_DIR) not in STAMPS.moved and not forced("target", [TARGET_DIR]):
+    # the plan says so now, in the stages' words, unless the target rule reruns anyway (a changed key, -R target; a
+    # cluster job reading the workflow again was planned so)
+    if ("target", TARGET_DIR) not in STAMPS.moved and not forced("target", [TARGET_DIR]) and not workflow.remote_exec:
         if _changed := target_problem(TARGET_DIR):
             raise WorkflowError(_changed)
 
