@@ -9,6 +9,7 @@ read) is generated from these models: to add a key, add one field with its `Role
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
@@ -83,6 +84,23 @@ class OnDevice:
 ON_DEVICE = OnDevice()
 
 
+@dataclasses.dataclass(frozen=True)
+class Reads:
+    """Marks a key whose value names a file or folder the stages read (`Annotated[str, ROLE, Reads(rules)]`): the
+    Snakemake rules in `rules` take it as an input, a missing one is refused before any job, and a change of its
+    content reruns them (dflash.inputs). `when(cfg, section)`: whether the value is read at all (the section holds the
+    key; e.g. target.path is an input only with build none, an output otherwise)."""
+    rules: tuple[str, ...]
+    when: typing.Callable | None = None
+
+
+# A target folder is read by every rule that loads the target; with build tiny, code or random it is the target rule's
+# output, not an input.
+TARGET_FOLDER = Reads(("data", "warmup", "train", "evaluate", "export"), lambda cfg, t: t.build == "none")
+# A data source is a local file or folder unless it is a hub dataset; synthetic data replaces every source.
+SOURCE_FILE = Reads(("data",), lambda cfg, s: s.kind != "hub" and not cfg.data.synthetic.enabled)
+
+
 class ArchSection(Section):
     num_hidden_layers: Annotated[int, BUILD] = Field(4, ge=2, description="Decoder layers.")
     hidden_size: Annotated[int, BUILD] = Field(128, ge=8, description="Hidden size.")
@@ -139,7 +157,7 @@ class PretrainSection(Section):
 
 
 class TargetSection(Section):
-    path: Annotated[str, TARGET] = Field("results/target/tiny", description=(
+    path: Annotated[str, TARGET, TARGET_FOLDER] = Field("results/target/tiny", description=(
         "Directory loadable by AutoModelForCausalLM.from_pretrained / AutoTokenizer.from_pretrained."))
     build: Annotated[Literal["none", "tiny", "code", "random"], TARGET] = Field("tiny", description=(
         "How the `target` stage makes `path`: `tiny` builds and briefly pre-trains a small Qwen3 model with a"
@@ -195,7 +213,8 @@ class SyntheticSection(Section):
 class SourceSection(Section):
     name: Annotated[str, DATA] = Field(pattern=NAME, max_length=NAME_MAX, description=(
         "Short name used in the manifest."))
-    path: Annotated[str, DATA] = Field(description="File, datasets folder, or hub dataset name (kind hub).")
+    path: Annotated[str, DATA, SOURCE_FILE] = Field(description=(
+        "File, datasets folder, or hub dataset name (kind hub)."))
     kind: Annotated[Literal["auto", "jsonl", "json", "parquet", "disk", "hub"], DATA] = Field("auto", description=(
         "How to read path; auto picks by suffix (.jsonl, .ndjson, .json, each optionally .gz, .zst or .bz2 "
         "compressed; .parquet; a folder)."))
@@ -344,7 +363,7 @@ class DrafterSection(Section):
         None, strict=False, description=(
         "Per-layer attention kind (wins over the sliding_window rule); null is all sliding_attention when "
         "sliding_window is set, all full_attention otherwise."))
-    init_from: Annotated[str | None, DRAFTER] = Field(None, description=(
+    init_from: Annotated[str | None, DRAFTER, Reads(("train",))] = Field(None, description=(
         "A drafter folder to fine-tune from: an export or a checkpoint (config.json + model.safetensors); its"
         " shape must equal this section's."))
 
@@ -599,7 +618,7 @@ class EvaluateSection(Section):
         "greedy rule: only argmax is decoded."))
     device: Annotated[str, EVALUATE, ON_DEVICE] = Field("auto", pattern=DEVICE_PATTERN, description=(
         "Device for evaluation."))
-    prompt_files: Annotated[tuple[str, ...], EVALUATE] = Field((), strict=False, description=(
+    prompt_files: Annotated[tuple[str, ...], EVALUATE, Reads(("evaluate",))] = Field((), strict=False, description=(
         "Extra JSONL prompt sets (`prompt` field), each reported separately."))
 
 

@@ -41,6 +41,16 @@ def report(results: str) -> Path:
     return Path(results, "report")
 
 
+def stamps(results: str) -> Path:
+    """The rules' key stamps (dflash.stamps) and the digest cache of the files the config names."""
+    return Path(results, "stamps")
+
+
+def digests(results: str) -> Path:
+    """sha256 of files, cached by their size and times (dflash.content.Digests)."""
+    return Path(results, "stamps", "digests.json")
+
+
 def logs(results: str) -> Path:
     return Path(results, "logs")
 

@@ -127,8 +127,9 @@ class RunSummary(SummaryCore):
     resumed_from_step: int | None = Field(description="The checkpoint step this process resumed from (null: none).")
     git: Git = Field(description="The checkout (`Git`).")
     target_files: dict = Field(description=(
-        "The target folder the run trained on: {file: {size, mtime_ns, sha256 (files up to 16 MiB)}}; `evaluate` "
-        "refuses a target changed since, naming the file."))
+        "The target folder the run trained on: {file: {size, mtime_ns, sha256 (files up to 16 MiB, and larger ones "
+        "build.json records)}}, build.json (the build's log) left out; `evaluate` refuses a target changed since, "
+        "naming the file."))
     runtime: str = Field(description="threads or distributed.")
     attention: str = Field(description="flex, sdpa or eager.")
     steps: int = Field(description="Optimizer steps done.")

@@ -8,7 +8,11 @@ Public:
 - `stop_token_ids(tokenizer, model=None)` -> ids that end an assistant turn (for generate)
 - `has_weights(path)` -> whether the folder holds weight files
 - `write_build(out_dir, info)`: build.json, the target stage's record, with every file it wrote (size, mtime, sha256)
-- `target_files(path)` -> a target folder's fingerprint (every file's size, mtime, sha256)
+- `target_files(path)` -> a target folder's fingerprint (every file's size, mtime, sha256; build.json, the build's log
+  with its timing, left out: a target is its weights, config and tokenizer)
+- `target_record(path)` -> the same, cheaply: sha256 of the small files, and of large ones where build.json has them
+- `target_identity(path, digests=None)` -> {file: sha256} of what loaders read: two builds that wrote the same bytes are
+  the same target, whatever their timing
 - `target_problem(path, files=None)` -> what changed since build.json (or `files`) recorded the folder, or None;
   `check_target(target_cfg)` raises it for a target the pipeline builds; every load (`load_tokenizer`,
   `load_target`) checks it first.
@@ -56,18 +60,64 @@ def write_build(out_dir, info: dict) -> dict:
     return info
 
 
+def _skipped(path) -> set:
+    """What is not the target in its folder: hidden files and build.json (the build's log: its timing differs between
+    two builds of the same weights)."""
+    return _hidden(files_in(path)) | {BUILD}
+
+
 def target_files(path) -> dict:
-    """A target folder's fingerprint: every file's size, mtime and sha256 (hidden ones left out). Hashing costs about
-    what loading the target costs (it reads every byte too), once, where the fingerprint is taken; `target_problem`
-    checks it again with a stat per file (and hashes only files up to HASH_ALWAYS, or one whose mtime moved)."""
-    return describe_files(path, skip=_hidden(files_in(path)))
+    """A target folder's fingerprint: every file's size, mtime and sha256 (hidden ones and build.json left out).
+    Hashing costs about what loading the target costs (it reads every byte too), once, where the fingerprint is taken;
+    `target_problem` checks it again with a stat per file (and hashes only files up to HASH_ALWAYS, or one whose mtime
+    moved)."""
+    return describe_files(path, skip=_skipped(path))
+
+
+def _built(path: Path) -> dict:
+    """build.json's record of each file ({name: {size, mtime_ns, sha256}}), {} when there is none to read."""
+    try:
+        files = json.loads((path / BUILD).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return files if isinstance(files, dict) else {}
 
 
 def target_record(path) -> dict:
     """What a run records of the target it trained on (summary.json `target_files`): every file's size and mtime, and
-    the sha256 of those up to HASH_ALWAYS: a stat per file, so a many-GB target costs nothing to record; a later check
-    (`target_problem(path, record)`) hashes a larger file only when its mtime moved."""
-    return describe_files(path, skip=_hidden(files_in(path)), hash_limit=HASH_ALWAYS)
+    its sha256 where it is cheap: a file up to HASH_ALWAYS is hashed, a larger one takes the sha256 build.json records
+    for it when it is as recorded there (size and mtime). A many-GB target costs a stat per file to record; a later
+    check (`target_problem(path, record)`) hashes a larger file only when its mtime moved, so a rebuild that wrote the
+    same bytes passes."""
+    path = Path(path)
+    out, built = describe_files(path, skip=_skipped(path), hash_limit=HASH_ALWAYS), _built(path)
+    for name, rec in out.items():
+        was = built.get(name)
+        if "sha256" not in rec and isinstance(was, dict) and was.get("sha256") and \
+                (was.get("size"), was.get("mtime_ns")) == (rec["size"], rec["mtime_ns"]):
+            rec["sha256"] = was["sha256"]
+    return out
+
+
+def target_identity(path, digests=None) -> dict:
+    """What the target is, by content: {name: sha256} of every file a loader reads (LOADED; hidden files and build.json
+    left out). A file's sha256 is build.json's where it records the file as it is (size and mtime), else computed
+    (through `digests`, a dflash.content.Digests cache, when given): two builds that wrote the same bytes are one
+    target, whatever their timing."""
+    path = Path(path)
+    built, skip = _built(path), _skipped(path)
+    out = {}
+    for name in files_in(path):
+        p = path / name
+        if name in skip or Path(name).suffix not in LOADED or not p.is_file():
+            continue
+        st, was = p.stat(), built.get(name)
+        if isinstance(was, dict) and was.get("sha256") and (was.get("size"), was.get("mtime_ns")) == \
+                (st.st_size, st.st_mtime_ns):
+            out[name] = was["sha256"]
+        else:
+            out[name] = digests.sha256(p) if digests is not None else sha256(p)
+    return out
 
 
 def _hidden(names) -> set:
@@ -79,6 +129,8 @@ def _changed(folder: Path, files: dict) -> str | None:
     Sizes and mtimes are compared for every file (one stat each); the sha256 of files up to HASH_ALWAYS always, of a
     larger one when its mtime moved (a copy keeps the content): the check stays cheap for a many-GB target."""
     for name, rec in sorted(files.items()):
+        if name == BUILD:
+            continue   # recorded by runs before build.json was left out: the build's log, not the target
         p = folder / name
         try:
             st = p.stat()

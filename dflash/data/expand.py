@@ -12,6 +12,7 @@ Public:
 """
 from __future__ import annotations
 
+import contextlib
 import heapq
 import json
 import logging
@@ -108,9 +109,15 @@ def _synthetic(cfg: DflashConfig, tokenizer, vocab_size, stats, rejects):
 
 
 def default_cache_dir(loaded: Loaded) -> Path:
-    """Where finished regeneration chunks are kept across runs: <results_dir>/data/<dataset>.regen/<key>."""
+    """Where finished regeneration chunks are kept across runs: <results_dir>/data/<dataset>.regen/<key>. A cache made
+    under the key of before (the target by its files' mtimes) is taken over, renamed: its responses are kept."""
     from dflash import paths
-    return Path(f"{paths.dataset(loaded.cfg.results_dir, loaded.cfg.dataset_name)}.regen") / cache_key(loaded.cfg)
+    root = Path(f"{paths.dataset(loaded.cfg.results_dir, loaded.cfg.dataset_name)}.regen")
+    folder, legacy = root / cache_key(loaded.cfg), root / cache_key(loaded.cfg, legacy=True)
+    if not folder.exists() and legacy.is_dir():
+        with contextlib.suppress(OSError):   # another shard's job took it over first
+            legacy.rename(folder)
+    return folder
 
 
 def expand(loaded: Loaded, out_dir, progress: bool = True, threads: int | None = None, cache_dir=None) -> dict:

@@ -8,7 +8,8 @@ Public:
   training sees the same tokens whichever engine made them.
 - `HFEngine(model, tokenizer, rcfg)`, `OpenAIEngine(rcfg, model_name)`: `.generate(prompts, seed)` -> (texts, tokens)
   with `prompts` = [(text, ids)].
-- `cache_key(cfg)` -> the folder name that keys cached responses by everything that decides them.
+- `cache_key(cfg)` -> the folder name that keys cached responses by everything that decides them (the target by
+  content: dflash.target.target_identity).
 
 Resumability: conversations are processed in chunks of `data.regenerate.chunk_size`; a finished chunk is one JSONL
 file written atomically (`chunk-<hash>.jsonl`: one {"hash", "messages"} or {"hash", "reject"} per conversation).
@@ -38,25 +39,30 @@ log = logging.getLogger("dflash.data")
 
 # ---- the cache --------------------------------------------------------------------------------------------------
 
-def _target_identity(path) -> dict:
-    """What identifies the target cheaply: its config, tokenizer config and chat template, each weight file's size
-    and mtime."""
+def cache_key(cfg: DflashConfig, legacy: bool = False) -> str:
+    """Responses depend on the target (its files by content: config, tokenizer, template, weights; a `build: random`
+    target's weights on the seed), the generation settings and the seed; never on the engine, the shard or when the
+    target was built (a rebuild that wrote the same bytes keeps every cached response). `legacy`: the key of caches
+    made before (the target by its config files and its weight files' sizes and mtimes), to take them over."""
+    from dflash import paths
+    from dflash.content import Digests
+    from dflash.target import target_identity
+    r = cfg.data.regenerate
+    target = (_legacy_identity(cfg.target.path) if legacy
+              else target_identity(cfg.target.path, Digests(paths.digests(cfg.results_dir))))
+    key = {"target": target, "max_new_tokens": r.max_new_tokens,
+           "temperature": r.temperature, "max_length": cfg.data.max_length,
+           "seed": cfg.seed}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _legacy_identity(path) -> dict:
     path = Path(path)
     files = sorted(p for pat in ("*.safetensors", "*.bin") for p in path.glob(pat))
     text = "".join((path / f).read_text() for f in ("config.json", "tokenizer_config.json", "chat_template.jinja",
                                                      "generation_config.json") if (path / f).is_file())
     return {"config": hashlib.sha256(text.encode()).hexdigest()[:16],
             "weights": [(p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in files]}
-
-
-def cache_key(cfg: DflashConfig) -> str:
-    """Responses depend on the target (config, template, weights; a `build: random` target's weights on the seed),
-    the generation settings and the seed; never on the engine or the shard."""
-    r = cfg.data.regenerate
-    key = {"target": _target_identity(cfg.target.path), "max_new_tokens": r.max_new_tokens,
-           "temperature": r.temperature, "max_length": cfg.data.max_length,
-           "seed": cfg.seed}
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def load_cache(folder: Path) -> dict[str, dict]:

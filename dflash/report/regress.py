@@ -150,9 +150,11 @@ def _mean_len(d: dict) -> float | None:
 def target_changes(old: dict | None, new: dict | None) -> list[dict]:
     """The target's files that differ between two runs' records (summary.json `target_files`: size, and sha256 where
     recorded, else mtime), as `target <file>` changes: a target swapped under the same path is named, not guessed.
-    Nothing when either run recorded none (older runs)."""
+    Nothing when either run recorded none (older runs). build.json (older runs recorded it) is the build's log, not the
+    target: a rebuild of the same weights changes nothing."""
     if not isinstance(old, dict) or not isinstance(new, dict):
         return []
+    old, new = ({k: v for k, v in rec.items() if k != "build.json"} for rec in (old, new))
     def key(rec):
         rec = rec if isinstance(rec, dict) else {}
         return (rec.get("size"), rec.get("sha256") or rec.get("mtime_ns"))

@@ -89,8 +89,8 @@ def after(done, tmp_path):
     return work
 
 
-def dry(work: Path, *args):
-    r = snakemake(work, "-n", "--configfile", "config/tiny.yaml", *args)
+def dry(work: Path, *args, config="config/tiny.yaml"):
+    r = snakemake(work, "-n", "--configfile", config, *args)
     assert r.returncode == 0, r.out[-3000:]
     return r
 
@@ -274,7 +274,7 @@ def test_train_key_change_reruns_train_to_report_only(done, change):
     write_config(work, "tiny-lr.yaml", tiny_config(work, **change))
     r = snakemake(work, "-n", "--configfile", "config/tiny-lr.yaml")
     assert planned(r) == {"train": 1, "evaluate": 1, "export": 1, "report": 1, "gate": 1, "all": 1}, r.out[-3000:]
-    assert "Params have changed since last execution" in r.out
+    assert "reason: Updated input files: results/stamps/plan/train/tiny.json" in r.out   # its key stamp (dry run)
 
 
 @pipeline
@@ -385,3 +385,127 @@ def test_a_key_that_cannot_change_the_result_reruns_nothing(done):
     write_config(work, "tiny-ops.yaml", tiny_config(work, data__num_proc=2, train__log_every=2))
     r = snakemake(work, "-n", "--configfile", "config/tiny-ops.yaml")
     assert r.returncode == 0 and "Nothing to be done" in r.out, r.out[-3000:]
+
+
+# ---- issue 47 items 1-3: "Nothing to be done" only when nothing changed -------------------------------------------
+ONWARD = {"train": 1, "evaluate": 1, "export": 1, "report": 1, "gate": 1, "all": 1}   # what a train key reruns
+
+
+@pipeline
+@pytest.mark.parametrize("key,given,closest", [
+    ("evaluate.prompt_files[0]", "config/my-prompts.jsonl", "config/prompts.jsonl"),
+    ("data.sources[0].path", "sources/mine.json", "sources/mine.jsonl"),
+    ("drafter.init_from", "results/runs/tiny/drafer", "results/runs/tiny/drafter"),
+    ("target.path", "results/target/tinny", "results/target/tiny"),
+], ids=["prompt_files", "source", "init_from", "target_none"])
+def test_a_missing_file_the_config_names_is_refused_before_any_job(done, key, given, closest):
+    """A file or folder the config names that is not there (a typo): `evaluate.prompt_files: [config/my-prompts.jsonl]`
+    answered "Nothing to be done" (rc 0) and the new prompt set was never evaluated. Every key that names an input
+    (marked `Reads` in dflash/config_model.py) is checked when the workflow reads the config: one line naming the key,
+    the path and the closest existing name."""
+    work = done[0]
+    (work / "config" / "prompts.jsonl").write_text('{"prompt": "def add(a, b):"}\n')
+    cfg = tiny_config(work)
+    if key.startswith("evaluate"):
+        cfg["evaluate"]["prompt_files"] = [given]
+    elif key.startswith("data"):
+        cfg["data"]["sources"][0]["path"] = given
+    elif key.startswith("drafter"):
+        cfg["drafter"]["init_from"] = given
+    else:
+        cfg["target"].update(path=given, build="none")
+    r = snakemake(work, "-n", "--configfile", write_config(work, "typo.yaml", cfg))
+    assert r.returncode != 0, r.out[-2000:]
+    assert (f"config error: config/typo.yaml: {key} names {given}, which does not exist; the closest existing name is "
+            f"{closest}") in r.out, r.out[-2000:]
+    assert len(error_lines(r)) <= 4, r.out
+
+
+@pipeline
+def test_a_model_folder_changed_in_place_reruns_the_stages_that_read_it(after):
+    """A user's model (target.build: none) whose weights change in place (one byte, size and mtimes kept, so the
+    folder's mtime does not move): Snakemake saw only the folder's mtime and answered "Nothing to be done". Its content
+    is in the stamp of every rule that loads it: they rerun, and what follows them."""
+    mine = after / "models" / "mine"
+    shutil.copytree(after / "results" / "target" / "tiny", mine)
+    (mine / "build.json").unlink()                                    # not the pipeline's: the user's folder
+    cfg = tiny_config(after)
+    cfg["target"].update(path="models/mine", build="none")
+    config = write_config(after, "mine.yaml", cfg)
+    r = snakemake(after, "--touch", "--cores", "1", "--configfile", config)   # the pipeline's outputs, as of this model
+    assert r.returncode == 0, r.out[-3000:]
+    assert "Nothing to be done" in dry(after, config=config).out
+    weights, folder = mine / "model.safetensors", os.stat(mine).st_mtime_ns
+    st = weights.stat()
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(mine).st_mtime_ns == folder
+    r = dry(after, config=config)
+    assert planned(r) == {"data": 1, "warmup": 1, "train": 1, "evaluate": 1, "export": 1, "report": 1, "gate": 1,
+                          "all": 1}, r.out[-3000:]
+
+
+@pipeline
+def test_without_snakemakes_metadata_nothing_changed_reruns_nothing(after):
+    """`.snakemake/` gone and every file of the repository newer than the results (a results folder copied into a fresh
+    clone): the pins and the source file, inputs by their mtime, reran env and data onward. Their content is in the
+    stamps: nothing to do."""
+    shutil.rmtree(after / ".snakemake")
+    for f in after.rglob("*"):
+        if f.is_file() and not f.is_relative_to(after / "results"):
+            os.utime(f)                                              # a fresh clone's checkout
+    assert "Nothing to be done" in dry(after).out
+
+
+@pipeline
+def test_without_snakemakes_metadata_a_changed_key_reruns_what_it_affects(after):
+    """`.snakemake/` gone, then `train.lr` changed: nothing reran (Snakemake's only word: "missing provenance/
+    metadata"). The key stamps rerun train onward; a dry run of the change moves no stamp a run relies on (back to the old config:
+    nothing to do); after the change ran (--touch: outputs and stamps as a run leaves them), going back reruns train
+    onward again."""
+    shutil.rmtree(after / ".snakemake")
+    lr = write_config(after, "tiny-lr.yaml", tiny_config(after, train__lr=1e-3))
+    assert planned(dry(after, config=lr)) == ONWARD
+    assert "Nothing to be done" in dry(after).out                  # the dry run of the change changed nothing
+    r = snakemake(after, "--touch", "--cores", "1", "--configfile", lr)
+    assert r.returncode == 0, r.out[-3000:]
+    assert "Nothing to be done" in dry(after, config=lr).out
+    assert planned(dry(after)) == ONWARD
+
+
+@pipeline
+def test_a_built_target_changed_in_place_is_refused_by_the_plan(after):
+    """A target the pipeline built, edited in place: every stage that loads it refuses it, but Snakemake (the folder's
+    mtime unmoved) answered "Nothing to be done". The plan says it in the stages' line; `-R target` rebuilds it."""
+    tok = after / "results" / "target" / "tiny" / "tokenizer_config.json"
+    tok.write_text(tok.read_text().replace('"model_max_length"', '"model_max_length" '))
+    r = snakemake(after, "-n", "--configfile", "config/tiny.yaml")
+    assert r.returncode != 0, r.out[-2000:]
+    assert (f"results/target/tiny/tokenizer_config.json: {tok.stat().st_size} bytes, {tok.stat().st_size - 1} when "
+            "recorded, since the target stage built results/target/tiny") in r.out, r.out[-2000:]
+    assert "rerun the target stage (snakemake -R target)" in r.out and len(error_lines(r)) <= 4, r.out
+    assert planned(dry(after, "-R", "target"))["target"] == 1
+
+
+@pipeline
+def test_a_target_rebuilt_to_the_same_weights_is_evaluated(after):
+    """The stages' remedy for a changed target is a rebuild (`snakemake -R target`); a rebuild that wrote the same
+    weights was refused by evaluate because build.json (the build's log: seconds, its files' mtimes) differed. A target
+    is its weights, config and tokenizer. Data, warm-up and train are marked done with --touch (the same weights give
+    them the same outputs; a real rerun of train restores: test_finished_run_is_restored_...)."""
+    target = after / "results" / "target" / "tiny"
+    before = {p.name: p.read_bytes() for p in target.iterdir() if p.is_file()}
+    r = snakemake(after, "-R", "target", "--until", "target", "--cores", "1", "--configfile", "config/tiny.yaml")
+    assert r.returncode == 0, r.out[-3000:]
+    now = {p.name: p.read_bytes() for p in target.iterdir() if p.is_file()}
+    assert now["build.json"] != before["build.json"]                  # another build: its timing differs
+    assert {k: v for k, v in now.items() if k != "build.json"} == {k: v for k, v in before.items() if k != "build.json"}
+    r = snakemake(after, "--touch", "results/runs/tiny/summary.json", "--cores", "1", "--configfile",
+                  "config/tiny.yaml")
+    assert r.returncode == 0, r.out[-3000:]
+    acceptance = after / "results" / "runs" / "tiny" / "acceptance.json"
+    r = snakemake(after, str(acceptance.relative_to(after)), "--cores", "1", "--configfile", "config/tiny.yaml")
+    assert r.returncode == 0, r.out[-3000:]
+    assert "(Rule: evaluate)" in r.out and json.loads(acceptance.read_text())["tau"] >= 1

@@ -147,3 +147,30 @@ def test_target_stage_cli_random(tmp_path, repo):
     # a target path outside the declared folders is refused
     p.write_text(yaml.safe_dump({"results_dir": str(tmp_path / "r"), "target": target_section("/tmp/elsewhere-x", "random")}))
     assert main(["target", "--config", str(p)]) == 2
+
+
+def test_a_rebuild_that_wrote_the_same_bytes_is_the_same_target(tmp_path, tiny_target):
+    """Issue 47: a target is its weights, config and tokenizer, never its build's timing. A rebuild that wrote the same
+    bytes (new mtimes, a build.json with other seconds) keeps the regeneration cache (its key named the weights by
+    mtime: every response regenerated) and passes the check of what a run trained on (build.json's timing was part of
+    it: evaluate refused the rebuild); a byte of the weights changed is seen by both."""
+    import os
+    import shutil
+
+    from dflash.data.regen import cache_key
+    from dflash.target import BUILD, target_problem, target_record, write_build
+    rebuilt = shutil.copytree(tiny_target, tmp_path / "rebuilt")
+    for f in rebuilt.iterdir():
+        os.utime(f, (f.stat().st_atime + 10, f.stat().st_mtime + 10))   # written later
+    info = json.loads((rebuilt / BUILD).read_text())
+    write_build(rebuilt, {**info, "seconds": info["seconds"] + 1.5})
+    key = lambda path: cache_key(make_loaded(tmp_path, path, regenerate={"enabled": True}).cfg)  # noqa: E731
+    trained_on = target_record(tiny_target)
+    assert key(rebuilt) == key(tiny_target)
+    assert target_problem(rebuilt, trained_on) is None
+    weights = rebuilt / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    assert key(rebuilt) != key(tiny_target)
+    assert "model.safetensors: its content differs" in target_problem(rebuilt, trained_on)

@@ -1,6 +1,7 @@
 # What the rules share: the config (read strictly, validated as the stages validate it, checked against this
-# machine), the paths of dflash/paths.py, the interpreter, and each rule's rerun trigger: the config keys whose role
-# (dflash/config_model.py) names the rule.
+# machine and the files it names), the paths of dflash/paths.py, the interpreter, and what reruns each rule: the config
+# keys whose role (dflash/config_model.py) names the rule and the content of the files the config names for it, held
+# by the rule's key stamp (dflash/stamps.py), an input that moves only when they change.
 import contextlib
 import io
 import json
@@ -9,10 +10,11 @@ import platform
 
 from snakemake.exceptions import WorkflowError
 
-from dflash import fingerprint, paths
+from dflash import fingerprint, inputs, paths, stamps
 from dflash.config import ConfigError, check_here, configfile_flags, for_workflow, trigger
 from dflash.errors import UserError
 from dflash.stages.target import check_out as check_target_out
+from dflash.target import target_problem
 
 # Several YAMLs are refused, never silently dropped: `--configfile a b` reaches the workflow as two files, while
 # `--configfile a --configfile b` reaches it as b alone (argparse keeps the last flag), so the command line is read too.
@@ -28,20 +30,25 @@ CONFIG_FILE = (os.path.relpath(workflow.overwrite_configfiles[0]) if workflow.ov
                else "config/config.yaml")
 
 
-def _jobs_run_here() -> bool:
-    """Whether this machine runs the jobs: not when a cluster executor (slurm, ...) submits them from here, whose jobs
-    read this Snakefile again on their nodes (remote mode), where the machine is checked. The executor is read as
-    Snakemake reads its command line and profiles; a command line it cannot read counts as local."""
-    if workflow.remote_exec:
-        return True
+def _cli():
+    """Snakemake's command line (with its profiles) as Snakemake reads it; None where it cannot be read (the API)."""
     from snakemake.cli import parse_args
 
     try:
         with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-            executor = parse_args(sys.argv[1:])[1].executor
+            return parse_args(sys.argv[1:])[1]
     except (Exception, SystemExit):
-        return True
-    return executor in (None, "local", "dryrun", "touch")
+        return None
+
+
+_CLI = None if workflow.remote_exec else _cli()
+
+
+def _jobs_run_here() -> bool:
+    """Whether this machine runs the jobs: not when a cluster executor (slurm, ...) submits them from here, whose jobs
+    read this Snakefile again on their nodes (remote mode), where the machine is checked. A command line Snakemake
+    cannot read counts as local."""
+    return workflow.remote_exec or _CLI is None or _CLI.executor in (None, "local", "dryrun", "touch")
 
 
 try:
@@ -55,6 +62,7 @@ try:
     except ConfigError:
         if _jobs_run_here():
             raise
+    inputs.check(_loaded.cfg, _loaded.source)  # a file or folder the config names that is not there
 except ConfigError as e:
     raise WorkflowError(f"config error: {e}") from None
 CFG = _loaded.cfg  # the typed config (defaults are the models'); `config` is the same as a plain dict
@@ -83,6 +91,9 @@ RESULTS = CFG.results_dir
 RUN = CFG.run_name
 DATASET = CFG.dataset_name
 TARGET_DIR = CFG.target.path
+# the target folder the target rule builds (its output, so a rebuild reruns what reads it); with build none the folder
+# is the user's, an input each rule that reads it names (reads) and its stamp holds by content
+TARGET_BUILT = [TARGET_DIR] if CFG.target.build != "none" else []
 LOGS = paths.logs(RESULTS)
 BENCH = paths.benchmarks(RESULTS)
 # warm-up jobs: every device running a drafter replica and, with train.compile_target, every device running a target
@@ -93,15 +104,38 @@ TRAIN_GPUS = len({paths.device_slug(d) for d in CFG.train.targets + CFG.train.dr
 
 def forced(rule, outputs) -> bool:
     """Whether the command line forces this rule itself (-R RULE or one of its outputs, --forceall, -f on its
-    output): not merely a rerun Snakemake decides (a newer input, a changed param, an incomplete marker)."""
-    ds = workflow.dag_settings
-    asked = {str(x) for x in ds.forcerun} | ({str(x) for x in ds.targets} if ds.forcetargets else set())
-    return ds.forceall or rule in asked or any(str(o) in asked for o in outputs)
+    output): not merely a rerun Snakemake decides (a newer input, a changed param, an incomplete marker). While the
+    workflow is read, before Snakemake has its DAG settings, from its command line."""
+    ds, cli = workflow.dag_settings, _CLI
+    run, every, on_targets, targets = ((ds.forcerun, ds.forceall, ds.forcetargets, ds.targets) if ds is not None else
+                                       (cli.forcerun, cli.forceall, cli.force, cli.targets) if cli is not None else
+                                       ((), False, False, ()))
+    asked = {str(x) for x in run or ()} | ({str(x) for x in targets or ()} if on_targets else set())
+    return bool(every) or rule in asked or any(str(o) in asked for o in outputs)
 
 
 def rerun_by(rule):
-    """The rule's rerun trigger (its `config` param): the config keys whose role names it, as one stable string."""
+    """The rule's rerun trigger (its `config` param): the config keys whose role names it, as one stable string. Its
+    key stamp holds them too, so that they rerun it when Snakemake's metadata is gone."""
     return trigger(config, rule)
+
+
+STAMPS = stamps.Stamps(RESULTS, CFG, config, stamps.mode_of(_CLI, workflow.remote_exec))
+
+
+def stamp(rule, name="", files=(), extra=None):
+    """The rule's key stamp (an input): the hash of its config keys and of the content of the files the config names
+    for it (and of `files`, `extra`), for the output named `name`; rewritten only when that hash changes."""
+    try:
+        return STAMPS.path(rule, name, files, extra)
+    except (UserError, OSError) as e:  # a named file that cannot be read, a stamps folder that cannot be written
+        raise WorkflowError(f"{rule}'s key stamp: {e}") from None
+
+
+def reads(rule):
+    """The files and folders the config names for this rule to read, as inputs that must exist. Their content is
+    in its stamp, so their mtimes are not what reruns it (ancient)."""
+    return [ancient(n.path) for n in inputs.named(CFG, rule)]
 
 
 def env_key():

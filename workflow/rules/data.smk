@@ -1,5 +1,5 @@
-# Stage 'data': expand the sources into tokenised, bucketed Arrow shards. Local source files are inputs, so an
-# edited source reruns data onward; hub datasets are not tracked.
+# Stage 'data': expand the sources into tokenised, bucketed Arrow shards. Local source files are inputs and their
+# content is in the data stamp, so an edited source reruns data onward; hub datasets are not tracked.
 # data.shards = 1: one job. data.shards = N > 1: N scatter jobs `data_part` (reading, regeneration, tokenising of
 # shard I; each its own GPU with engine hf, or its share of the servers with engine openai) and one gather job
 # `data` (length buckets, holdout, manifest). The content hash is the same for any N.
@@ -7,7 +7,6 @@ DATA_SHARDS = CFG.data.shards
 _regen = CFG.data.regenerate
 # a GPU per job only when it generates in-process on a GPU (openai: the servers hold the GPUs)
 DATA_GPU = int(_regen.enabled and _regen.engine == "hf" and _regen.device != "cpu")
-DATA_SOURCES = [s.path for s in CFG.data.sources if s.kind != "hub"]
 DATA_PARTS = [str(paths.dataset(RESULTS, DATASET)) + f".parts/part-{i}-of-{DATA_SHARDS}" for i in range(DATA_SHARDS)]
 
 
@@ -15,8 +14,9 @@ if DATA_SHARDS > 1:
 
     rule data_part:
         input:
-            target=TARGET_DIR,
-            sources=DATA_SOURCES,
+            target=TARGET_BUILT,
+            named=reads("data"),
+            stamp=stamp("data", DATASET),
         output:
             temp(directory(str(paths.dataset(RESULTS, DATASET)) + f".parts/part-{{shard}}-of-{DATA_SHARDS}")),
         params:
@@ -40,7 +40,9 @@ if DATA_SHARDS > 1:
 
     rule data:
         input:
-            target=TARGET_DIR,
+            target=TARGET_BUILT,
+            named=reads("data"),
+            stamp=stamp("data", DATASET),
             parts=DATA_PARTS,
         output:
             manifest=paths.dataset(RESULTS, DATASET) / "manifest.json",
@@ -63,8 +65,9 @@ else:
 
     rule data:
         input:
-            target=TARGET_DIR,
-            sources=DATA_SOURCES,
+            target=TARGET_BUILT,
+            named=reads("data"),
+            stamp=stamp("data", DATASET),
         output:
             manifest=paths.dataset(RESULTS, DATASET) / "manifest.json",
             holdout=paths.dataset(RESULTS, DATASET) / "holdout.jsonl",

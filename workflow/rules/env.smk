@@ -1,8 +1,12 @@
-# Stage 'env': the environment fingerprint. It reruns when the pins or the installed packages change; the
-# rules whose output it decides (warmup, train) take it as input.
+# Stage 'env': the environment fingerprint. It reruns when the pins or the installed packages change (its stamp holds
+# the pins' content and the packages' versions); the rules whose output it decides (warmup, train) take it as input.
+PINS = "envs/requirements.txt"
+
+
 rule env:
     input:
-        pins="envs/requirements.txt",
+        pins=ancient(PINS),
+        stamp=stamp("env", files=[("pins", PINS)], extra={"packages": json.loads(env_key())}),
     output:
         paths.fingerprint(RESULTS),
     params:

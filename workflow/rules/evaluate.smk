@@ -3,10 +3,11 @@
 rule evaluate:
     input:
         summary=rules.train.output.summary,
-        target=TARGET_DIR,
+        target=TARGET_BUILT,
+        named=reads("evaluate"),
+        stamp=stamp("evaluate", RUN),
         data=rules.data.output.manifest,
         holdout=rules.data.output.holdout,  # hashed in the manifest; a changed file reruns evaluate, which refuses it
-        prompts=list(CFG.evaluate.prompt_files),
     output:
         paths.run(RESULTS, RUN) / "acceptance.json",
     params:

@@ -14,7 +14,9 @@ rule export:
         summary=rules.train.output.summary,
         acceptance=rules.evaluate.output[0],  # the model card states tau
         data=rules.data.output.manifest,
-        target=TARGET_DIR,
+        target=TARGET_BUILT,
+        named=reads("export"),
+        stamp=stamp("export", RUN),
     output:
         directory(paths.run(RESULTS, RUN) / "drafter"),
     params:

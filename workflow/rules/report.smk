@@ -14,6 +14,7 @@ rule report:
         metrics=rules.train.output.metrics,  # the latest run's training curves
         acceptance=rules.evaluate.output[0],  # tau: a re-evaluation reruns the report
         drafter=rules.export.output[0],  # report.md says where the exported drafter is: after the export
+        stamp=stamp("report"),
     output:
         md=report(f"{REPORT_DIR}/report.md", caption="../report/report_md.rst", category="Throughput"),
         history=report(update(f"{REPORT_DIR}/history.csv"), caption="../report/history.rst", category="Throughput"),
@@ -47,6 +48,7 @@ rule report:
 rule gate:
     input:
         regressions=rules.report.output.regressions,
+        stamp=stamp("gate"),
     output:
         f"{REPORT_DIR}/gate.json",
     params:

@@ -4,7 +4,9 @@ rule train:
     input:
         env=rules.env.output[0],
         data=rules.data.output.manifest,
-        target=TARGET_DIR,
+        target=TARGET_BUILT,
+        named=reads("train"),
+        stamp=stamp("train", RUN),
         warmup=expand(rules.warmup.output[0], device=WARMUP_DEVICES),
     output:
         summary=paths.run(RESULTS, RUN) / "summary.json",

@@ -4,7 +4,9 @@ rule warmup:
     input:
         env=rules.env.output[0],
         data=rules.data.output.manifest,
-        target=TARGET_DIR,
+        target=TARGET_BUILT,
+        named=reads("warmup"),
+        stamp=stamp("warmup"),
     output:
         paths.compile_record(RESULTS, "{device}"),
     params:
