@@ -76,7 +76,7 @@ def test_evaluate_at_temperature_labels_each_policy(run):
     assert hold["by_proposal"]["argmax"]["tau"] == hold["tau"]
     assert main(["export", "--config", str(cfg_file)]) == 0
     card = (run_dir / "drafter" / "README.md").read_text()
-    assert "with argmax drafts (vLLM, SGLang, TensorRT-LLM); " in card and "with sample drafts (DeepSpec" in card
+    assert "with argmax drafts (vLLM (default), SGLang, TensorRT-LLM); " in card and "with sample drafts (DeepSpec" in card
 
 
 def test_export_then_evaluate_the_exported_folder(run, caplog):
