@@ -554,8 +554,14 @@ class TrainSection(Section):
     checkpoint_every: Annotated[int, TRAIN_OPS] = Field(50, ge=0, description=(
         "Steps between checkpoints (0 only at the end)."))
     resume: Annotated[bool, TRAIN_OPS] = Field(True, description=(
-        "Continue an interrupted run (same config and data) from its newest intact checkpoint; a finished "
-        "run's rerun trains a new run. false also sets old checkpoints aside (checkpoints.previous/)."))
+        "Continue an interrupted run (same result keys and data: its identity) from its newest intact checkpoint, "
+        "and restore a finished one (its outputs written back, nothing trained). false trains anew, this identity's "
+        "checkpoints set aside first (checkpoints/<identity>.N/, kept)."))
+    keep_runs: Annotated[int | None, TRAIN_OPS] = Field(None, ge=0, description=(
+        "Other runs kept in the run folder's checkpoints/ besides this identity's (other configs' runs, runs set "
+        "aside by a retrain): when a run finishes or is restored, the most recently written this many are kept and "
+        "the others deleted, each named in a log line. null keeps every one (the pipeline never deletes a run "
+        "otherwise)."))
     warmup_steps_excluded: Annotated[int, TRAIN_OPS] = Field(5, ge=0, description=(
         "First steps left out of Ktok/s (compile and cache warm-up)."))
     ready_timeout_s: Annotated[float, TRAIN_OPS] = Field(300, gt=0, description=(

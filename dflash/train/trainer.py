@@ -26,7 +26,7 @@ from typing import Callable, Protocol
 import torch
 
 from dflash.config_model import ProfileSection
-from dflash.train import checkpoint, compile_guard, optim
+from dflash.train import checkpoint, compile_guard, optim, run_folder
 from dflash.train.failures import Diverged, StopRun
 from dflash.train import placement as P
 from dflash.train.metrics import DeviceTimer, check_pending, log_due, loss_stats
@@ -271,16 +271,21 @@ class Replica:
     @functools.cached_property
     def identity(self) -> dict:
         """What a checkpoint must match to be resumed (config and data hashes): read once per run."""
-        return checkpoint.identity(self.ctx)
+        return run_folder.identity(self.ctx)
 
     def save(self, step: int):
-        """Checkpoint `step`; its trainer state says whether the run is finished (train.steps or the time budget
-        reached: a rerun then trains a new run) and holds the training time (the schedule's state)."""
+        """Checkpoint `step` into this identity's folder; its trainer state says whether the run is finished
+        (train.steps or the time budget reached: a rerun then restores it) and holds the training time (the
+        schedule's state); the final one also holds the run's summary as it stands (what rebuilds the outputs from it
+        alone)."""
+        from dflash.train import summary
         self.metrics.flush()
         self.schedule.elapsed_s = self.elapsed
         with self.metrics.paused():   # writing a checkpoint is no training: out of Ktok/s and the utilisation
-            checkpoint.save(self.ctx.run_dir, step, self.index(step, 0) - self.rank, self.drafter, self.optimizer,
-                            self.schedule, self.identity, self.metrics.rows_upto(step), self.finished_by)
+            kept = summary.build(self.ctx, self.metrics, [], "completed", []) if self.finished_by else None
+            checkpoint.save(run_folder.home(self.ctx.run_dir, self.identity), step, self.index(step, 0) - self.rank,
+                            self.drafter, self.optimizer, self.schedule, self.identity, self.metrics.rows_upto(step),
+                            self.finished_by, kept)
 
     def check_replicas(self, step: int):
         """The divergence guard: every replica compares exact weight checksums; any difference stops the run."""

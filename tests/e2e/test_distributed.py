@@ -15,7 +15,7 @@ from dflash.errors import UserError
 from dflash.report.placement import suggest
 from dflash.train.placement import resolve
 from dflash.train.runtime.distributed import launch_config, torchrun_command
-from support.train import REPO, prepared, prepared_eval, run_dir, train_ok
+from support.train import REPO, ckpt, prepared, prepared_eval, run_dir, train_ok
 
 pytestmark = pytest.mark.slow
 
@@ -81,7 +81,7 @@ def test_gloo_matches_threads_and_replicas_stay_identical(tmp_path):
     agrees_with_threads(s, dist_cfg, thr_cfg, logged=3)
     s["devices"] = [{"device": f"cuda:{i}", "roles": [r]} for i, r in enumerate(["target", "drafter", "drafter"])]
     assert suggest(s)["current"] == {"targets": 1, "drafters": 2}
-    final = run_dir(thr_cfg) / "checkpoints" / "step-000004" / "model.safetensors"
+    final = ckpt(thr_cfg, 4) / "model.safetensors"
     first = {k: v.clone() for k, v in load_file(str(final)).items()}
     final.write_bytes(final.read_bytes()[:1000])
     train_ok(thr_cfg, "--set", "train.runtime=threads")
@@ -137,13 +137,13 @@ def test_killed_rank_stops_the_job_named_and_the_resumed_run_ends_at_its_time_bu
     proc = subprocess.Popen([sys.executable, "-m", "dflash", "train", "--config", str(cfg), "--no-progress",
                              "--set", "train.runtime=distributed"], cwd=REPO, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
-    ckpt = run_dir(cfg) / "checkpoints" / "step-000002"
+    made = lambda: list((run_dir(cfg) / "checkpoints").glob("*/step-000002"))  # noqa: E731
     pid_file = run_dir(cfg) / "ranks" / "rank-2.json"
     deadline = time.time() + 300
-    while not (ckpt.exists() and pid_file.exists()) and time.time() < deadline and proc.poll() is None:
+    while not (made() and pid_file.exists()) and time.time() < deadline and proc.poll() is None:
         time.sleep(0.1)
-    assert ckpt.exists(), proc.stderr.read()[-3000:] if proc.poll() is not None else "no checkpoint"
-    newest = lambda: max(int(p.name.split("-")[1]) for p in (run_dir(cfg) / "checkpoints").glob("step-*"))  # noqa: E731
+    assert made(), proc.stderr.read()[-3000:] if proc.poll() is not None else "no checkpoint"
+    newest = lambda: max(int(p.name.split("-")[1]) for p in (run_dir(cfg) / "checkpoints").glob("*/step-*"))  # noqa: E731
     at_kill = newest()
     os.kill(json.loads(pid_file.read_text())["pid"], signal.SIGKILL)
     _, err = proc.communicate(timeout=60)             # a launcher that waits on the dead rank fails here
