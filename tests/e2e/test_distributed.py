@@ -50,7 +50,7 @@ def test_gloo_matches_threads_and_replicas_stay_identical(tmp_path):
     layout's features travel target rank -> drafter ranks with the target's final-norm states beside the context
     (gloo). The replicas stay identical; the losses, CE and KL and the summary equal the threads runtime's; the target
     rank's forward time reaches the summary; the threads run, its last checkpoint damaged, resumes from step 2 to the
-    same weights."""
+    same weights, and so does the distributed run, cut at the same step."""
     from safetensors.torch import load_file
     recipe = {"steps": 4, "checkpoint_every": 2, "warmup_steps_excluded": 1, "objective": "ce+kl",
               "loss_weighting": "dpace"}
@@ -88,6 +88,31 @@ def test_gloo_matches_threads_and_replicas_stay_identical(tmp_path):
     assert json.loads((run_dir(thr_cfg) / "summary.json").read_text())["resumed_from_step"] == 2
     for k, v in load_file(str(final)).items():
         torch.testing.assert_close(v, first[k], rtol=0, atol=0)
+    # issue 47 item 5: the distributed run cut after its step-2 checkpoint (the final one damaged, the outputs gone, as
+    # after a kill and Snakemake's rerun) and resumed on gloo ends as the uncut one: weights, optimizer moments, the
+    # learned figures of every row and of summary.json (0.9^age), bit for bit
+    final = ckpt(dist_cfg, 4)
+    first = {k: v.clone() for k, v in load_file(str(final / "model.safetensors")).items()}   # not a view of the file
+    moments = torch.load(final / "optimizer.pt", weights_only=True)
+    was = (rows[dist_cfg], json.loads((run_dir(dist_cfg) / "summary.json").read_text()))
+    (final / "model.safetensors").write_bytes(b"cut")
+    for name in ("summary.json", "metrics.jsonl"):
+        (run_dir(dist_cfg) / name).unlink()
+    r = train(dist_cfg, "distributed")
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads((run_dir(dist_cfg) / "summary.json").read_text())
+    assert (s["resumed_from_step"], s["steps"], s["replicas_identical"]) == (2, 4, True)
+    got = load_file(str(final / "model.safetensors"))
+    assert got.keys() == first.keys() and all(torch.equal(got[k], first[k]) for k in got)
+    again = torch.load(final / "optimizer.pt", weights_only=True)
+    assert all(torch.equal(x, again["adamw"]["state"][i][k]) for i, st in moments["adamw"]["state"].items()
+               for k, x in st.items())
+    now = {x["step"]: x for x in map(json.loads, (run_dir(dist_cfg) / "metrics.jsonl").read_text().splitlines())}
+    # every step's LR and gradient norm (a resumed process also logs its last excluded warm-up step: rows' intervals,
+    # hence their mean losses, may differ; summary.json's figures weight each step, whatever the rows)
+    assert [(x["step"], x["lr"], x["grad_norm"]) for x in was[0]] == \
+        [(x["step"], now[x["step"]]["lr"], now[x["step"]]["grad_norm"]) for x in was[0]]
+    assert all(s[k] == was[1][k] for k in ("loss", "ce", "kl", "acc_per_position", "acceptance_estimate"))
 
 
 def test_colocated_ranks_each_run_a_target_and_a_replica_and_rank_0_evaluates(tmp_path):
