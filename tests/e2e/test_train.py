@@ -247,17 +247,19 @@ def test_muon_trains_in_lockstep_and_resumes_to_the_same_weights(tmp_path):
         torch.testing.assert_close(resumed[k], straight[k], rtol=0, atol=0)
 
 
-def fake_clock(monkeypatch, seconds_per_call: dict) -> None:
-    """The trainer's clock on fake time: each drafter thread's own clock advances by its seconds per call (one call
-    as its loop starts, one per step), so the replicas' clocks disagree unless they agree on one time."""
+def fake_clock(monkeypatch, seconds_per_step: dict) -> None:
+    """The trainer's clock on fake time: each drafter thread's own clock advances by its seconds per training step
+    (its micro-step; nothing else takes time), so the replicas' clocks disagree unless they agree on one time."""
     import threading
-    from dflash.train.trainer import Replica
-    local = threading.local()
 
-    def clock():
-        local.calls = getattr(local, "calls", -1) + 1
-        return local.calls * seconds_per_call.get(threading.current_thread().name, 1.0)
-    monkeypatch.setattr(Replica, "clock", staticmethod(clock))
+    from dflash.train import trainer
+    local, step = threading.local(), trainer.micro_step
+
+    def micro_step(*a, **k):
+        local.now = getattr(local, "now", 0.0) + seconds_per_step.get(threading.current_thread().name, 1.0)
+        return step(*a, **k)
+    monkeypatch.setattr(trainer.Replica, "clock", staticmethod(lambda: getattr(local, "now", 0.0)))
+    monkeypatch.setattr(trainer, "micro_step", micro_step)
 
 
 def test_time_budget_ends_the_run_agreed_with_the_schedule_following_time(tmp_path, monkeypatch, caplog):
