@@ -21,7 +21,8 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
-from dflash.config_model import DEVICE_PATTERN, NAME, PLACED_PATTERN, DflashConfig, OnDevice, PathKey, Role, Section, When
+from dflash.config_model import (DEVICE_PATTERN, NAME, PLACED_PATTERN, DflashConfig, OnDevice, PathKey, Role, Section,
+                                 When)
 from dflash.device_names import normalize
 from dflash.errors import UserError
 

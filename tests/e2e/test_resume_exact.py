@@ -30,7 +30,7 @@ def cut(uncut: Path, cfg: Path, step: int) -> None:
     """`cfg`'s run folder as the uncut run's was when it was cut after checkpoint `step`: its checkpoints up to `step`
     (the same identity), no later one, no outputs (Snakemake deletes them before it reruns train)."""
     shutil.rmtree(run_dir(cfg), ignore_errors=True)
-    folder = run_dir(cfg) / "checkpoints" / home(uncut).name
+    folder = run_dir(cfg) / home(uncut).relative_to(run_dir(uncut))
     folder.mkdir(parents=True)
     for p in home(uncut).glob("step-*"):
         if int(p.name.split("-")[1]) <= step:
@@ -46,7 +46,8 @@ def same_end(uncut: Path, resumed: Path, final: int, timed: bool = False) -> Non
     wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     oa, ob = (torch.load(p / "optimizer.pt", weights_only=True) for p in (a, b))
-    flat = lambda s: [(k, t) for g in s.values() for st in g["state"].values() for k, t in sorted(st.items())]  # noqa: E731
+    def flat(state):   # every optimizer's every moment tensor, in order
+        return [(k, t) for g in state.values() for st in g["state"].values() for k, t in sorted(st.items())]
     assert [(k, torch.equal(x, y)) for (k, x), (_, y) in zip(flat(oa), flat(ob))] == [(k, True) for k, _ in flat(oa)]
     assert [g["lr"] for s in oa.values() for g in s["param_groups"]] == \
         [g["lr"] for s in ob.values() for g in s["param_groups"]]
