@@ -37,7 +37,7 @@ class TrainerCore(Read):
         "summary figures (loss, ce, kl, accuracies) go on (dflash/train/metrics.py `rows_upto`)."))
     finished: bool = Field(False, description=(
         "The run ended at this step (`finished_by`): a rerun restores it or trains a new run, never resumes it "
-        "(`checkpoint.finished`, which counts a step at train.steps as the end too)."))
+        "(`run_folder.finished`, which counts a step at train.steps as the end too)."))
     finished_by: str | None = Field(None, description="steps, time_budget, or null (not finished).")
     summary: dict | None = Field(None, description=(
         "At the final checkpoint of a run, the run's summary.json as it stood there (its workers, devices and "
