@@ -334,7 +334,7 @@ def test_a_write_protected_checkpoints_folder_is_one_line_before_training(tmp_pa
 def test_an_unwritable_checkpoint_while_training_is_one_line(tmp_path, monkeypatch):
     """The same found mid-run (a folder made read-only meanwhile, a file system remounted read-only): the checkpoint
     names its path and what to do, no traceback."""
-    from dflash.train import checkpoint as C
+    from dflash.train import checkpoint as C, run_folder as R
     from support.checkpoint import fake_setup, trained
 
     def denied(obj, f, *a, **k):
@@ -342,10 +342,11 @@ def test_an_unwritable_checkpoint_while_training_is_one_line(tmp_path, monkeypat
 
     setup = fake_setup(tmp_path)
     monkeypatch.setattr(C.torch, "save", denied)
+    folder = R.home(setup.run_dir, R.identity(setup))
     with pytest.raises(UserError, match=r"optimizer\.pt: not writable \(Permission denied\) while writing the "
-                                        r"checkpoint; make .*checkpoints writable and rerun"):
-        C.save(setup.run_dir, 4, 8, *trained(), C.identity(setup))
-    assert [p.name for p in (setup.run_dir / "checkpoints").iterdir()] == []
+                                        r"checkpoint; make .*checkpoints/c1-d1 writable and rerun"):
+        C.save(folder, 4, 8, *trained(), R.identity(setup))
+    assert [p.name for p in folder.iterdir()] == []
 
 
 # ---- rule 9: init_from takes our own export ----------------------------------------------------------------------
