@@ -475,7 +475,7 @@ class TrainSection(Section):
     anchors_per_token: Annotated[float | None, GRAPH] = Field(None, le=1, gt=0, description=(
         "Anchors scale with the bucket length: round(length * this), at most num_anchors (long-context "
         "configs); null is num_anchors for every bucket."))
-    gamma: Annotated[float | None, GRAPH, DECAY_WEIGHTS] = Field(None, gt=0, description=(
+    gamma: Annotated[float | None, TRAIN, DECAY_WEIGHTS] = Field(None, gt=0, description=(
         "Loss decay exp(-(k-1)/gamma); null is 7 for block 16, scaled with block size."))
     optimizer: Annotated[Literal["adamw", "muon"], TRAIN] = Field("adamw", description=(
         "adamw: one AdamW over every trainable parameter at train.lr. muon: torch.optim.Muon (momentum 0.95, "
