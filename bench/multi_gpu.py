@@ -148,11 +148,11 @@ class Driver:
         started = time.time()
         proc = self.start(first, log)
         deadline = time.monotonic() + self.budget.left(cap * 0.55)
-        ckpt = rd / "checkpoints" / f"step-{every:06d}" / "manifest.json"
+        ckpt = f"checkpoints/*/step-{every:06d}/manifest.json"   # in the run's identity folder
         rank_file = rd / "ranks" / f"rank-{victim}.json"
         pid = None
         while time.monotonic() < deadline and proc.poll() is None:
-            if ckpt.exists() and rank_file.exists() and rank_file.stat().st_mtime >= started - 1:
+            if any(rd.glob(ckpt)) and rank_file.exists() and rank_file.stat().st_mtime >= started - 1:
                 pid = json.loads(rank_file.read_text())["pid"]
                 break
             time.sleep(0.1)

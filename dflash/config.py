@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import os
 import re
 import typing
 from pathlib import Path
@@ -21,8 +22,8 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
-from dflash.config_model import (DEVICE_PATTERN, NAME, PLACED_PATTERN, DflashConfig, OnDevice, Role, Section,
-                                  drafter_misfit)
+from dflash.config_model import (DEVICE_PATTERN, NAME, PLACED_PATTERN, DflashConfig, OnDevice, PathKey, Role, Section,
+                                 When, drafter_misfit)
 from dflash.device_names import normalize
 from dflash.errors import UserError, io_error
 
@@ -74,34 +75,105 @@ def device_keys() -> tuple[str, ...]:
                  if sub is None and any(isinstance(m, OnDevice) for m in field.metadata))
 
 
-def _pick(value, model: type[Section], keep, prefix: str = ""):
-    """`value` (a section of the raw config) with only the keys whose Role `keep` takes; a section left empty is
-    dropped, a null section kept when `keep` takes any of its keys, a key the models do not know kept (an old run's
-    record hashes differently from a config without it)."""
+@functools.cache
+def gates(model: type[Section] = DflashConfig) -> dict[str, tuple[When, ...]]:
+    """{dotted key or section: its `When` markers} of every field read only while a switch allows it; a switch that is
+    not a leaf key of `model` is refused."""
+    out = {key: ws for key, field, _ in _fields(model) if (ws := tuple(m for m in field.metadata
+                                                                       if isinstance(m, When)))}
+    for key, ws in out.items():
+        for switch in (s for w in ws for s, _ in w.cases):
+            if switch not in roles(model):
+                raise TypeError(f"config key {key} is gated by {switch}, which is not a config key")
+    return out
+
+
+@functools.cache
+def path_keys(model: type[Section] = DflashConfig) -> frozenset[str]:
+    """The keys that name a file or folder (marked PATH in dflash/config_model.py)."""
+    return frozenset(key for key, field, _ in _fields(model) if any(isinstance(m, PathKey) for m in field.metadata))
+
+
+_MISSING = object()
+
+
+def _get(raw, key: str):
+    for part in key.split("."):
+        if not isinstance(raw, dict) or part not in raw:
+            return _MISSING
+        raw = raw[part]
+    return raw
+
+
+def is_read(raw: dict, key: str) -> bool:
+    """Whether `key` (dotted; a list's items as `data.sources.path`) is read under the resolved config `raw`: every
+    `When` of it and of its sections holds (some switch, itself read, holds one of its values). A switch missing from
+    `raw` (an old record) holds."""
+    parts = key.split(".")
+    for k in (".".join(parts[:i]) for i in range(1, len(parts) + 1)):
+        for w in gates().get(k, ()):
+            if not any((v := _get(raw, switch)) is _MISSING or (v in values and is_read(raw, switch))
+                       for switch, values in w.cases):
+                return False
+    return True
+
+
+def _normal(value):
+    """A path (or a list of them) in one spelling: `./x/` is `x`."""
+    if isinstance(value, (list, tuple)):
+        return [_normal(v) for v in value]
+    return os.path.normpath(value) if isinstance(value, str) and value else value
+
+
+def normalise_paths(value, model: type[Section] = DflashConfig, prefix: str = ""):
+    """The raw config with every PATH key's value in one spelling (`_normal`), in place; returns it."""
+    if isinstance(value, (list, tuple)):
+        return [normalise_paths(x, model, prefix) for x in value]
+    if not isinstance(value, dict):
+        return value
+    for key, v in value.items():
+        field = model.model_fields.get(key)
+        sub = _section(field.annotation) if field is not None else None
+        if sub is not None:
+            value[key] = normalise_paths(v, sub, f"{prefix}{key}.")
+        elif f"{prefix}{key}" in path_keys():
+            value[key] = _normal(v)
+    return value
+
+
+def _pick(value, model: type[Section], keep, root: dict, prefix: str = ""):
+    """`value` (a section of the raw config `root`) with only the keys whose Role `keep` takes and that are read
+    (`is_read`: a switched-off feature's keys are out), paths in one spelling; a section left empty is dropped, a null
+    section kept when `keep` takes any of its keys, a key the models do not know kept (an old run's record hashes
+    differently from a config without it)."""
     out = {}
     for key, v in value.items():
         field = model.model_fields.get(key)
         sub = _section(field.annotation) if field is not None else None
+        dotted = prefix + key
         if field is None:
             out[key] = v
+        elif not is_read(root, dotted):
+            continue
         elif sub is None:
-            if keep(roles()[prefix + key]):
-                out[key] = v
+            if keep(roles()[dotted]):
+                out[key] = _normal(v) if dotted in path_keys() else v
         elif isinstance(v, dict):
-            if picked := _pick(v, sub, keep, f"{prefix}{key}."):
+            if picked := _pick(v, sub, keep, root, f"{dotted}."):
                 out[key] = picked
         elif isinstance(v, (list, tuple)):
-            items = [_pick(x, sub, keep, f"{prefix}{key}.") if isinstance(x, dict) else x for x in v]
-            if any(items) or any(keep(r) for k, r in roles().items() if k.startswith(f"{prefix}{key}.")):
+            items = [_pick(x, sub, keep, root, f"{dotted}.") if isinstance(x, dict) else x for x in v]
+            if any(items) or any(keep(r) for k, r in roles().items() if k.startswith(f"{dotted}.")):
                 out[key] = items
-        elif any(keep(r) for k, r in roles().items() if k.startswith(f"{prefix}{key}.")):
+        elif any(keep(r) for k, r in roles().items() if k.startswith(f"{dotted}.")):
             out[key] = v
     return out
 
 
 def pick(raw: dict, keep) -> dict:
-    """The raw config with only the keys whose Role `keep(role)` takes (nesting kept)."""
-    return _pick(raw, DflashConfig, keep)
+    """The raw config with only the keys whose Role `keep(role)` takes and that its switches leave read (nesting
+    kept): what the hashes and the rerun triggers are made of, so the three agree."""
+    return _pick(raw, DflashConfig, keep, raw)
 
 
 def trigger(raw: dict, rule: str) -> str:
@@ -126,7 +198,7 @@ OPERATIONAL = tuple(k for k, r in roles().items() if r.hashed == "run")
 # Key order of a schema node in the YAML file (any other key follows).
 _ORDER = ("$schema", "$id", "title", "type", "additionalProperties", "required", "pattern", "enum", "minimum",
           "exclusiveMinimum", "maximum", "exclusiveMaximum", "minItems", "maxItems", "items", "default",
-          "description", "reruns", "hashed", "properties")
+          "description", "reruns", "hashed", "read_when", "properties")
 
 
 def _ordered(node: dict) -> dict:
@@ -165,6 +237,13 @@ def json_schema() -> dict:
         for part in key.split("."):
             node = (node if "properties" in node else node["items"])["properties"][part]
         node.update(reruns=list(role.reruns), hashed=role.hashed)
+    for key, ws in gates().items():              # the switches a key is read under (out of every hash otherwise)
+        node = schema
+        for part in key.split("."):
+            node = (node if "properties" in node else node["items"])["properties"][part]
+        node["read_when"] = " and ".join(" or ".join(f"{s} in {json.dumps(list(v))}" if len(v) > 1 else
+                                                     f"{s} = {json.dumps(v[0])}" for s, v in w.cases) for w in ws)
+        node.update(_ordered(node))
     return _ordered(schema)
 
 
@@ -389,7 +468,7 @@ def resolve(data, source: str = "<config>", origins: dict[str, str] | None = Non
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the config must be a mapping of keys, got {type(data).__name__}")
-    raw = apply_defaults(copy.deepcopy(data), json_schema())
+    raw = normalise_paths(apply_defaults(copy.deepcopy(data), json_schema()))
     try:
         return DflashConfig.model_validate(raw), raw
     except ValidationError as e:

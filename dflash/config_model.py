@@ -76,6 +76,51 @@ DEFAULT_CONTEXT_LAYERS = 5     # drafter.num_target_layers when neither it nor d
 
 
 @dataclasses.dataclass(frozen=True)
+class When:
+    """Marks a key (or a section) read only while a switch allows it: `Annotated[type, ROLE, when("train.optimizer",
+    "muon")]`. `cases`: (switch, values) pairs; the key is read when any switch (a dotted key, itself read) holds one of
+    its values; several `When` on one key must all hold. A key that is not read is out of every hash and every rerun
+    trigger (dflash.config.pick): `train.muon_lr` with AdamW, or `data.code_completion.files` with that source off,
+    changes nothing."""
+    cases: tuple[tuple[str, tuple], ...]
+
+    def __or__(self, other: "When") -> "When":
+        return When(self.cases + other.cases)
+
+
+def when(switch: str, *values) -> When:
+    """The key is read only while `switch` holds one of `values`."""
+    return When(((switch, values),))
+
+
+@dataclasses.dataclass(frozen=True)
+class PathKey:
+    """Marks a key that names a file or folder (`Annotated[str, ROLE, PATH]`): one spelling per path
+    (`os.path.normpath`: `./x/` is `x`) in the resolved config, its hashes and rerun triggers."""
+
+
+PATH = PathKey()
+
+# The switches, each declared once; the keys they gate carry them (a test proves each gated-off key changes no hash).
+SOURCES_READ = when("data.synthetic.enabled", False)    # synthetic samples replace every source and regeneration
+SYNTHETIC = when("data.synthetic.enabled", True)
+CODE_SOURCE = when("data.code_completion.enabled", True)
+REGENERATES = when("data.regenerate.enabled", True)
+HF_ENGINE = when("data.regenerate.engine", "hf")
+OPENAI_ENGINE = when("data.regenerate.engine", "openai")
+BUILT = when("target.build", "tiny", "code", "random")   # target.arch: the shape of a target the pipeline builds
+PRETRAINED = when("target.build", "tiny", "code")
+CODE_BUILD = when("target.build", "code")
+MUON = when("train.optimizer", "muon")
+DECAY_WEIGHTS = when("train.loss_weighting", "decay")
+DPACE_WEIGHTS = when("train.loss_weighting", "dpace")
+FP8 = when("train.precision", "fp8")
+COMPILED = when("train.compile", True)
+# the built-in corpus: read by its source, and by the tiny and random builds (their tokenizer is trained on it)
+BUILTIN_READ = when("data.builtin_corpus.enabled", True) | when("target.build", "tiny", "random")
+
+
+@dataclasses.dataclass(frozen=True)
 class OnDevice:
     """Marks a key that names devices (`Annotated[str, ROLE, ON_DEVICE]`): they must exist on the machine that runs
     the stages its role reruns (dflash.config.check_here)."""
@@ -85,11 +130,12 @@ ON_DEVICE = OnDevice()
 
 
 @dataclasses.dataclass(frozen=True)
-class Reads:
+class Reads(PathKey):
     """Marks a key whose value names a file or folder the stages read (`Annotated[str, ROLE, Reads(rules)]`): the
     Snakemake rules in `rules` take it as an input, a missing one is refused before any job, and a change of its
     content reruns them (dflash.inputs). `when(cfg, section)`: whether the value is read at all (the section holds the
-    key; e.g. target.path is an input only with build none, an output otherwise)."""
+    key; e.g. target.path is an input only with build none, an output otherwise). A path key too (PathKey: one
+    spelling in the hashes and triggers)."""
     rules: tuple[str, ...]
     when: typing.Callable | None = None
 
@@ -121,38 +167,38 @@ class ArchSection(Section):
         return self
 
 class PretrainSection(Section):
-    steps: Annotated[int, BUILD] = Field(120, ge=0, description=(
+    steps: Annotated[int, BUILD, PRETRAINED] = Field(120, ge=0, description=(
         "Optimizer steps (120 take about 2 CPU-minutes on one core)."))
-    batch_size: Annotated[int, BUILD] = Field(16, ge=1, description="Sequences per step.")
-    seq_len: Annotated[int, BUILD] = Field(256, ge=16, description="Tokens per sequence.")
-    lr: Annotated[float, BUILD] = Field(0.003, gt=0, description="Peak AdamW learning rate.")
-    max_seconds: Annotated[float | None, BUILD] = Field(None, gt=0, description=(
+    batch_size: Annotated[int, BUILD, PRETRAINED] = Field(16, ge=1, description="Sequences per step.")
+    seq_len: Annotated[int, BUILD, PRETRAINED] = Field(256, ge=16, description="Tokens per sequence.")
+    lr: Annotated[float, BUILD, PRETRAINED] = Field(0.003, gt=0, description="Peak AdamW learning rate.")
+    max_seconds: Annotated[float | None, BUILD, PRETRAINED] = Field(None, gt=0, description=(
         "Stop after this many seconds of pre-training counted from the end of the first step (which holds any"
         " compile); the schedule follows elapsed time or steps, whichever is further along. null: steps "
         "alone."))
-    compile: Annotated[bool, BUILD] = Field(False, description=(
+    compile: Annotated[bool, BUILD, PRETRAINED] = Field(False, description=(
         "Compile each decoder layer in place for pre-training (identical layers share one graph)."))
-    device: Annotated[str, BUILD, ON_DEVICE] = Field("auto", pattern=DEVICE_PATTERN, description=(
+    device: Annotated[str, BUILD, ON_DEVICE, CODE_BUILD] = Field("auto", pattern=DEVICE_PATTERN, description=(
         "build code: device of pre-training (auto: cuda when available, else cpu; bf16 autocast and fused "
         "AdamW on CUDA). The tiny build always pre-trains on the CPU."))
-    corpus_mb: Annotated[float, CORPUS] = Field(256, gt=0, description=(
+    corpus_mb: Annotated[float, CORPUS, CODE_BUILD | CODE_SOURCE] = Field(256, gt=0, description=(
         "build code and the `code` data source: MiB of Python source read (stdlib, then site-packages, each "
         "in sorted path order; files over 512 KiB, not UTF-8 or duplicated are skipped) before the split into"
         " pre-training and held-out files."))
-    heldout_fraction: Annotated[float, CORPUS] = Field(0.05, gt=0, lt=1, description=(
+    heldout_fraction: Annotated[float, CORPUS, CODE_BUILD | CODE_SOURCE] = Field(0.05, gt=0, lt=1, description=(
         "build code and the `code` data source: share of files held out of pre-training, chosen by a hash of "
         "each file's path relative to its root (the same on every machine)."))
-    chat_fraction: Annotated[float, BUILD] = Field(0.1, ge=0, description=(
+    chat_fraction: Annotated[float, BUILD, CODE_BUILD] = Field(0.1, ge=0, description=(
         "build code: \"complete this function\" conversations from the pre-training files, in the chat "
         "template, added to the pre-training text up to this share of its characters (the model learns the "
         "format it is prompted with)."))
-    tokenizer_mb: Annotated[float, BUILD] = Field(32, gt=0, description=(
+    tokenizer_mb: Annotated[float, BUILD, CODE_BUILD] = Field(32, gt=0, description=(
         "build code: MiB of the pre-training text (files and conversations in a seeded order) the BPE "
         "tokenizer is trained on."))
-    eval_windows: Annotated[int, BUILD] = Field(64, ge=1, description=(
+    eval_windows: Annotated[int, BUILD, CODE_BUILD] = Field(64, ge=1, description=(
         "build code: seq_len windows, evenly spaced, of the held-out files' token stream scored for "
         "build.json's held-out perplexity (and as many of the pre-training stream)."))
-    num_proc: Annotated[int, BUILD] = Field(0, ge=0, description=(
+    num_proc: Annotated[int, BUILD, CODE_BUILD] = Field(0, ge=0, description=(
         "build code: processes that parse files into conversations (0: every core)."))
 
 
@@ -172,7 +218,7 @@ class TargetSection(Section):
         "Passed to from_pretrained. Off unless you trust the model directory."))
     attn_implementation: Annotated[Literal["sdpa", "eager"], TARGET] = Field("sdpa", description=(
         "Attention implementation of the target (transformers attn_implementation)."))
-    arch: ArchSection = Field({}, validate_default=True, description=(
+    arch: Annotated[ArchSection, BUILT] = Field({}, validate_default=True, description=(
         "Architecture of the target built by `build` (tiny, code or random). Ignored with build none."))
     pretrain: PretrainSection = Field({}, validate_default=True, description=(
         "Pre-training of the target (build tiny: briefly, on the CPU, on the built-in corpus; build code: on "
@@ -182,31 +228,32 @@ class TargetSection(Section):
 
 
 class BuiltinCorpusSection(Section):
-    enabled: Annotated[bool, DATA] = Field(True, description="Add the built-in corpus as a source named `stdlib`.")
-    max_conversations: Annotated[int, CORPUS] = Field(1500, ge=1, description="Conversations to make.")
+    enabled: Annotated[bool, DATA, SOURCES_READ] = Field(True, description=(
+        "Add the built-in corpus as a source named `stdlib`."))
+    max_conversations: Annotated[int, CORPUS, BUILTIN_READ] = Field(1500, ge=1, description="Conversations to make.")
 
 
 class CodeCompletionSection(Section):
-    enabled: Annotated[bool, DATA] = Field(False, description="Add them as a source named `code`.")
-    max_conversations: Annotated[int, DATA] = Field(2000, ge=1, description=(
+    enabled: Annotated[bool, DATA, SOURCES_READ] = Field(False, description="Add them as a source named `code`.")
+    max_conversations: Annotated[int, DATA, CODE_SOURCE] = Field(2000, ge=1, description=(
         "Conversations to make (at most per_file a file; fewer when the files hold fewer)."))
-    files: Annotated[Literal["heldout", "all"], DATA] = Field("heldout", description=(
+    files: Annotated[Literal["heldout", "all"], DATA, CODE_SOURCE] = Field("heldout", description=(
         "Files the conversations come from: heldout, the files held out of the code target's pre-training only; "
         "all, the pre-training files as well (more training data: a drafter learns the answers of the model it "
         "serves). Either way data.holdout's evaluation prompts come from held-out files only, and no "
         "conversation of a file that gives an evaluation prompt is trained on."))
-    per_file: Annotated[int, DATA] = Field(8, ge=1, description=(
+    per_file: Annotated[int, DATA, CODE_SOURCE] = Field(8, ge=1, description=(
         "At most this many conversations of one file (a seeded choice among its functions): many files, not a "
         "few long ones."))
 
 
 class SyntheticSection(Section):
     enabled: Annotated[bool, DATA] = Field(False, description="Replace all sources with synthetic samples.")
-    num_samples: Annotated[int, DATA] = Field(256, ge=1, description="Samples to make.")
-    lengths: Annotated[tuple[Annotated[int, Field(ge=8)], ...], DATA] = Field((3072,), min_length=1, strict=False,
-                                                                             description=(
+    num_samples: Annotated[int, DATA, SYNTHETIC] = Field(256, ge=1, description="Samples to make.")
+    lengths: Annotated[tuple[Annotated[int, Field(ge=8)], ...], DATA, SYNTHETIC] = Field(
+        (3072,), min_length=1, strict=False, description=(
         "Lengths to cycle through."))
-    supervised_fraction: Annotated[float, DATA] = Field(0.8, ge=0, le=1, description=(
+    supervised_fraction: Annotated[float, DATA, SYNTHETIC] = Field(0.8, ge=0, le=1, description=(
         "Trailing fraction of each sample in the loss mask."))
 
 
@@ -226,52 +273,54 @@ class SourceSection(Section):
 
 
 class RegenerateSection(Section):
-    enabled: Annotated[bool, DATA] = Field(True, description="Replace assistant turns by the target's own responses.")
-    engine: Annotated[Literal["hf", "openai"], DATA] = Field("hf", description=(
+    enabled: Annotated[bool, DATA, SOURCES_READ] = Field(True, description=(
+        "Replace assistant turns by the target's own responses."))
+    engine: Annotated[Literal["hf", "openai"], DATA, REGENERATES] = Field("hf", description=(
         "hf generates in-process (transformers); openai sends each prompt, rendered locally with the target's"
         " chat template, to OpenAI-compatible servers (vLLM, SGLang, transformers serve) at `servers`."))
-    max_new_tokens: Annotated[int, DATA] = Field(96, ge=1, description="Tokens generated per response.")
-    temperature: Annotated[float, DATA] = Field(0.0, ge=0, description="0 is greedy.")
-    batch_size: Annotated[int, DATA] = Field(0, ge=0, description=(
+    max_new_tokens: Annotated[int, DATA, REGENERATES] = Field(96, ge=1, description="Tokens generated per response.")
+    temperature: Annotated[float, DATA, REGENERATES] = Field(0.0, ge=0, description="0 is greedy.")
+    batch_size: Annotated[int, DATA, HF_ENGINE] = Field(0, ge=0, description=(
         "hf: prompts per batch (sorted by length); 0 sizes it from free GPU memory (hundreds of sequences per"
         " decode step on a GPU; cpu_batch_size on CPU)."))
-    cpu_batch_size: Annotated[int, DATA] = Field(32, ge=1, description=(
+    cpu_batch_size: Annotated[int, DATA, HF_ENGINE] = Field(32, ge=1, description=(
         "hf: prompts per batch on CPU when batch_size is 0 (there is no GPU memory to size it from)."))
-    decoder: Annotated[Literal["auto", "static", "generate"], DATA] = Field("auto", description=(
+    decoder: Annotated[Literal["auto", "static", "generate"], DATA, HF_ENGINE] = Field("auto", description=(
         "hf: static is our decode loop with a static KV cache (one fixed batch shape; on GPU the decode step "
         "is compiled once and replayed as a CUDA graph); generate is transformers generate (dynamic cache); "
         "auto is static on GPU, generate on CPU."))
-    compile: Annotated[bool, DATA] = Field(True, description=(
+    compile: Annotated[bool, DATA, HF_ENGINE] = Field(True, description=(
         "hf, static decoder on GPU: compile the decode step and replay it as a CUDA graph (false: eager)."))
-    attention: Annotated[Literal["auto", "grouped_flex", "grouped_sdpa"], DATA] = Field("auto", description=(
+    attention: Annotated[Literal["auto", "grouped_flex", "grouped_sdpa"], DATA, HF_ENGINE] = Field("auto", description=(
         "hf, static decoder: decode attention. grouped_flex: flex_attention over only the KV blocks a row sees "
         "(1.24x grouped_sdpa's tokens/s for an 8B-shaped target on an H200); grouped_sdpa: one sdpa kernel over the "
         "whole static cache; auto is grouped_flex under CUDA graphs (with a power-of-two head dim of at least 16 and a "
         "power-of-two count of query heads per KV head, which Inductor's flex decoding kernel needs), else "
         "grouped_sdpa."))
-    compile_prefill: Annotated[bool | None, DATA] = Field(None, description=(
+    compile_prefill: Annotated[bool | None, DATA, HF_ENGINE] = Field(None, description=(
         "hf, static decoder: compile the prompts' prefill (64 rows a chunk) with Inductor, dynamic shapes (1.105x the "
         "eager prefill's tokens/s for an 8B-shaped target on an H200, for about 100 s more warm-up once per stage); "
         "null is on where the decode step is compiled for CUDA graphs (GPU), eager elsewhere."))
-    device: Annotated[str, DATA, ON_DEVICE] = Field("auto", pattern=DEVICE_PATTERN, description=(
+    device: Annotated[str, DATA, ON_DEVICE, HF_ENGINE] = Field("auto", pattern=DEVICE_PATTERN, description=(
         "hf: device for generation (auto, cpu, cuda:N)."))
-    servers: Annotated[tuple[str, ...], DATA] = Field((), strict=False, description=(
+    servers: Annotated[tuple[str, ...], DATA, OPENAI_ENGINE] = Field((), strict=False, description=(
         "openai: base URLs, e.g. http://127.0.0.1:8000/v1 (one per GPU or node; requests are spread over "
         "all)."))
-    model: Annotated[str | None, DATA] = Field(None, description=(
+    model: Annotated[str | None, DATA, OPENAI_ENGINE] = Field(None, description=(
         "openai: the served model name; null is target.path (what `vllm serve <path>` names it)."))
-    concurrency: Annotated[int, DATA] = Field(64, ge=1, description="openai: requests in flight per server.")
-    prompt_ids: Annotated[bool, DATA] = Field(False, description=(
+    concurrency: Annotated[int, DATA, OPENAI_ENGINE] = Field(64, ge=1, description=(
+        "openai: requests in flight per server."))
+    prompt_ids: Annotated[bool, DATA, OPENAI_ENGINE] = Field(False, description=(
         "openai: send the prompt as token ids (vLLM, SGLang) rather than text (any server, transformers serve"
         " too): exact tokens, and no second BOS from a server that adds one to text."))
-    timeout_s: Annotated[float, DATA_OPS] = Field(600, gt=0, description=(
+    timeout_s: Annotated[float, DATA_OPS, OPENAI_ENGINE] = Field(600, gt=0, description=(
         "openai: seconds per request before it is retried."))
-    retries: Annotated[int, DATA_OPS] = Field(6, ge=0, description=(
+    retries: Annotated[int, DATA_OPS, OPENAI_ENGINE] = Field(6, ge=0, description=(
         "openai: retries of a request after a timeout, a refused connection, 429 or 5xx, with exponential "
         "backoff; then the stage stops naming the server."))
-    backoff_s: Annotated[float, DATA_OPS] = Field(1.0, ge=0, description=(
+    backoff_s: Annotated[float, DATA_OPS, OPENAI_ENGINE] = Field(1.0, ge=0, description=(
         "openai: first retry delay in seconds (doubled each retry, at most 60)."))
-    chunk_size: Annotated[int, DATA] = Field(256, ge=1, description=(
+    chunk_size: Annotated[int, DATA, REGENERATES] = Field(256, ge=1, description=(
         "Conversations per resumable chunk: each finished chunk is written at once; a killed stage redoes at "
         "most the chunk in flight."))
 
@@ -292,7 +341,7 @@ class DataSection(Section):
         "named `code-<root>/<path>:<function>:<line>`."))
     synthetic: SyntheticSection = Field({}, validate_default=True, description=(
         "Random-token samples of fixed length (throughput benchmarks only; no text, no regeneration)."))
-    sources: tuple[SourceSection, ...] = Field((), strict=False, description=(
+    sources: Annotated[tuple[SourceSection, ...], SOURCES_READ] = Field((), strict=False, description=(
         "Extra sources (local JSONL/JSON/Parquet files, a datasets folder saved on disk, or a hub name)."))
     max_length: Annotated[int, DATA] = Field(512, ge=16, description="Longest tokenised conversation kept, in tokens.")
     truncation: Annotated[Literal["drop", "truncate"], DATA] = Field("truncate", description=(
@@ -471,7 +520,7 @@ class TrainSection(Section):
     anchors_per_token: Annotated[float | None, GRAPH] = Field(None, le=1, gt=0, description=(
         "Anchors scale with the bucket length: round(length * this), at most num_anchors (long-context "
         "configs); null is num_anchors for every bucket."))
-    gamma: Annotated[float | None, GRAPH] = Field(None, gt=0, description=(
+    gamma: Annotated[float | None, TRAIN, DECAY_WEIGHTS] = Field(None, gt=0, description=(
         "Loss decay exp(-(k-1)/gamma); null is 7 for block 16, scaled with block size."))
     optimizer: Annotated[Literal["adamw", "muon"], TRAIN] = Field("adamw", description=(
         "adamw: one AdamW over every trainable parameter at train.lr. muon: torch.optim.Muon (momentum 0.95, "
@@ -479,7 +528,7 @@ class TrainSection(Section):
         "projections and fc) at train.muon_lr, AdamW on the rest (the norm weights) at train.lr; every "
         "trainable parameter in exactly one group. Both groups follow the same warm-up + cosine schedule and "
         "train.weight_decay (docs/recipes.md)."))
-    muon_lr: Annotated[float, TRAIN] = Field(0.001, gt=0, description=(
+    muon_lr: Annotated[float, TRAIN, MUON] = Field(0.001, gt=0, description=(
         "Peak learning rate of the Muon group (train.optimizer muon), scaled per matrix by 0.2 x "
         "sqrt(max(rows, cols)) (match_rms_adamw: updates of AdamW's RMS); 1e-3 is speculators' default with "
         "the same scaling."))
@@ -509,7 +558,7 @@ class TrainSection(Section):
         " weighted mean over scored positions. dpace: D-PACE (arXiv 2605.18810), detached weights from the "
         "drafter's own confidence in each label, the suffix sums of the smoothed confidences' prefix "
         "products, the loss normalised by the number of blocks (sampled anchors) instead of the weight sum."))
-    dpace_alpha: Annotated[float, TRAIN] = Field(0.5, le=1, gt=0, description=(
+    dpace_alpha: Annotated[float, TRAIN, DPACE_WEIGHTS] = Field(0.5, le=1, gt=0, description=(
         "D-PACE's confidence smoothing (the paper's Eq. 7): q~ = alpha + (1 - alpha) q; read with "
         "loss_weighting dpace only."))
     objective: Annotated[Literal["ce", "kl", "ce+kl"], GRAPH] = Field("ce", description=(
@@ -525,7 +574,7 @@ class TrainSection(Section):
         "FP8 with fresh scales at every matmul (train.fp8_recipe), the fp32 master weights kept as the parameters, so "
         "checkpoints and the exported drafter are as with bf16. Needs a GPU of compute capability >= 8.9 (Ada, "
         "Hopper); refused on the CPU."))
-    fp8_recipe: Annotated[Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"], GRAPH] = Field(
+    fp8_recipe: Annotated[Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"], GRAPH, FP8] = Field(
         "tensorwise", description=(
         "torchao's float8 training recipe for train.precision fp8: one scale per tensor (cuBLAS), per row (e4m3 "
         "gradients too), or per row with the weight gradient in high precision. tensorwise measured fastest for the "
@@ -539,7 +588,7 @@ class TrainSection(Section):
         "The target's forward with FP8 weights: the Linear weights of the decoder layers the capture runs quantized "
         "once to e4m3 rowwise (torchao), activations quantized rowwise per call; the features then differ from "
         "bf16's by FP8 rounding. Needs an FP8 GPU (compute capability >= 8.9) for every target."))
-    recompute_weight_casts: Annotated[bool, GRAPH] = Field(False, description=(
+    recompute_weight_casts: Annotated[bool, GRAPH, COMPILED] = Field(False, description=(
         "Compiled layers under bf16 autocast recast each weight in the backward instead of keeping its bf16 "
         "copy from the forward: about 2 bytes per drafter parameter less at the peak (1.8 GB for the 5-layer "
         "Qwen3-8B drafter) for one more cast per weight in the backward (its time on an H200 is not measured "
@@ -550,8 +599,14 @@ class TrainSection(Section):
     checkpoint_every: Annotated[int, TRAIN_OPS] = Field(50, ge=0, description=(
         "Steps between checkpoints (0 only at the end)."))
     resume: Annotated[bool, TRAIN_OPS] = Field(True, description=(
-        "Continue an interrupted run (same config and data) from its newest intact checkpoint; a finished "
-        "run's rerun trains a new run. false also sets old checkpoints aside (checkpoints.previous/)."))
+        "Continue an interrupted run (same result keys and data: its identity) from its newest intact checkpoint, "
+        "and restore a finished one (its outputs written back, nothing trained). false trains anew, this identity's "
+        "checkpoints set aside first (checkpoints/<identity>.N/, kept)."))
+    keep_runs: Annotated[int | None, TRAIN_OPS] = Field(None, ge=0, description=(
+        "Other runs kept in the run folder's checkpoints/ besides this identity's (other configs' runs, runs set "
+        "aside by a retrain): when a run finishes or is restored, the most recently written this many are kept and "
+        "the others deleted, each named in a log line. null keeps every one (the pipeline never deletes a run "
+        "otherwise)."))
     warmup_steps_excluded: Annotated[int, TRAIN_OPS] = Field(5, ge=0, description=(
         "First steps left out of Ktok/s (compile and cache warm-up)."))
     ready_timeout_s: Annotated[float, TRAIN_OPS] = Field(300, gt=0, description=(
@@ -670,9 +725,9 @@ class DflashConfig(Section):
 
     run_name: Annotated[str, NAMES] = Field("demo", pattern=NAME, max_length=NAME_MAX, description=(
         "Name of the training run; outputs land in results/runs/<run_name>/."))
-    dataset_name: Annotated[str, Role((), "result")] = Field("default", pattern=NAME, max_length=NAME_MAX,
-                                                             description=(
-        "Name of the expanded dataset; shards land in results/data/<dataset_name>/."))
+    dataset_name: Annotated[str, NAMES] = Field("default", pattern=NAME, max_length=NAME_MAX, description=(
+        "Name of the expanded dataset; shards land in results/data/<dataset_name>/. A name, not content: runs know "
+        "their data by its content hash (the same data under another name restores a finished run)."))
     results_dir: Annotated[str, NAMES] = Field("results", description=(
         "Folder that holds every output. Paths from config must stay inside it or the repository."))
     strict_env: Annotated[bool, Role((), None)] = Field(False, description=(

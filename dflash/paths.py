@@ -59,9 +59,14 @@ def benchmarks(results: str) -> Path:
     return Path(results, "benchmarks")
 
 
-def checkpoint(run_dir, step: int) -> Path:
-    """A run's checkpoint of `step`: `<run>/checkpoints/step-000050/`."""
-    return Path(run_dir, "checkpoints", f"step-{step:06d}")
+def checkpoints(run_dir) -> Path:
+    """A run's checkpoints: one folder per identity it trained (`checkpoints/<result hash>-<data hash>/`)."""
+    return Path(run_dir, "checkpoints")
+
+
+def checkpoint(folder, step: int) -> Path:
+    """The checkpoint of `step` in an identity's folder: `<run>/checkpoints/<identity>/step-000050/`."""
+    return Path(folder, f"step-{step:06d}")
 
 
 def checkpoint_step(path) -> int | None:

@@ -1,7 +1,7 @@
-"""The two views every typed record file has (summary.json, manifest.json, acceptance.json, a checkpoint's trainer.json,
-checkpoints/finished.json): the writer's exact model (`WRITTEN`: strict types, no key it does not describe) and the
-reader's (`Read`: strict types, other keys kept, so a record of another age still reads); `problem` names what a view
-refused."""
+"""The two views every typed record file has (summary.json, manifest.json, acceptance.json, a checkpoint's
+trainer.json, checkpoints/<identity>/finished.json): the writer's exact model (`WRITTEN`: strict types, no key it does
+not describe) and the reader's (`Read`: strict types, other keys kept, so a record of another age still reads);
+`problem` names what a view refused."""
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, ValidationError

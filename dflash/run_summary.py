@@ -106,8 +106,8 @@ class LiveEval(BaseModel):
 
 
 class CheckpointCore(Read):
-    """How a record names a checkpoint (summary.json's `checkpoint`, checkpoints/finished.json's), as its readers take
-    it (train/checkpoint.py: `restore`)."""
+    """How a record names a checkpoint (summary.json's `checkpoint`, checkpoints/<identity>/finished.json's), as its
+    readers take it (train/run_folder.py: `restore`)."""
     path: str = Field(description="The checkpoint folder, relative to the run folder.")
     step: int = Field(description="Its step.")
     manifest: str = Field(description="xxh3_128 of its manifest.json.")

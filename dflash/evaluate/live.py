@@ -77,7 +77,7 @@ class LiveEval:
             torch.cuda.synchronize(replica.device)
         t0, c0 = time.perf_counter(), replica.clock()
         record = replica.sync.hold(replica.rank, lambda: self.evaluate(replica.drafter, step, replica.elapsed),
-                                   self.timeout_s)
+                                   self.timeout_s, "drafter-0's in-training evaluation (train.eval_every)")
         t1 = time.perf_counter()
         # the one measure of the pause, taken off the training clock (time budget, LR schedule), Ktok/s (metrics)
         # and the GPU utilisation of the run's device rows

@@ -14,16 +14,16 @@ def add_arguments(p):
     p.add_argument("--run-dir", default=None, help="run folder (default: <results_dir>/runs/<run_name>)")
     p.add_argument("--no-progress", action="store_true", help="no live progress bar")
     p.add_argument("--retrain", action="store_true",
-                   help="train a finished run anew (its checkpoints set aside) instead of restoring its outputs; the "
-                        "workflow passes it when train is forced (snakemake -R train, --forceall). Where the run "
-                        "folder holds another config's run, this config's finished run moved aside is still restored")
+                   help="train a finished run anew (its identity's checkpoints set aside, kept) instead of restoring its "
+                        "outputs; an interrupted run of this identity (an interrupted retrain too) resumes. The "
+                        "workflow passes it when train is forced (snakemake -R train, --forceall)")
 
 
 def run(loaded: Loaded, args) -> int:
     cfg = loaded.cfg
     if cfg.train.expandable_segments:
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    from dflash.train import checkpoint, writer
+    from dflash.train import run_folder, writer
     from dflash.train.context import prepare
     from dflash.train.run import train
     from dflash.train.runtime import distributed
@@ -37,7 +37,7 @@ def run(loaded: Loaded, args) -> int:
     # restore in turn (each may find the run restored), then the writer rank holds the folder (distributed.writes)
     nodes = cfg.train.rendezvous.nnodes if ctx.placement.runtime == "distributed" else 1
     with writer.hold(ctx.run_dir, wait_s=60 if nodes > 1 else 0):
-        done = checkpoint.restore(ctx, retrain=args.retrain)
+        done = run_folder.restore(ctx, retrain=args.retrain)
         if done is None and nodes == 1:
             return start(loaded, ctx, args)
     if done is None:

@@ -1,18 +1,15 @@
-"""Checkpoints: `checkpoints/step-000050/` holds the drafter in the reference format (config.json +
-model.safetensors, loadable as is by `DFlashDraftModel`, SGLang, vLLM), the optimizer and RNG state (torch.save,
-read back with weights_only=True), trainer.json (the trainer's state: checkpoint_records.TrainerState), and last
-manifest.json (size and xxh3-128 hash of every file).
+"""Checkpoints: `checkpoints/<identity>/step-000050/` holds the drafter in the reference format (config.json +
+model.safetensors, loadable as is by `DFlashDraftModel`, SGLang, vLLM), the optimizer and RNG state (torch.save, read
+back with weights_only=True), trainer.json (the trainer's state: checkpoint_records.TrainerState), and last
+manifest.json (size and xxh3-128 hash of every file). Which identity folder a run uses, resumes or restores is
+train/run_folder.py's.
 
 A checkpoint is written into a temporary folder and renamed, so a kill -9 never leaves half of one; the manifest
 catches what happens to it later (a truncated copy, rotten bytes). Resume takes the newest checkpoint whose files
-match its manifest (and whose trainer.json is a trainer state), saying in one line which ones it skipped and why, when
-the run was interrupted with the same result-changing config and data (`identity`, `finished`, `resumable`).
-summary.json names the checkpoint a run ended with (`describe`); evaluate and export read exactly that one
-(`ended_with`). A completed run keeps its outputs in checkpoints/finished.json (checkpoint_records.Finished), and a
-rerun with the same identity writes them back instead of training (`restore`); a run another config moved to
-checkpoints.previous/ comes back when its config does (`swap`).
-`load_drafter` is the package's one loader of drafter weights (evaluate, export, `drafter.init_from`): the drafter's
-shape comes from the folder's config.json, never from the YAML.
+match its manifest (and whose trainer.json is a trainer state), saying in one line which ones it skipped and why
+(`latest`). summary.json names the checkpoint a run ended with (`describe`); evaluate and export read exactly that one
+(`ended_with`). `load_drafter` is the package's one loader of drafter weights (evaluate, export, `drafter.init_from`):
+the drafter's shape comes from the folder's config.json, never from the YAML.
 """
 from __future__ import annotations
 
@@ -28,10 +25,10 @@ import torch
 from pydantic import ValidationError
 
 from dflash import paths
-from dflash.atomic import atomic_dir, atomic_write_json, atomic_write_text, read_json
+from dflash.atomic import atomic_dir, atomic_write_json, read_json
 from dflash.errors import UserError, disk_full, io_error
 from dflash.records import problem
-from dflash.train.checkpoint_records import Finished, FinishedCore, TrainerCore, TrainerState
+from dflash.train.checkpoint_records import TrainerCore, TrainerState
 
 log = logging.getLogger("dflash.train")
 
@@ -39,23 +36,25 @@ CONFIG, WEIGHTS, OPTIMIZER, RNG, TRAINER, MANIFEST = (
     "config.json", "model.safetensors", "optimizer.pt", "rng.pt", "trainer.json", "manifest.json")
 FILES = (CONFIG, WEIGHTS, OPTIMIZER, RNG, TRAINER)
 HASH = "xxh3_128"
-PREVIOUS = "checkpoints.previous"
 
 
-# a checkpoint's folder and its step: one naming, in dflash/paths.py (the evaluate stage reads it too)
+# a checkpoint's folder (in an identity's folder) and its step: one naming, in dflash/paths.py (evaluate reads it too)
 step_dir, step_of = paths.checkpoint, paths.checkpoint_step
 
 
 # ---- writing -------------------------------------------------------------------------------------------------
-def save(run_dir, step: int, data_index: int, drafter, optimizer, scheduler, identity: dict, metrics: list[dict] = (),
-         finished_by: str | None = None) -> Path:
-    """Write checkpoint `step` (the drafter's config from `drafter.cfg`); its trainer.json holds the run's `identity`,
-    its metrics rows up to `step` and what finished it (None: not finished), checked against TrainerState first. A full
-    disk raises UserError naming the folder and leaves nothing behind."""
+def save(folder, step: int, data_index: int, drafter, optimizer, scheduler, identity: dict, metrics: list[dict] = (),
+         finished_by: str | None = None, summary: dict | None = None) -> Path:
+    """Write checkpoint `step` into `folder` (the run's identity folder: run_folder.home; the drafter's config from
+    `drafter.cfg`); its trainer.json holds the run's `identity`, its metrics rows up to `step`, what finished it (None:
+    not finished) and, at the final step, the run's `summary` as it stands (what rebuilds the outputs from this
+    checkpoint alone), checked against TrainerState first. A full disk raises UserError naming the folder and leaves
+    nothing behind."""
     from dflash.model.export import save_drafter
-    out = step_dir(run_dir, step)
+    out = step_dir(folder, step)
     state = {"step": step, "data_index": data_index, "scheduler": scheduler.state_dict(), "python_random": _py_state(),
-             **identity, "metrics": list(metrics), "finished": finished_by is not None, "finished_by": finished_by}
+             **identity, "metrics": list(metrics), "finished": finished_by is not None, "finished_by": finished_by,
+             "summary": summary}
     TrainerState.model_validate_json(json.dumps(state, default=str))   # the file's record, exactly
     try:
         with atomic_dir(out) as tmp:
@@ -145,17 +144,17 @@ def trainer_state(path) -> TrainerCore:
         raise UserError(f"{f}: not a trainer state ({problem(e)})") from None
 
 
-def candidates(run_dir, folder: str = "checkpoints") -> list[Path]:
-    """The run's `checkpoints/step-N/` folders (or those of `folder`: PREVIOUS), newest first (whatever their
-    state)."""
-    root = Path(run_dir, folder)
+def candidates(folder) -> list[Path]:
+    """The `step-N/` checkpoints of `folder` (an identity's folder), newest first (whatever their state)."""
+    root = Path(folder)
     dirs = [d for d in root.iterdir() if d.is_dir() and step_of(d) is not None] if root.is_dir() else []
     return sorted(dirs, key=step_of, reverse=True)
 
 
-def latest(run_dir, names=FILES) -> Path | None:
-    """The newest checkpoint whose files `names` match its manifest; one warning line per newer one skipped."""
-    for path in candidates(run_dir):
+def latest(folder, names=FILES) -> Path | None:
+    """The newest checkpoint of `folder` whose files `names` match its manifest; one warning line per newer one
+    skipped."""
+    for path in candidates(folder):
         why = verify(path, names)
         if why is None:
             return path
@@ -163,92 +162,25 @@ def latest(run_dir, names=FILES) -> Path | None:
     return None
 
 
-def identity(setup) -> dict:
-    """What a checkpoint must match to be resumed (or a finished run to be restored): the config's result hash (every
-    key but names, report/evaluate settings and the operational train keys: dflash.config.OPERATIONAL) and the
-    data's content hash (from a manifest that matches its own hash)."""
-    from dflash.train.context import read_manifest
-    return {"result_hash": setup.loaded.result_hash, "data_hash": read_manifest(setup).get("content_hash")}
-
-
-def finished(saved: TrainerCore, setup) -> bool:
-    """Whether a checkpoint's trainer state (trainer.json) ends its run: the one test of "finished" (train.steps
-    reached, or the run ended by its train.time_budget_s: trainer.json's `finished`)."""
-    return saved.finished or saved.step >= setup.cfg.train.steps
-
-
-def resumable(setup) -> Path | None:
-    """The checkpoint to resume from: the newest intact one, if the run was interrupted (not `finished`) with the same
-    result-changing config and data; an interrupted run of this identity that another one moved to
-    `checkpoints.previous/` (a run by hand with other settings in between) is moved back and resumed, the other run
-    taking its place there. Otherwise the run trains from scratch and the old checkpoints are moved to
-    `checkpoints.previous/` (replacing an older one): a finished run that is not restored (`restore`: --retrain, or
-    no record of its outputs), another config or data, `train.resume: false`. Checkpoints none of which is intact:
-    UserError naming them."""
-    run_dir = Path(setup.run_dir)
-    _finish_swap(run_dir)
-    here = candidates(run_dir)
-    if not setup.cfg.train.resume:
-        if here:
-            set_aside(run_dir, "train.resume is false")
-        return None
-    want, why = identity(setup), None
-    if here:
-        path = latest(run_dir)
-        if path is None:
-            raise UserError(f"{run_dir / 'checkpoints'}: no intact checkpoint to resume from (each is named above "
-                            f"with its fault); move that folder away to train from scratch, or set train.resume: false")
-        saved = trainer_state(path)
-        if not _same(saved, want):
-            why = f"they were made with another config or data ({_identity(saved, want)} != {want})"
-        elif finished(saved, setup):
-            set_aside(run_dir, f"the run finished at step {saved.step} ({path.name}), so this rerun trains a new "
-                               f"run")
-            return None
-        else:
-            return path
-    back = _newest_intact(run_dir, PREVIOUS)
-    if back is not None and _same(saved := trainer_state(back), want) and not finished(saved, setup):
-        swap(run_dir, f"the interrupted run of this config and data ({back.name}) is resumed")
-        return step_dir(run_dir, step_of(back))
-    if why:
-        set_aside(run_dir, why)
-    return None
-
-
-def _identity(saved: TrainerCore, want: dict) -> dict:
-    """The identity (`identity`'s keys) a checkpoint was made with."""
-    return {k: getattr(saved, k) for k in want}
-
-
-def _same(saved: TrainerCore, want: dict) -> bool:
-    return _identity(saved, want) == want
-
-
-def _holds(run_dir, folder: str, want: dict) -> bool:
-    """Whether the newest intact checkpoint of `folder` was made with identity `want`."""
-    path = _newest_intact(run_dir, folder)
-    return path is not None and _same(trainer_state(path), want)
-
-
-def _newest_intact(run_dir, folder: str) -> Path | None:
+def newest_intact(folder) -> Path | None:
     """The newest checkpoint of `folder` whose files match its manifest (quietly: a look, not a resume)."""
-    return next((p for p in candidates(run_dir, folder) if verify(p) is None), None)
+    return next((p for p in candidates(folder) if verify(p) is None), None)
 
 
-# ---- a finished run's outputs --------------------------------------------------------------------------------
-FINISHED = "finished.json"   # in checkpoints/: the final checkpoint's name and the run's outputs, byte for byte
-OUTPUTS = ("summary.json", "metrics.jsonl")   # the train stage's outputs (the rule's), kept there and restored
-
-
-def describe(run_dir, step: int) -> dict | None:
-    """How summary.json names the checkpoint a run ended with: {"path" (relative to the run folder), "step",
-    "manifest" (xxh3 of its manifest.json: that very checkpoint, not a later one of the same name)}; None when the
-    run left none at that step."""
-    path = step_dir(run_dir, step)
+# ---- the checkpoint a run ended with -------------------------------------------------------------------------
+def describe(run_dir, path) -> dict | None:
+    """How summary.json names the checkpoint `path` a run ended with: {"path" (relative to the run folder), "step",
+    "manifest" (xxh3 of its manifest.json: that very checkpoint, not a later one of the same name)}; None when there
+    is none."""
+    path = Path(path)
     if not (path / MANIFEST).is_file():
         return None
-    return {"path": path.relative_to(run_dir).as_posix(), "step": step, "manifest": _describe(path / MANIFEST)[HASH]}
+    return {"path": path.relative_to(run_dir).as_posix(), "step": step_of(path), "manifest": manifest_hash(path)}
+
+
+def manifest_hash(path) -> str:
+    """xxh3 of checkpoint `path`'s manifest.json: that very checkpoint (what summary.json names it by)."""
+    return _describe(Path(path, MANIFEST))[HASH]
 
 
 def ended_with(run_dir) -> Path:
@@ -272,7 +204,7 @@ def ended_with(run_dir) -> Path:
     path = Path(run_dir, final["path"])
     if not (path / MANIFEST).is_file() or not _within(path, run_dir):
         raise UserError(f"{path}: missing ({summary} says the run ended with it); {again}")
-    if _describe(path / MANIFEST)[HASH] != final.get("manifest"):
+    if manifest_hash(path) != final.get("manifest"):
         raise UserError(f"{path}: not the checkpoint the run ended with (its {MANIFEST} changed after {summary} "
                         f"was written); {again}")
     why = verify(path, (CONFIG, WEIGHTS))
@@ -283,129 +215,6 @@ def ended_with(run_dir) -> Path:
 
 def _within(path: Path, run_dir) -> bool:
     return Path(path).resolve().is_relative_to(Path(run_dir).resolve())
-
-
-def record_finished(run_dir, final: dict, outputs: dict[str, str] | None = None) -> None:
-    """Keep a finished run's outputs (OUTPUTS, as written; or `outputs`) beside its checkpoints, for `restore`: the
-    record checkpoint_records.Finished describes, checked first."""
-    record = {"checkpoint": final, "outputs": outputs or {n: Path(run_dir, n).read_text() for n in OUTPUTS}}
-    Finished.model_validate(record)
-    atomic_write_json(Path(run_dir, "checkpoints", FINISHED), record)
-
-
-def restore(setup, retrain: bool = False) -> FinishedCore | None:
-    """A finished run whose config (result keys) and data did not change is never trained again: when the newest
-    checkpoint of `checkpoints/` (or of `checkpoints.previous/`, where a run by hand with other settings moved it) is
-    the intact final one of a finished run with this identity, write back the outputs it finished with (Snakemake
-    deletes a job's outputs before a rerun it forces for a timestamp, an identical fingerprint or an incomplete
-    marker) and return its record; from `checkpoints.previous/` the two folders swap first (the other run is kept
-    there). The record is checkpoints/finished.json, or where that is gone the run's outputs as they are, with
-    summary.json naming that very checkpoint (its manifest's hash), then written anew. `retrain`
-    (--retrain: snakemake -R train) trains this config's run in checkpoints/ anew; where checkpoints/ holds another
-    config's run (one by hand, which evaluate refuses, saying to retrain), this config's finished run is still
-    restored from checkpoints.previous/. Otherwise None and nothing is touched."""
-    run_dir = Path(setup.run_dir)
-    if not setup.cfg.train.resume:
-        return None
-    _finish_swap(run_dir)
-    want = identity(setup)
-    for folder in ("checkpoints", PREVIOUS):
-        if retrain and (folder == "checkpoints" or _holds(run_dir, "checkpoints", want)):
-            continue
-        found = _finished_run(run_dir, folder, want, setup)
-        if found is None:
-            continue
-        record, rebuilt = found
-        if folder == PREVIOUS:
-            swap(run_dir, f"the finished run of this config and data ({record.checkpoint.path}) is restored")
-        for name in OUTPUTS:
-            atomic_write_text(run_dir / name, record.outputs[name])
-        if rebuilt:
-            log.warning("%s was missing: rebuilt from %s and the checkpoint it names", run_dir / "checkpoints" /
-                        FINISHED, run_dir / "summary.json")
-            record_finished(run_dir, record.checkpoint.model_dump(), record.outputs)
-        return record
-    return None
-
-
-def _finished_run(run_dir: Path, folder: str, want: dict, setup) -> tuple[FinishedCore, bool] | None:
-    """The record (`_record`) of the finished run whose final checkpoint is the newest of `folder`, when it is intact
-    and has identity `want`; None otherwise."""
-    found = _record(run_dir, folder)
-    if found is None:
-        return None
-    final = found[0].checkpoint
-    path = run_dir / folder / Path(final.path).name
-    if final.path != f"checkpoints/{path.name}" or candidates(run_dir, folder)[:1] != [path] \
-            or verify(path) is not None or _describe(path / MANIFEST)[HASH] != final.manifest:
-        return None
-    saved = trainer_state(path)
-    return found if _same(saved, want) and finished(saved, setup) else None
-
-
-def _record(run_dir: Path, folder: str) -> tuple[FinishedCore, bool] | None:
-    """(`folder`'s finished.json through FinishedCore, False); where it is gone, (one rebuilt from the run's outputs as
-    they are, summary.json that of a completed run, True: `_finished_run` checks it names that very checkpoint). None
-    otherwise; a finished.json that is not one is named in one line."""
-    path = run_dir / folder / FINISHED
-    try:
-        record = FinishedCore.model_validate_json(path.read_bytes())
-        lacks = [n for n in OUTPUTS if n not in record.outputs]
-        if not lacks:
-            return record, False
-        why = f"missing key 'outputs.{lacks[0]}'"
-    except FileNotFoundError:
-        return _rebuilt(run_dir)
-    except OSError as e:
-        why = f"unreadable ({e.strerror or type(e).__name__})"
-    except ValidationError as e:
-        why = problem(e)
-    log.warning("%s: %s; the finished run cannot be restored from it", path, why)
-    return None
-
-
-def _rebuilt(run_dir: Path) -> tuple[FinishedCore, bool] | None:
-    """The record `record_finished` wrote, rebuilt from the run's outputs as they are: summary.json of a completed run,
-    naming its final checkpoint."""
-    try:
-        outputs = {n: (run_dir / n).read_text() for n in OUTPUTS}
-        summary = json.loads(outputs["summary.json"])
-        if summary["status"] != "completed":
-            return None
-        return Finished.model_validate({"checkpoint": summary["checkpoint"], "outputs": outputs}), True
-    except (OSError, ValueError, KeyError, TypeError):   # a ValidationError is a ValueError
-        return None
-
-
-def set_aside(run_dir, why: str) -> Path:
-    """Move `checkpoints/` to `checkpoints.previous/` (replacing an older one), with one log line."""
-    run_dir = Path(run_dir)
-    prev = run_dir / PREVIOUS
-    shutil.rmtree(prev, ignore_errors=True)
-    os.replace(run_dir / "checkpoints", prev)
-    log.warning("starting from scratch: %s; old checkpoints moved to %s", why, prev)
-    return prev
-
-
-SWAP = "checkpoints.swap"   # the one folder name in flight while checkpoints/ and checkpoints.previous/ swap
-
-
-def swap(run_dir, why: str) -> None:
-    """Exchange `checkpoints/` and `checkpoints.previous/` (either may be missing), with one log line: a run moved
-    aside comes back and nothing is lost. Three renames; a kill between them is finished by `_finish_swap`."""
-    run_dir = Path(run_dir)
-    cur, prev, tmp = run_dir / "checkpoints", run_dir / PREVIOUS, run_dir / SWAP
-    if cur.exists():
-        os.replace(cur, tmp)
-    os.replace(prev, cur)
-    _finish_swap(run_dir)
-    log.warning("%s: moved back from %s; the checkpoints that were in its place moved there", why, prev)
-
-
-def _finish_swap(run_dir: Path) -> None:
-    tmp = run_dir / SWAP
-    if tmp.exists():
-        os.replace(tmp, run_dir / ("checkpoints" if not (run_dir / "checkpoints").exists() else PREVIOUS))
 
 
 # ---- reading -------------------------------------------------------------------------------------------------

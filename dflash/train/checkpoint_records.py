@@ -1,11 +1,11 @@
-"""A checkpoint's trainer.json and a run's checkpoints/finished.json, the train stage's records beside its weights: one
-typed description for their writer and readers (train/checkpoint.py: `save` and `record_finished` check what they
-write; resume, restore and `load` read through the cores) and the docs (docs/architecture.md, checked against it by a
-test).
+"""A checkpoint's trainer.json and a run's checkpoints/<identity>/finished.json, the train stage's records beside
+its weights: one typed description for their writer and readers (train/checkpoint.py `save` and train/run_folder.py
+`record_finished` check what they write; resume, restore and `load` read through the cores) and the docs
+(docs/architecture.md, checked against it by a test).
 
 `TrainerState` is every key `save` writes, `TrainerCore` what resuming reads, which a trainer.json of any age holds
-(older ones lack `metrics`, `finished`, `finished_by`); a trainer.json that does not fit it makes its checkpoint not
-intact. `Finished` is finished.json, `FinishedCore` what `restore` reads of it.
+(older ones lack `metrics`, `finished`, `finished_by`, `summary`); a trainer.json that does not fit it makes its
+checkpoint not intact. `Finished` is finished.json, `FinishedCore` what `restore` reads of it.
 """
 from __future__ import annotations
 
@@ -37,8 +37,13 @@ class TrainerCore(Read):
         "summary figures (loss, ce, kl, accuracies) go on (dflash/train/metrics.py `rows_upto`)."))
     finished: bool = Field(False, description=(
         "The run ended at this step (`finished_by`): a rerun restores it or trains a new run, never resumes it "
-        "(`checkpoint.finished`, which counts a step at train.steps as the end too)."))
+        "(`run_folder.finished`, which counts a step at train.steps as the end too)."))
     finished_by: str | None = Field(None, description="steps, time_budget, or null (not finished).")
+    summary: dict | None = Field(None, description=(
+        "At the final checkpoint of a run, the run's summary.json as it stood there (its workers, devices and "
+        "replica checksums, gathered after it, left empty; its `checkpoint` null): with `metrics` what rebuilds the "
+        "train stage's outputs from this checkpoint alone when checkpoints/<identity>/finished.json is gone or "
+        "damaged (train/run_folder.py). Null at every other step."))
 
 
 class TrainerState(TrainerCore):
@@ -49,12 +54,13 @@ class TrainerState(TrainerCore):
     metrics: list[dict] = Field(description=TrainerCore.model_fields["metrics"].description)
     finished: bool = Field(description=TrainerCore.model_fields["finished"].description)
     finished_by: str | None = Field(description=TrainerCore.model_fields["finished_by"].description)
+    summary: dict | None = Field(description=TrainerCore.model_fields["summary"].description)
 
 
 class FinishedCore(Read):
     checkpoint: CheckpointCore = Field(description=(
         "The checkpoint the run ended with, as summary.json names it (its `checkpoint`): `restore` takes it only while "
-        "it is the newest intact one there, its manifest unchanged, of this config's result hash and data."))
+        "it is the newest intact one of its identity's folder, its manifest unchanged."))
     outputs: dict[str, str] = Field(description=(
         "{file: its text} of the train stage's outputs (summary.json, metrics.jsonl) as the run wrote them: a rerun "
         "with the same identity writes them back instead of training."))

@@ -30,7 +30,7 @@ import torch
 
 from dflash.evaluate import live
 from dflash.fingerprint import compile_cache_dir
-from dflash.train import checkpoint, compile_guard, memory, summary
+from dflash.train import compile_guard, memory, run_folder, summary
 from dflash.train import failures
 from dflash.train.context import RunContext, set_shapes
 from dflash.train.features import run_capture
@@ -223,12 +223,12 @@ def eval_target(targets: list[Target], replicas: list[Replica]):
 
 
 def resume(ctx, local: Local, replicas: list[Replica], transport: Transport) -> tuple[int, int]:
-    """The writer picks the newest verified checkpoint of an interrupted run (checkpoint.resumable) and resumes
+    """The writer picks the newest verified checkpoint of an interrupted run (run_folder.resumable) and resumes
     replica 0 from it; the transport tells every process the path, the step and the data index; every other replica
     loads the same checkpoint. Returns (start step, data index)."""
     point = None
     if local.writer:
-        latest = checkpoint.resumable(ctx)
+        latest = run_folder.resumable(ctx)
         if latest:
             replicas[0].resume(latest)
             log.info("resuming from %s: step %d, data index %d", latest, replicas[0].start_step,

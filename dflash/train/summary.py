@@ -7,7 +7,7 @@ from datetime import datetime, timezone
 from dflash.atomic import atomic_write_json
 from dflash.run_summary import RunSummary
 from dflash.target import target_record
-from dflash.train import checkpoint, compile_guard
+from dflash.train import checkpoint, compile_guard, run_folder
 from dflash.train.context import data_summary, git_state, read_manifest
 
 log = logging.getLogger("dflash.train")
@@ -15,9 +15,29 @@ log = logging.getLogger("dflash.train")
 
 def write(ctx, metrics, workers: list[dict], status: str, devices: list[dict], checksums=None,
           failure: dict | None = None) -> dict:
-    """`checksums`: each replica's exact weight checksum (a list of ints) at the end; `failure`: what stopped a
-    failed run ({"kind": "diverged" | "non_finite" | "worker", "message", ...})."""
+    """summary.json (`build`, naming the checkpoint the run ended with); a completed run's outputs are also kept in its
+    identity's folder (train/run_folder.py: a rerun restores them)."""
     metrics.close()
+    summary = build(ctx, metrics, workers, status, devices, checksums, failure)
+    folder = run_folder.home(ctx.run_dir, run_folder.identity(ctx))
+    summary["checkpoint"] = checkpoint.describe(ctx.run_dir, checkpoint.step_dir(folder, metrics.step))
+    RunSummary.model_validate(summary)   # exactly the keys and types dflash/run_summary.py describes
+    atomic_write_json(ctx.run_dir / "summary.json", summary)
+    if status == "completed" and summary["checkpoint"]:   # a rerun of this finished run restores these outputs
+        run_folder.record_finished(ctx.run_dir, summary["checkpoint"])
+        run_folder.prune(ctx.run_dir, ctx.cfg.train.keep_runs, folder)
+    tp = summary["throughput"]
+    log.info("run %s %s: %d steps, %s Ktok/s, loss %s", summary["run_id"], status, metrics.step,
+             f"{tp['ktok_per_s']:.3f}" if tp.get("ktok_per_s") else "n/a",
+             f"{summary['loss']:.4f}" if summary["loss"] is not None else "n/a")
+    return summary
+
+
+def build(ctx, metrics, workers: list[dict], status: str, devices: list[dict], checksums=None,
+          failure: dict | None = None) -> dict:
+    """The run's summary as it stands (its `checkpoint` null): `checksums`, each replica's exact weight checksum (a
+    list of ints) at the end; `failure`, what stopped a failed run ({"kind": "diverged" | "non_finite" | "worker",
+    "message", ...}). The final checkpoint keeps it as it stood there, its workers and devices empty (trainer.py)."""
     final = metrics.final()   # weighted over every step: the same whatever train.log_every
     after = compile_guard.counters()
     before = metrics.graphs_after_warmup or after
@@ -60,14 +80,6 @@ def write(ctx, metrics, workers: list[dict], status: str, devices: list[dict], c
         "diverged": ({"step": failure.get("step"), "replicas": failure.get("replicas")}
                      if failure and failure.get("kind") == "diverged" else None),
         "queue_depth_mean": metrics.queue_depth_mean(),
-        "checkpoint": checkpoint.describe(ctx.run_dir, metrics.step),   # what evaluate and export read, exactly
+        "checkpoint": None,   # what evaluate and export read, exactly: `write` names it
     }
-    RunSummary.model_validate(summary)   # exactly the keys and types dflash/run_summary.py describes
-    atomic_write_json(ctx.run_dir / "summary.json", summary)
-    if status == "completed" and summary["checkpoint"]:   # a rerun of this finished run restores these outputs
-        checkpoint.record_finished(ctx.run_dir, summary["checkpoint"])
-    tp = summary["throughput"]
-    log.info("run %s %s: %d steps, %s Ktok/s, loss %s", summary["run_id"], status, metrics.step,
-             f"{tp['ktok_per_s']:.3f}" if tp.get("ktok_per_s") else "n/a",
-             f"{summary['loss']:.4f}" if summary["loss"] is not None else "n/a")
     return summary

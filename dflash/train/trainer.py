@@ -26,7 +26,7 @@ from typing import Callable, Protocol
 import torch
 
 from dflash.config_model import ProfileSection
-from dflash.train import checkpoint, compile_guard, optim
+from dflash.train import checkpoint, compile_guard, optim, run_folder
 from dflash.train.failures import Diverged, StopRun
 from dflash.train import placement as P
 from dflash.train.metrics import DeviceTimer, check_pending, log_due, loss_stats
@@ -57,8 +57,9 @@ class Sync(Protocol):
     def gather(self, rank: int, value: torch.Tensor) -> list[torch.Tensor]:
         """Every replica's `value` (a small tensor), in rank order."""
 
-    def hold(self, rank: int, work: Callable[[], object], timeout_s: float):
-        """Replica 0 runs `work()` while the others wait (at most timeout_s) -> its result on replica 0, else None."""
+    def hold(self, rank: int, work: Callable[[], object], timeout_s: float, what: str):
+        """Replica 0 runs `work()` (`what`, for a message) while the others wait (at most timeout_s) -> its result on
+        replica 0, else None."""
 
 
 def weight_checksum(module) -> torch.Tensor:
@@ -249,8 +250,6 @@ class Replica:
         if self.rank == 0:   # the training time first: the step's metrics row carries it
             self.metrics.set_training(self.elapsed, self.finished_by)
             self.metrics.step_done(step, stats, gnorm, self.optimizer.lr, times, queue_depth)
-            if stop or final or (t.checkpoint_every and step % t.checkpoint_every == 0):
-                self.save(step)
         elif self.sync.reduces_in_backward:
             # distributed: the other ranks make replica 0's finiteness check at the same steps (the reduced stats
             # and the norm are the same on every rank), so all stop together, none waits in the next step's
@@ -259,6 +258,8 @@ class Replica:
             if log_due(t, step, self.start_step) or final:
                 check_pending(self.unchecked)
                 self.unchecked.clear()
+        if stop or final or (t.checkpoint_every and step % t.checkpoint_every == 0):
+            self.checkpoint(step)
         if stop:
             raise StopRun
         return final
@@ -266,16 +267,33 @@ class Replica:
     @functools.cached_property
     def identity(self) -> dict:
         """What a checkpoint must match to be resumed (config and data hashes): read once per run."""
-        return checkpoint.identity(self.ctx)
+        return run_folder.identity(self.ctx)
+
+    def checkpoint(self, step: int):
+        """Checkpoint `step`: replica 0 writes it (`save`) while the others wait, and every replica takes the pause off
+        its training clock, as an in-training evaluation's. The training time (train.time_budget_s and the schedule
+        that follows it) counts training steps only, so a run cut at a checkpoint and resumed follows the uncut run's
+        time exactly (it counted the uncut run's checkpoint writes, never a resumed one's)."""
+        if self.device.type == "cuda":   # the step's kernels still in flight are training's time, not the pause's
+            torch.cuda.synchronize(self.device)
+        c0 = self.clock()
+        self.sync.hold(self.rank, lambda: self.save(step), self.ctx.cfg.train.stall_timeout_s,
+                       f"drafter-0's checkpoint of step {step}")
+        self.t0 += self.clock() - c0
 
     def save(self, step: int):
-        """Checkpoint `step`; its trainer state says whether the run is finished (train.steps or the time budget
-        reached: a rerun then trains a new run) and holds the training time (the schedule's state)."""
+        """Checkpoint `step` into this identity's folder; its trainer state says whether the run is finished
+        (train.steps or the time budget reached: a rerun then restores it) and holds the training time (the
+        schedule's state); the final one also holds the run's summary as it stands (what rebuilds the outputs from it
+        alone)."""
+        from dflash.train import summary
         self.metrics.flush()
         self.schedule.elapsed_s = self.elapsed
         with self.metrics.paused():   # writing a checkpoint is no training: out of Ktok/s and the utilisation
-            checkpoint.save(self.ctx.run_dir, step, self.index(step, 0) - self.rank, self.drafter, self.optimizer,
-                            self.schedule, self.identity, self.metrics.rows_upto(step), self.finished_by)
+            kept = summary.build(self.ctx, self.metrics, [], "completed", []) if self.finished_by else None
+            checkpoint.save(run_folder.home(self.ctx.run_dir, self.identity), step, self.index(step, 0) - self.rank,
+                            self.drafter, self.optimizer, self.schedule, self.identity, self.metrics.rows_upto(step),
+                            self.finished_by, kept)
 
     def check_replicas(self, step: int):
         """The divergence guard: every replica compares exact weight checksums; any difference stops the run."""

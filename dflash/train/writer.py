@@ -127,8 +127,8 @@ os.register_at_fork(after_in_child=_close_in_child)
 
 def check_writable(run_dir) -> None:
     """Before anything is loaded or trained: the run folder and every folder train writes into or replaces there
-    (checkpoints/, checkpoints.previous/, their step folders, ranks/) take a new file, and the lock file opens for
-    writing; else UserError naming the first that does not (a write-protected folder, a read-only file system)."""
+    (checkpoints/, its identity folders, checkpoints.previous/ of the old layout, ranks/) take a new file, and the lock
+    file opens for writing; else UserError naming the first that does not (a write-protected folder, a read-only file system)."""
     run_dir = Path(run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ from dflash.errors import UserError
 from dflash.report.placement import suggest
 from dflash.train.placement import resolve
 from dflash.train.runtime.distributed import launch_config, torchrun_command
-from support.train import REPO, prepared, prepared_eval, run_dir, train_ok
+from support.train import REPO, ckpt, prepared, prepared_eval, run_dir, train_ok
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +50,7 @@ def test_gloo_matches_threads_and_replicas_stay_identical(tmp_path):
     layout's features travel target rank -> drafter ranks with the target's final-norm states beside the context
     (gloo). The replicas stay identical; the losses, CE and KL and the summary equal the threads runtime's; the target
     rank's forward time reaches the summary; the threads run, its last checkpoint damaged, resumes from step 2 to the
-    same weights."""
+    same weights, and so does the distributed run, cut at the same step."""
     from safetensors.torch import load_file
     recipe = {"steps": 4, "checkpoint_every": 2, "warmup_steps_excluded": 1, "objective": "ce+kl",
               "loss_weighting": "dpace"}
@@ -81,13 +81,38 @@ def test_gloo_matches_threads_and_replicas_stay_identical(tmp_path):
     agrees_with_threads(s, dist_cfg, thr_cfg, logged=3)
     s["devices"] = [{"device": f"cuda:{i}", "roles": [r]} for i, r in enumerate(["target", "drafter", "drafter"])]
     assert suggest(s)["current"] == {"targets": 1, "drafters": 2}
-    final = run_dir(thr_cfg) / "checkpoints" / "step-000004" / "model.safetensors"
+    final = ckpt(thr_cfg, 4) / "model.safetensors"
     first = {k: v.clone() for k, v in load_file(str(final)).items()}
     final.write_bytes(final.read_bytes()[:1000])
     train_ok(thr_cfg, "--set", "train.runtime=threads")
     assert json.loads((run_dir(thr_cfg) / "summary.json").read_text())["resumed_from_step"] == 2
     for k, v in load_file(str(final)).items():
         torch.testing.assert_close(v, first[k], rtol=0, atol=0)
+    # issue 47 item 5: the distributed run cut after its step-2 checkpoint (the final one damaged, the outputs gone, as
+    # after a kill and Snakemake's rerun) and resumed on gloo ends as the uncut one: weights, optimizer moments, the
+    # learned figures of every row and of summary.json (0.9^age), bit for bit
+    final = ckpt(dist_cfg, 4)
+    first = {k: v.clone() for k, v in load_file(str(final / "model.safetensors")).items()}   # not a view of the file
+    moments = torch.load(final / "optimizer.pt", weights_only=True)
+    was = (rows[dist_cfg], json.loads((run_dir(dist_cfg) / "summary.json").read_text()))
+    (final / "model.safetensors").write_bytes(b"cut")
+    for name in ("summary.json", "metrics.jsonl"):
+        (run_dir(dist_cfg) / name).unlink()
+    r = train(dist_cfg, "distributed")
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads((run_dir(dist_cfg) / "summary.json").read_text())
+    assert (s["resumed_from_step"], s["steps"], s["replicas_identical"]) == (2, 4, True)
+    got = load_file(str(final / "model.safetensors"))
+    assert got.keys() == first.keys() and all(torch.equal(got[k], first[k]) for k in got)
+    again = torch.load(final / "optimizer.pt", weights_only=True)
+    assert all(torch.equal(x, again["adamw"]["state"][i][k]) for i, st in moments["adamw"]["state"].items()
+               for k, x in st.items())
+    now = {x["step"]: x for x in map(json.loads, (run_dir(dist_cfg) / "metrics.jsonl").read_text().splitlines())}
+    # every step's LR and gradient norm (a resumed process also logs its last excluded warm-up step: rows' intervals,
+    # hence their mean losses, may differ; summary.json's figures weight each step, whatever the rows)
+    assert [(x["step"], x["lr"], x["grad_norm"]) for x in was[0]] == \
+        [(x["step"], now[x["step"]]["lr"], now[x["step"]]["grad_norm"]) for x in was[0]]
+    assert all(s[k] == was[1][k] for k in ("loss", "ce", "kl", "acc_per_position", "acceptance_estimate"))
 
 
 def test_colocated_ranks_each_run_a_target_and_a_replica_and_rank_0_evaluates(tmp_path):
@@ -137,13 +162,13 @@ def test_killed_rank_stops_the_job_named_and_the_resumed_run_ends_at_its_time_bu
     proc = subprocess.Popen([sys.executable, "-m", "dflash", "train", "--config", str(cfg), "--no-progress",
                              "--set", "train.runtime=distributed"], cwd=REPO, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
-    ckpt = run_dir(cfg) / "checkpoints" / "step-000002"
+    made = lambda: list((run_dir(cfg) / "checkpoints").glob("*/step-000002"))  # noqa: E731
     pid_file = run_dir(cfg) / "ranks" / "rank-2.json"
     deadline = time.time() + 300
-    while not (ckpt.exists() and pid_file.exists()) and time.time() < deadline and proc.poll() is None:
+    while not (made() and pid_file.exists()) and time.time() < deadline and proc.poll() is None:
         time.sleep(0.1)
-    assert ckpt.exists(), proc.stderr.read()[-3000:] if proc.poll() is not None else "no checkpoint"
-    newest = lambda: max(int(p.name.split("-")[1]) for p in (run_dir(cfg) / "checkpoints").glob("step-*"))  # noqa: E731
+    assert made(), proc.stderr.read()[-3000:] if proc.poll() is not None else "no checkpoint"
+    newest = lambda: max(int(p.name.split("-")[1]) for p in (run_dir(cfg) / "checkpoints").glob("*/step-*"))  # noqa: E731
     at_kill = newest()
     os.kill(json.loads(pid_file.read_text())["pid"], signal.SIGKILL)
     _, err = proc.communicate(timeout=60)             # a launcher that waits on the dead rank fails here

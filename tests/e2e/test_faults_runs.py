@@ -27,7 +27,7 @@ import torch
 from dflash.cli import main
 from dflash.errors import UserError
 from dflash.train import writer
-from support.train import REPO, prepared, run_dir, train_ok
+from support.train import REPO, ckpt, home, prepared, run_dir, train_ok
 
 
 def start(cfg, *args, **kw) -> subprocess.Popen:
@@ -98,7 +98,7 @@ def refused_while_it_trains(cfg, parent, capsys):
     os.kill(pid, signal.SIGTERM)                   # stopped, it checkpoints first
     wait_unlocked(cfg)
     s = json.loads((run_dir(cfg) / "summary.json").read_text())
-    assert s["status"] == "interrupted" and (run_dir(cfg) / "checkpoints" / f"step-{s['steps']:06d}").is_dir()
+    assert s["status"] == "interrupted" and ckpt(cfg, s["steps"]).is_dir()
     assert lock_record(cfg)["pid"] == pid          # the stale record stays and blocks nothing
     with writer.hold(run_dir(cfg)):
         assert lock_record(cfg)["pid"] == os.getpid()
@@ -179,7 +179,7 @@ def test_sighup_of_a_closed_terminal_checkpoints_and_exits_129(tmp_path):
         proc.kill()
     s = json.loads((run_dir(cfg) / "summary.json").read_text())
     assert s["status"] == "interrupted" and 3 <= s["steps"] < 400
-    assert s["checkpoint"]["path"] == f"checkpoints/step-{s['steps']:06d}"
+    assert s["checkpoint"]["path"] == f"checkpoints/{home(cfg).name}/step-{s['steps']:06d}"
     assert "SIGHUP: the replicas stop after the current step" in log.read_text()
     assert b"train t:" in b"".join(seen)             # the progress bar was on
 
@@ -190,48 +190,73 @@ def outputs(cfg) -> dict:
 
 
 def test_a_finished_run_without_its_record_is_restored_from_its_summary(tmp_path, caplog):
-    """checkpoints/finished.json gone (or never written: a kill between summary.json and it), summary.json and the
-    final checkpoint intact: restored, not retrained, and finished.json written anew (as it was)."""
+    """checkpoints/<identity>/finished.json gone (or never written: a kill between summary.json and it), summary.json
+    and the final checkpoint intact: restored, not retrained, and finished.json written anew (as it was)."""
     cfg = prepared(tmp_path, steps=4, checkpoint_every=2)
     train_ok(cfg)
-    before, record = outputs(cfg), (run_dir(cfg) / "checkpoints" / "finished.json").read_text()
-    (run_dir(cfg) / "checkpoints" / "finished.json").unlink()
+    before, record = outputs(cfg), (home(cfg) / "finished.json").read_text()
+    (home(cfg) / "finished.json").unlink()
     caplog.clear()
     train_ok(cfg)
     assert outputs(cfg) == before
-    assert (run_dir(cfg) / "checkpoints" / "finished.json").read_text() == record
+    assert (home(cfg) / "finished.json").read_text() == record
     assert any("restored, nothing trained" in r.getMessage() for r in caplog.records)
     assert not any("step 1/4" in r.getMessage() for r in caplog.records)
-    assert not (run_dir(cfg) / "checkpoints.previous").exists()
-    # a summary that is not the finished run's (failed, or naming another checkpoint), or no metrics.jsonl beside
-    # it, restores nothing
-    from dflash.config import load
-    from dflash.train import checkpoint
-    from dflash.train.context import prepare
-    s = json.loads(before["summary.json"])
-    (run_dir(cfg) / "checkpoints" / "finished.json").unlink()
-    for summary in ({**s, "status": "failed"}, {**s, "checkpoint": {**s["checkpoint"], "manifest": "0"}}):
-        (run_dir(cfg) / "summary.json").write_text(json.dumps(summary))
-        assert checkpoint.restore(prepare(load(str(cfg)))) is None
-    (run_dir(cfg) / "summary.json").write_bytes(before["summary.json"])
-    (run_dir(cfg) / "metrics.jsonl").unlink()
-    assert checkpoint.restore(prepare(load(str(cfg)))) is None
+    assert [p.name for p in (run_dir(cfg) / "checkpoints").iterdir()] == [home(cfg).name]
 
 
-def test_going_back_to_the_pipeline_config_restores_the_run_a_hand_run_moved_aside(tmp_path, caplog):
-    """The pipeline's run finishes; a run by hand with another train.lr in its folder moves it aside
-    (checkpoints.previous/) and finishes too. Going back to the pipeline's config (Snakemake deletes the outputs of
-    the job it reruns) restores the pipeline's run byte for byte, nothing trained, and the hand run takes its place
-    in checkpoints.previous/: going back to that one restores it the same way. `snakemake -R train` (--retrain),
-    which evaluate's refusal of the hand run advises, restores too; only this config's own run is trained anew."""
+@pytest.mark.parametrize("damage", ["gone", "damaged"])
+def test_a_finished_run_is_restored_from_its_final_checkpoint_alone(tmp_path, caplog, damage):
+    """Issue 47 item 4: Snakemake deletes summary.json and metrics.jsonl before it reruns train; with finished.json
+    also gone or damaged there was nothing to restore from, and the finished run trained again. The final checkpoint
+    keeps what rebuilds them (trainer.json: the metrics rows, and the summary as it stood at that step): restored,
+    nothing trained, metrics.jsonl byte for byte, summary.json the run's (its workers and devices, gathered after the
+    checkpoint, left empty), naming that very checkpoint; finished.json written anew."""
+    cfg = prepared(tmp_path, steps=4, checkpoint_every=2)
+    train_ok(cfg)
+    before = outputs(cfg)
+    record = home(cfg) / "finished.json"
+    record.unlink() if damage == "gone" else record.write_text('{"checkpoint": {"path": 3}}')
+    for name in before:
+        (run_dir(cfg) / name).unlink()
+    caplog.clear()
+    train_ok(cfg)
+    assert any("restored, nothing trained" in r.getMessage() for r in caplog.records)
+    assert any("rebuilt from" in r.getMessage() and str(ckpt(cfg, 4)) in r.getMessage() for r in caplog.records)
+    assert not any("step 1/4" in r.getMessage() for r in caplog.records)
+    got = outputs(cfg)
+    assert got["metrics.jsonl"] == before["metrics.jsonl"]
+    was, now = json.loads(before["summary.json"]), json.loads(got["summary.json"])
+    assert {k: v for k, v in now.items() if k not in ("workers", "devices", "replica_checksums", "replicas_identical",
+                                                      "finished_at", "target_files")} == \
+        {k: v for k, v in was.items() if k not in ("workers", "devices", "replica_checksums", "replicas_identical",
+                                                   "finished_at", "target_files")}
+    assert now["workers"] == now["devices"] == [] and now["checkpoint"]["path"].endswith("/step-000004")
+    from dflash.run_summary import RunSummary
+    from dflash.train.checkpoint import ended_with
+    RunSummary.model_validate(now)
+    assert ended_with(run_dir(cfg)) == ckpt(cfg, 4)                           # what evaluate and export read
+    assert json.loads(record.read_text())["outputs"] == {k: v.decode() for k, v in got.items()}   # written anew
+
+
+def test_going_back_to_the_pipeline_config_restores_it_whatever_ran_by_hand(tmp_path, caplog):
+    """The pipeline's run finishes; runs by hand with two other train.lr in its folder train into folders of their own
+    (checkpoints/<identity>/; there was one checkpoints.previous/, so the second hand run deleted the pipeline's run).
+    Going back to any of them (Snakemake deletes the outputs of the job it reruns) restores it byte for byte, nothing
+    trained, nothing moved. `snakemake -R train` (--retrain), which evaluate's refusal of a hand run advises, restores
+    the pipeline's run too while a hand run is the folder's latest; forced again, this config's run trains anew, the
+    finished one kept aside."""
     cfg = prepared(tmp_path, steps=4, checkpoint_every=2)
     train_ok(cfg)
     pipeline = outputs(cfg)
-    train_ok(cfg, "--set", "train.lr=0.001")
-    assert (run_dir(cfg) / "checkpoints.previous" / "finished.json").is_file()
-    by_hand = outputs(cfg)
-    assert by_hand != pipeline
-    for want, args in ((pipeline, []), (by_hand, ["--set", "train.lr=0.001"]), (pipeline, ["--retrain"])):
+    hand = {}
+    for lr in ("0.001", "0.002"):
+        train_ok(cfg, "--set", f"train.lr={lr}")
+        hand[lr] = outputs(cfg)
+    assert len({o["summary.json"] for o in (pipeline, *hand.values())}) == 3
+    assert len(list((run_dir(cfg) / "checkpoints").iterdir())) == 3
+    for want, args in ((pipeline, []), (hand["0.001"], ["--set", "train.lr=0.001"]), (pipeline, []),
+                       (hand["0.002"], ["--set", "train.lr=0.002"]), (pipeline, ["--retrain"])):
         for name in want:
             (run_dir(cfg) / name).unlink()
         caplog.clear()
@@ -239,17 +264,35 @@ def test_going_back_to_the_pipeline_config_restores_the_run_a_hand_run_moved_asi
         assert outputs(cfg) == want
         messages = [r.getMessage() for r in caplog.records]
         assert any("restored, nothing trained" in m for m in messages)
-        assert any("moved back from" in m and "checkpoints.previous" in m for m in messages)
-        assert not any("starting from scratch" in m for m in messages)
-    assert sorted(p.name for p in (run_dir(cfg) / "checkpoints.previous").iterdir()) == \
-        ["finished.json", "step-000002", "step-000004"]
+        assert not any("starting from scratch" in m or "step 1/4" in m for m in messages)
     # evaluate and export read the checkpoint summary.json names: the one restored
     from dflash.train import checkpoint
-    assert checkpoint.ended_with(run_dir(cfg)) == run_dir(cfg) / "checkpoints" / "step-000004"
+    assert checkpoint.ended_with(run_dir(cfg)) == Path(run_dir(cfg), json.loads(pipeline["summary.json"])
+                                                       ["checkpoint"]["path"])
     caplog.clear()
-    train_ok(cfg, "--retrain")                     # this config's own run: trained anew
+    train_ok(cfg, "--retrain")                     # this config's own run: trained anew, the finished one kept
     assert any("starting from scratch: the run finished at step 4" in r.getMessage() for r in caplog.records)
     assert json.loads(outputs(cfg)["summary.json"])["run_id"] != json.loads(pipeline["summary.json"])["run_id"]
+    assert len([p for p in (run_dir(cfg) / "checkpoints").iterdir() if p.name.endswith(".1")]) == 1
+
+
+def test_an_interrupted_forced_retrain_resumes_on_the_next_rerun(tmp_path, caplog):
+    """Issue 47 item 4: `snakemake -R train` (--retrain) of a finished run stopped at step 3 (killed, failed): the
+    next rerun (`--rerun-incomplete`, no --retrain) resumes the retrain from its step-2 checkpoint. It restored the old
+    run instead and set the retrain's checkpoints aside, so the retrain could never be resumed."""
+    cfg = prepared(tmp_path, steps=4, checkpoint_every=1)
+    train_ok(cfg)
+    assert main(["train", "--config", str(cfg), "--no-progress", "--retrain", "--set",
+                 "train.fail_at_step={worker: drafter-0, step: 3}"]) == 1
+    for name in ("summary.json", "metrics.jsonl"):
+        (run_dir(cfg) / name).unlink(missing_ok=True)
+    caplog.clear()
+    train_ok(cfg)
+    s = json.loads((run_dir(cfg) / "summary.json").read_text())
+    assert (s["resumed_from_step"], s["status"], s["steps"]) == (2, "completed", 4)
+    assert not any("restored, nothing trained" in r.getMessage() for r in caplog.records)
+    aside = home(cfg).with_name(home(cfg).name + ".1")
+    assert sorted(p.name for p in aside.iterdir()) == ["finished.json"] + [f"step-{k:06d}" for k in range(1, 5)]
 
 
 # ---- rule 7: a write-protected run folder ------------------------------------------------------------------------
@@ -291,7 +334,7 @@ def test_a_write_protected_checkpoints_folder_is_one_line_before_training(tmp_pa
 def test_an_unwritable_checkpoint_while_training_is_one_line(tmp_path, monkeypatch):
     """The same found mid-run (a folder made read-only meanwhile, a file system remounted read-only): the checkpoint
     names its path and what to do, no traceback."""
-    from dflash.train import checkpoint as C
+    from dflash.train import checkpoint as C, run_folder as R
     from support.checkpoint import fake_setup, trained
 
     def denied(obj, f, *a, **k):
@@ -299,10 +342,11 @@ def test_an_unwritable_checkpoint_while_training_is_one_line(tmp_path, monkeypat
 
     setup = fake_setup(tmp_path)
     monkeypatch.setattr(C.torch, "save", denied)
+    folder = R.home(setup.run_dir, R.identity(setup))
     with pytest.raises(UserError, match=r"optimizer\.pt: not writable \(Permission denied\) while writing the "
-                                        r"checkpoint; make .*checkpoints writable and rerun"):
-        C.save(setup.run_dir, 4, 8, *trained(), C.identity(setup))
-    assert [p.name for p in (setup.run_dir / "checkpoints").iterdir()] == []
+                                        r"checkpoint; make .*checkpoints/c1-d1 writable and rerun"):
+        C.save(folder, 4, 8, *trained(), R.identity(setup))
+    assert [p.name for p in folder.iterdir()] == []
 
 
 # ---- rule 9: init_from takes our own export ----------------------------------------------------------------------
@@ -363,8 +407,8 @@ def test_the_distributed_launcher_is_the_one_writer_and_sigterm_checkpoints(tmp_
     s = json.loads((run_dir(cfg) / "summary.json").read_text())
     assert s["status"] == "interrupted" and s["replicas_identical"] is True and 3 <= s["steps"] < 400
     assert s["steps"] - logged <= 8                           # a few steps after the signal, not hundreds
-    assert s["checkpoint"]["path"] == f"checkpoints/step-{s['steps']:06d}"
-    assert sorted((run_dir(cfg) / "checkpoints").glob("step-*"))[-1].name == f"step-{s['steps']:06d}"
+    assert s["checkpoint"]["path"] == f"checkpoints/{home(cfg).name}/step-{s['steps']:06d}"
+    assert sorted(home(cfg).glob("step-*"))[-1].name == f"step-{s['steps']:06d}"
 
 
 RANK = textwrap.dedent("""

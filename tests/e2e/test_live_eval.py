@@ -12,7 +12,7 @@ from dflash import config as C
 from dflash.cli import main
 from dflash.evaluate.live import due, settings
 from support.data import build_tiny_target
-from support.train import EVAL, prepared_eval, run_dir, train_ok
+from support.train import EVAL, ckpt, prepared_eval, run_dir, train_ok
 
 def rows(cfg) -> list[dict]:
     return [json.loads(x) for x in (run_dir(cfg) / "metrics.jsonl").read_text().splitlines()]
@@ -65,7 +65,7 @@ def test_final_tau_equals_the_evaluate_stage_and_training_is_unchanged(tmp_path)
     assert acc["tau"] == got[-1]["tau"]
 
     # nothing of training changed: weights bit for bit, the RNG state saved with them, every loss
-    a, b = (run_dir(c) / "checkpoints" / "step-000007" for c in (on, off))
+    a, b = (ckpt(c, 7) for c in (on, off))
     wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     ra, rb = (torch.load(p / "rng.pt", weights_only=True) for p in (a, b))

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from dflash.cli import main
 from dflash.run_summary import RunSummary
 from dflash.train.checkpoint_records import Finished, TrainerState
-from support.train import REPO, prepared, run_dir, stop_here, train_ok
+from support.train import REPO, ckpt, home, prepared, run_dir, stop_here, train_ok
 
 STOP_STEPS = 8   # steps a run may take from the signal to its stop: the logging interval (2), the step agreed on, slack
 
@@ -35,14 +35,13 @@ def test_two_replicas_train_in_lockstep(tmp_path):
     assert [r["step"] for r in rows] == [2, 4, 6, 8, 10, 12]
     assert rows[-1]["loss"] < rows[0]["loss"]
     assert len(rows[-1]["acc_per_position"]) == 3  # block 4 -> positions 1..3
-    assert sorted(p.name for p in (run_dir(cfg) / "checkpoints").iterdir()) == \
-        ["finished.json", "step-000004", "step-000008", "step-000012"]
-    assert s["checkpoint"]["path"] == "checkpoints/step-000012"       # what evaluate and export read
+    assert sorted(p.name for p in home(cfg).iterdir()) == ["finished.json", "step-000004", "step-000008", "step-000012"]
+    assert s["checkpoint"]["path"] == f"checkpoints/{home(cfg).name}/step-000012"   # what evaluate and export read
     # the checkpoint's trainer state and the finished run's record: exactly their models (train/checkpoint_records.py)
-    state = TrainerState.model_validate_json((run_dir(cfg) / "checkpoints" / "step-000012" / "trainer.json").read_text())
+    state = TrainerState.model_validate_json((ckpt(cfg, 12) / "trainer.json").read_text())
     assert (state.step, state.finished_by, [r["step"] for r in state.metrics]) == (12, "steps", [2, 4, 6, 8, 10, 12])
     assert "smoothed_stats" in state.metrics[-1] and state.scheduler["elapsed_s"] > 0
-    record = Finished.model_validate_json((run_dir(cfg) / "checkpoints" / "finished.json").read_text())
+    record = Finished.model_validate_json((home(cfg) / "finished.json").read_text())
     assert record.checkpoint.model_dump() == s["checkpoint"]
     assert record.outputs["summary.json"] == (run_dir(cfg) / "summary.json").read_text()
     # the target it trained on, as evaluate checks it: every file's size and mtime, the sha256 of the small ones
@@ -67,7 +66,7 @@ def test_rerun_resumes_an_interrupted_run_restores_a_finished_one_and_retrains_i
     checkpoints set aside in checkpoints.previous/."""
     cfg = prepared(tmp_path, steps=4, checkpoint_every=2)
     train_ok(cfg)
-    final = run_dir(cfg) / "checkpoints" / "step-000004" / "model.safetensors"
+    final = ckpt(cfg, 4) / "model.safetensors"
     first = {k: v.clone() for k, v in load_file(str(final)).items()}  # not a view of the file truncated next
     final.write_bytes(final.read_bytes()[:1000])
     train_ok(cfg)
@@ -88,14 +87,14 @@ def test_rerun_resumes_an_interrupted_run_restores_a_finished_one_and_retrains_i
     assert any("finished at step 4" in r.getMessage() and "restored, nothing trained" in r.getMessage()
                for r in caplog.records)
     assert not any("step 1/4" in r.getMessage() for r in caplog.records)
-    assert not (run_dir(cfg) / "checkpoints.previous").exists()
+    assert [p.name for p in (run_dir(cfg) / "checkpoints").iterdir()] == [home(cfg).name]
     caplog.clear()
     train_ok(cfg, "--retrain")
     assert any("the run finished at step 4" in r.getMessage() for r in caplog.records)
     s = json.loads((run_dir(cfg) / "summary.json").read_text())
     assert s["resumed_from_step"] is None and s["status"] == "completed" and s["steps"] == 4
-    assert sorted(p.name for p in (run_dir(cfg) / "checkpoints.previous").iterdir()) == \
-        ["finished.json", "step-000002", "step-000004"]
+    assert sorted(p.name for p in home(cfg).with_name(home(cfg).name + ".1").iterdir()) == \
+        ["finished.json", "step-000002", "step-000004"]                # the retrained run: set aside, kept
 
 
 def test_an_operational_key_changed_on_an_interrupted_run_resumes_it(tmp_path, caplog):
@@ -120,14 +119,14 @@ def test_kill9_then_resume_trains_exactly_the_same(tmp_path):
     killed = prepared(tmp_path / "b", steps=steps)
     proc = subprocess.Popen([sys.executable, "-m", "dflash", "train", "--config", str(killed), "--no-progress"],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    ckpt = run_dir(killed) / "checkpoints" / "step-000008" / "trainer.json"
+    made = lambda: list((run_dir(killed) / "checkpoints").glob("*/step-000008/trainer.json"))  # noqa: E731
     deadline = time.time() + 300
-    while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
+    while not made() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert ckpt.exists()
-    done = sorted(p.name for p in (run_dir(killed) / "checkpoints").iterdir() if not p.name.startswith("."))
+    assert made()
+    done = sorted(p.name for p in home(killed).iterdir() if not p.name.startswith("."))
     final = f"step-{steps:06d}"
     assert final not in done  # killed mid-run
     (run_dir(killed) / "metrics.jsonl").unlink()    # Snakemake deletes a job's outputs before rerunning it
@@ -138,13 +137,13 @@ def test_kill9_then_resume_trains_exactly_the_same(tmp_path):
     assert elapsed == sorted(elapsed) and elapsed[0] > 0   # seconds of training over the resume, never from 0 again
     s = json.loads((run_dir(killed) / "summary.json").read_text())
     assert s["resumed_from_step"] == int(done[-1].split("-")[1]) and s["status"] == "completed"
-    a = load_file(str(run_dir(straight) / "checkpoints" / final / "model.safetensors"))
-    b = load_file(str(run_dir(killed) / "checkpoints" / final / "model.safetensors"))
+    a = load_file(str(home(straight) / final / "model.safetensors"))
+    b = load_file(str(home(killed) / final / "model.safetensors"))
     assert a.keys() == b.keys()
     for k in a:  # same data order, same anchors, same updates: nothing skipped, nothing trained twice
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
-    ta = json.loads((run_dir(straight) / "checkpoints" / final / "trainer.json").read_text())
-    tb = json.loads((run_dir(killed) / "checkpoints" / final / "trainer.json").read_text())
+    ta = json.loads((home(straight) / final / "trainer.json").read_text())
+    tb = json.loads((home(killed) / final / "trainer.json").read_text())
     assert ta["data_index"] == tb["data_index"] == steps * 2
 
 
@@ -203,7 +202,7 @@ def test_diverged_replicas_stop_the_run_named(tmp_path, caplog):
     s = json.loads((run_dir(cfg) / "summary.json").read_text())
     assert s["status"] == "failed" and s["failure"]["kind"] == "diverged" and s["steps"] <= 4
     assert s["replicas_identical"] is False and s["throughput"]["ktok_per_s"] is None
-    assert not (run_dir(cfg) / "checkpoints" / "step-000004").exists()   # a diverged state is never saved
+    assert not list((run_dir(cfg) / "checkpoints").glob("*/step-000004"))   # a diverged state is never saved
     assert s["diverged"] == {"step": 4, "replicas": [[0], [1]]}
     assert main(["report", "--config", str(cfg)]) == 0
     report = (run_dir(cfg).parent.parent / "report" / "report.md").read_text()
@@ -223,7 +222,7 @@ def test_a_run_that_cannot_fit_is_refused_before_the_first_step(tmp_path, monkey
 
 
 def weights(cfg: Path, step: int) -> dict:
-    return load_file(str(run_dir(cfg) / "checkpoints" / f"step-{step:06d}" / "model.safetensors"))
+    return load_file(str(ckpt(cfg, step) / "model.safetensors"))
 
 
 def test_muon_trains_in_lockstep_and_resumes_to_the_same_weights(tmp_path):
@@ -237,10 +236,10 @@ def test_muon_trains_in_lockstep_and_resumes_to_the_same_weights(tmp_path):
     assert s["finished"] is True and s["finished_by"] == "steps"
     rows = [json.loads(x) for x in (run_dir(cfg) / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["loss"] < rows[0]["loss"]
-    state = torch.load(run_dir(cfg) / "checkpoints" / "step-000004" / "optimizer.pt", weights_only=True)
+    state = torch.load(ckpt(cfg, 4) / "optimizer.pt", weights_only=True)
     assert set(state) == {"muon", "adamw"} and len(state["muon"]["state"]) == 8   # fc + 7 matrices of 1 layer
     straight = weights(cfg, 8)
-    shutil.rmtree(run_dir(cfg) / "checkpoints" / "step-000008")
+    shutil.rmtree(ckpt(cfg, 8))
     train_ok(cfg)
     assert json.loads((run_dir(cfg) / "summary.json").read_text())["resumed_from_step"] == 4
     resumed = weights(cfg, 8)
@@ -248,17 +247,19 @@ def test_muon_trains_in_lockstep_and_resumes_to_the_same_weights(tmp_path):
         torch.testing.assert_close(resumed[k], straight[k], rtol=0, atol=0)
 
 
-def fake_clock(monkeypatch, seconds_per_call: dict) -> None:
-    """The trainer's clock on fake time: each drafter thread's own clock advances by its seconds per call (one call
-    as its loop starts, one per step), so the replicas' clocks disagree unless they agree on one time."""
+def fake_clock(monkeypatch, seconds_per_step: dict) -> None:
+    """The trainer's clock on fake time: each drafter thread's own clock advances by its seconds per training step
+    (its micro-step; nothing else takes time), so the replicas' clocks disagree unless they agree on one time."""
     import threading
-    from dflash.train.trainer import Replica
-    local = threading.local()
 
-    def clock():
-        local.calls = getattr(local, "calls", -1) + 1
-        return local.calls * seconds_per_call.get(threading.current_thread().name, 1.0)
-    monkeypatch.setattr(Replica, "clock", staticmethod(clock))
+    from dflash.train import trainer
+    local, step = threading.local(), trainer.micro_step
+
+    def micro_step(*a, **k):
+        local.now = getattr(local, "now", 0.0) + seconds_per_step.get(threading.current_thread().name, 1.0)
+        return step(*a, **k)
+    monkeypatch.setattr(trainer.Replica, "clock", staticmethod(lambda: getattr(local, "now", 0.0)))
+    monkeypatch.setattr(trainer, "micro_step", micro_step)
 
 
 def test_time_budget_ends_the_run_agreed_with_the_schedule_following_time(tmp_path, monkeypatch, caplog):
@@ -280,7 +281,7 @@ def test_time_budget_ends_the_run_agreed_with_the_schedule_following_time(tmp_pa
     want = [1e-3 * f for f in [1.5 / 2.1] + cosine]         # step 1 at 1.5 s: in the warm-up
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert [r["lr"] for r in rows] == pytest.approx(want, rel=1e-12)
-    final = run_dir(cfg) / "checkpoints" / "step-000005"
+    final = ckpt(cfg, 5)
     trainer = json.loads((final / "trainer.json").read_text())
     assert (trainer["finished"], trainer["finished_by"], trainer["scheduler"]) == (True, "time_budget",
                                                                                      {"elapsed_s": 7.5})

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from dflash.cli import main
-from support.train import prepared, run_dir
+from support.train import ckpt, prepared, run_dir
 
 pytestmark = pytest.mark.gpu
 STEPS = 60
@@ -23,7 +23,7 @@ def train(tmp_path, drafters, **kw):
     assert main(["train", "--config", str(cfg), "--no-progress"]) == 0
     s = json.loads((run_dir(cfg) / "summary.json").read_text())
     rows = [json.loads(x) for x in (run_dir(cfg) / "metrics.jsonl").read_text().splitlines()]
-    weights = load_file(str(run_dir(cfg) / "checkpoints" / f"step-{STEPS:06d}" / "model.safetensors"))
+    weights = load_file(str(ckpt(cfg, STEPS) / "model.safetensors"))
     return s, [r["loss"] for r in rows], weights
 
 

@@ -346,7 +346,7 @@ def test_finished_run_is_restored_when_snakemake_reruns_it_for_unchanged_inputs(
     assert "(Rule: train)" in r.out and "restored, nothing trained" in r.out, r.out[-3000:]
     assert "step 1/3" not in r.out and "step 3/3" not in r.out
     assert {n: (run / n).read_bytes() for n in before} == before
-    assert not (run / "checkpoints.previous").exists()
+    assert len(list((run / "checkpoints").iterdir())) == 1           # one identity, nothing set aside
 
 
 @pipeline
@@ -509,3 +509,58 @@ def test_a_target_rebuilt_to_the_same_weights_is_evaluated(after):
     r = snakemake(after, str(acceptance.relative_to(after)), "--cores", "1", "--configfile", "config/tiny.yaml")
     assert r.returncode == 0, r.out[-3000:]
     assert "(Rule: evaluate)" in r.out and json.loads(acceptance.read_text())["tau"] >= 1
+
+
+# ---- issue 47 items 3 and 4: a run's identity is its content; no finished run redone or lost -------------------------
+@pipeline
+@pytest.mark.parametrize("change", [{"target__path": "./results/target/tiny/"},
+                                    {"data__code_completion": {"enabled": False, "files": "all"}},
+                                    {"train__muon_lr": 0.01},
+                                    {"data__regenerate": {"enabled": False, "concurrency": 3, "engine": "hf"}}],
+                         ids=["target_path_spelling", "code_completion_off", "muon_lr_with_adamw",
+                              "regenerate_off_concurrency"])
+def test_a_spelling_or_a_switched_off_key_reruns_nothing(done, change):
+    """Issue 47 item 3: `target.path` written with `./` and a trailing slash, and keys of features the config switches
+    off (code_completion.files with that source off, train.muon_lr with AdamW, data.regenerate.* with regeneration
+    off), rerun nothing: each changed a rerun trigger (and the result hash) on eb0a841, so Snakemake rebuilt the data
+    and retrained the finished run."""
+    work = done[0]
+    write_config(work, "tiny-same.yaml", tiny_config(work, **change))
+    r = snakemake(work, "-n", "--configfile", "config/tiny-same.yaml")
+    assert r.returncode == 0 and "Nothing to be done" in r.out, r.out[-3000:]
+
+
+@pipeline
+def test_the_same_data_under_another_dataset_name_restores_the_finished_run(after):
+    """Issue 47 item 3: the dataset copied under another `dataset_name` (identical content hash): train reruns (its
+    input is another file) and restores the finished run, nothing trained. It trained anew on eb0a841: dataset_name
+    was in the result hash, so the run's identity changed and its checkpoints were set aside."""
+    shutil.copytree(after / "results" / "data" / "tiny", after / "results" / "data" / "renamed")
+    run = after / "results" / "runs" / "tiny"
+    before = (run / "summary.json").read_bytes()
+    write_config(after, "tiny-renamed.yaml", tiny_config(after, dataset_name="renamed"))
+    r = snakemake(after, "results/runs/tiny/summary.json", "--cores", "2", "--configfile", "config/tiny-renamed.yaml")
+    assert r.returncode == 0, r.out[-3000:]
+    assert "(Rule: train)" in r.out and "restored, nothing trained" in r.out, r.out[-3000:]
+    assert "step 1/3" not in r.out and (run / "summary.json").read_bytes() == before
+
+
+@pipeline
+def test_an_interrupted_forced_retrain_resumes_with_rerun_incomplete(after):
+    """Issue 47 item 4: `snakemake -R train` on the finished run, stopped at step 3 (here by the train.fail_at_step
+    hook, an operational key), then `snakemake --rerun-incomplete` with the pipeline's config: the retrain resumes from
+    its step-2 checkpoint. On eb0a841 the old run was restored in its place and the retrain's checkpoints set aside
+    (and lost at the next set-aside); the finished run is kept here too (`checkpoints/<identity>.1/`)."""
+    write_config(after, "tiny-cut.yaml", tiny_config(after, train__fail_at_step={"worker": "drafter-0", "step": 3},
+                                                     train__checkpoint_every=1))
+    r = snakemake(after, "results/runs/tiny/summary.json", "--cores", "2", "--configfile", "config/tiny-cut.yaml",
+                  "-R", "train")
+    assert r.returncode != 0 and "injected failure at step 3" in r.out, r.out[-3000:]
+    r = snakemake(after, "results/runs/tiny/summary.json", "--cores", "2", "--configfile", "config/tiny.yaml",
+                  "--rerun-incomplete")
+    assert r.returncode == 0, r.out[-3000:]
+    assert "resuming from" in r.out and "restored, nothing trained" not in r.out, r.out[-3000:]
+    s = json.loads((after / "results" / "runs" / "tiny" / "summary.json").read_text())
+    assert (s["resumed_from_step"], s["steps"], s["status"]) == (2, 3, "completed")
+    kept = [p for p in (after / "results" / "runs" / "tiny" / "checkpoints").iterdir() if p.name.endswith(".1")]
+    assert len(kept) == 1 and (kept[0] / "finished.json").is_file()

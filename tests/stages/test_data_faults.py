@@ -148,7 +148,7 @@ def test_edited_manifest_is_caught_and_the_key_named(dataset, key):
     """The manifest carries a hash of its own content: an edited num_samples or content_hash (which decides whether
     a run resumes, and what the report blames) is refused, naming the key and what the data really holds."""
     from dflash.train.reader import ShardReader
-    from dflash.train.checkpoint import identity
+    from dflash.train.run_folder import identity
     from types import SimpleNamespace
     out, _ = dataset
     m = json.loads((out / "manifest.json").read_text())

@@ -67,7 +67,7 @@ def test_hash_lists_and_rule_triggers_derive_from_the_roles(repo):
     both; data.num_proc nothing; drafter.block_size the data stage too."""
     assert set(C.OPERATIONAL) == {k for k, r in C.roles().items() if r.hashed == "run"}
     assert {"train.log_every", "train.eval_every", "train.rendezvous.nnodes", "train.profile.out"} <= set(C.OPERATIONAL)
-    assert set(C.UNHASHED) == {"run_name", "results_dir", "strict_env", "evaluate", "report"}
+    assert set(C.UNHASHED) == {"run_name", "dataset_name", "results_dir", "strict_env", "evaluate", "report"}
     raw = C.from_dict({}).raw
     trig = {rule: json.loads(C.trigger(raw, rule)) for rule in ("target", "data", "warmup", "train", "evaluate",
                                                                  "export", "report", "gate")}
@@ -113,11 +113,27 @@ def _other_values(key: str, value) -> list:
     return [v for v in out if v != same]
 
 
+# a switch's value that needs another key with it
+_SWITCH_WITH = {("data.regenerate.engine", "openai"): {"data.regenerate.servers": ["http://127.0.0.1:8000/v1"]}}
+
+
+def _read_by(key: str) -> dict:
+    """The switch values under which `key` is read (the first case of each `When` of it and of its sections, and those
+    of the switches in turn): {} for a key no switch gates."""
+    out, parts = {}, key.split(".")
+    for k in (".".join(parts[:i]) for i in range(1, len(parts) + 1)):
+        for w in C.gates().get(k, ()):
+            switch, values = w.cases[0]
+            out = {**out, **_read_by(switch), switch: values[0], **_SWITCH_WITH.get((switch, values[0]), {})}
+    return out
+
+
 def _changed(key: str):
-    """The default config (a null section of `key` given, e.g. train.profile), and the same with `key` changed to
-    another valid value."""
+    """The default config (a null section of `key` given, e.g. train.profile; its switches set so that it is read),
+    and the same with `key` changed to another valid value."""
     parent = key.rpartition(".")[0]
-    base = C.from_dict(C.set_dotted({}, {parent: {}}) if parent and "." in parent else {})
+    base = C.from_dict(C.set_dotted(C.set_dotted({}, {parent: {}}) if parent and "." in parent else {},
+                                    _read_by(key)))
     value = base.raw
     for part in key.split("."):
         value = value[part]
@@ -146,8 +162,69 @@ def test_a_key_that_cannot_change_the_result_is_out_of_the_result_hash(key):
 
 @pytest.mark.parametrize("key", IN_RESULT)
 def test_every_other_key_changes_the_result_hash(key):
+    """... where it is read: with the switches that gate it set (code_completion.files with that source on)."""
     base, other = _changed(key)
     assert other.result_hash != base.result_hash and other.hash != base.hash, key
+
+
+GATED = sorted(k for k in C.roles() if not C.is_read(C.from_dict({}).raw, k) and ".sources." not in k)
+
+
+@pytest.mark.parametrize("key", GATED)
+def test_a_key_its_switch_turns_off_is_out_of_every_hash_and_trigger(key):
+    """Issue 47 item 3: a key of a switched-off feature (its `When` in dflash/config_model.py: code_completion.files
+    with that source off on the demo, train.muon_lr with AdamW, data.regenerate.concurrency with engine hf, ...) changes
+    neither hash nor any rule's rerun trigger, derived from the one declaration (`dflash.config.pick`). Each was in the
+    result hash on eb0a841 (a finished run trained again)."""
+    base = C.from_dict({})
+    value = base.raw
+    for part in key.split("."):
+        value = value[part]
+    for other in _other_values(key, value):
+        try:
+            changed = C.from_dict(C.set_dotted(json.loads(json.dumps(base.raw)), {key: other}))
+        except C.ConfigError:
+            continue
+        assert (changed.hash, changed.result_hash) == (base.hash, base.result_hash), key
+        assert all(C.trigger(changed.raw, r) == C.trigger(base.raw, r) for r in ("target", "data", "warmup", "train",
+                                                                                  "evaluate", "export")), key
+        return
+    raise AssertionError(f"no other valid value found for {key}")
+
+
+def test_the_switches_gate_the_cases_of_issue_47():
+    """The examples of the issue are among the keys the defaults switch off, and the gates are declared on the model
+    (read_when in the schema), each switch a key: none hand-listed in config.py."""
+    assert {"data.code_completion.files", "train.muon_lr", "data.regenerate.concurrency", "train.dpace_alpha",
+            "data.synthetic.lengths", "target.pretrain.tokenizer_mb"} <= set(GATED)
+    assert {"data.regenerate.max_new_tokens", "train.lr", "target.pretrain.steps", "train.gamma"}.isdisjoint(GATED)
+    hf = C.from_dict({"data": {"regenerate": {"enabled": False}}})      # a switch off turns off what it gates
+    assert not C.is_read(hf.raw, "data.regenerate.batch_size") and not C.is_read(hf.raw, "data.regenerate.engine")
+    muon = C.json_schema()["properties"]["train"]["properties"]["muon_lr"]
+    assert muon["read_when"] == 'train.optimizer = "muon"'
+    assert "muon_lr" not in (REPO / "dflash" / "config.py").read_text()
+
+
+@pytest.mark.parametrize("spelling", ["results/target/tiny/", "./results/target/tiny", "results//target/./tiny/"])
+def test_a_path_in_another_spelling_is_the_same_config(spelling):
+    """Issue 47 item 3: `target.path` with a trailing slash or `./` is the same path: one spelling in the resolved
+    config (what the stages and Snakemake read), in both hashes and in every rerun trigger (it retrained a finished run
+    and rebuilt its data on eb0a841)."""
+    base, other = C.from_dict({}), C.from_dict({"target": {"path": spelling}})
+    assert other.cfg.target.path == other.raw["target"]["path"] == "results/target/tiny"
+    assert (other.hash, other.result_hash) == (base.hash, base.result_hash)
+    assert all(C.trigger(other.raw, r) == C.trigger(base.raw, r) for r in ("target", "data", "train", "evaluate"))
+    old = json.loads(json.dumps(base.raw))          # an older run's recorded config, spelled as it was written
+    old["target"]["path"] = spelling
+    assert C.result_hash(old) == base.result_hash
+
+
+def test_the_same_data_under_another_dataset_name_is_the_same_run():
+    """Issue 47 item 3: a run knows its data by the manifest's content hash (train/checkpoint.py `identity`), not by
+    dataset_name, which only names the folder: out of both hashes."""
+    base, other = C.from_dict({}), C.from_dict({"dataset_name": "renamed"})
+    assert (other.hash, other.result_hash) == (base.hash, base.result_hash)
+    assert C.roles()["dataset_name"].hashed is None
 
 
 def test_data_num_proc_is_out_of_both_hashes_and_the_dataset_is_the_same(tmp_path, tiny_target):  # noqa: F811

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import torch
 
-from dflash.train import checkpoint as C
+from dflash.train import checkpoint as C, run_folder as R
 from support.model import make_drafter, tiny_cfg
 
 
@@ -27,11 +27,13 @@ def fake_setup(tmp_path, steps=12, resume=True, result_hash="c1", data_hash="d1"
     data.mkdir(exist_ok=True)
     write_manifest(data, {"content_hash": data_hash})
     return SimpleNamespace(run_dir=tmp_path / "run", data_dir=data, loaded=SimpleNamespace(result_hash=result_hash),
-                           cfg=SimpleNamespace(train=SimpleNamespace(steps=steps, resume=resume)))
+                           cfg=SimpleNamespace(train=SimpleNamespace(steps=steps, resume=resume, keep_runs=None)))
 
 
-def saved(setup, steps=(4, 8)):
+def saved(setup, steps=(4, 8), finished_by=None):
+    """Checkpoints `steps` of `setup`'s identity (the last `finished_by`, when given)."""
     d, opt, sched = trained()
     for s in steps:
-        C.save(setup.run_dir, s, s * 2, d, opt, sched, C.identity(setup))
+        C.save(R.home(setup.run_dir, R.identity(setup)), s, s * 2, d, opt, sched, R.identity(setup),
+               finished_by=finished_by if s == steps[-1] else None)
     return d, opt, sched

@@ -20,7 +20,7 @@ def evaluable_run(tmp_path: Path, tiny_target: Path, questions, steps, evaluate:
     from dflash.data.shards import write_manifest
     from dflash.model import DFlashDrafter, DrafterConfig
     from dflash.target import load_tokenizer, mask_token_id
-    from dflash.train import checkpoint
+    from dflash.train import checkpoint, run_folder
     raw = {"results_dir": str(tmp_path / "results"), "run_name": "t", "target": target_section(tiny_target),
            "drafter": {"num_layers": 1, "block_size": 4, "target_layer_ids": [0, 1]},
            "evaluate": {**evaluate, "device": "cpu"}}
@@ -43,10 +43,11 @@ def evaluable_run(tmp_path: Path, tiny_target: Path, questions, steps, evaluate:
     opt = torch.optim.AdamW(d.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     run_dir = tmp_path / "results" / "runs" / "t"
+    ident = {"result_hash": loaded.result_hash, "data_hash": "abcdef0123456789"}
+    home = run_folder.home(run_dir, ident)
     for step in steps:
-        checkpoint.save(run_dir, step, step, d, opt, sched,
-                        {"result_hash": loaded.result_hash, "data_hash": "abcdef0123456789"})
+        checkpoint.save(home, step, step, d, opt, sched, ident)
+    final = checkpoint.describe(run_dir, checkpoint.step_dir(home, steps[-1]))
     (run_dir / "summary.json").write_text(json.dumps({"run_id": "t-1", "status": "completed", "steps": steps[-1],
-                                                       **(summary or {}),
-                                                       "checkpoint": checkpoint.describe(run_dir, steps[-1])}))
+                                                       **(summary or {}), "checkpoint": final}))
     return cfg_file, run_dir, d

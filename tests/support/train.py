@@ -62,6 +62,19 @@ def run_dir(cfg: Path) -> Path:
     return Path(yaml.safe_load(cfg.read_text())["results_dir"]) / "runs" / "t"
 
 
+def home(cfg: Path) -> Path:
+    """The folder of the run folder's one identity (checkpoints/<result hash>-<data hash>/; one there, none set
+    aside)."""
+    homes = [d for d in (run_dir(cfg) / "checkpoints").iterdir() if d.is_dir() and "." not in d.name]
+    assert len(homes) == 1, homes
+    return homes[0]
+
+
+def ckpt(cfg: Path, step: int) -> Path:
+    """Checkpoint `step` of the run folder's one identity."""
+    return home(cfg) / f"step-{step:06d}"
+
+
 def train_ok(cfg: Path, *args: str) -> None:
     """`dflash train` in this process; a non-zero exit fails naming the run's failure from summary.json (CI shows
     the assertion even when the captured log is cut)."""
@@ -98,5 +111,5 @@ def stop_here(cfg, sig, *args):
         sender.join()
     assert "logged" in sent, f"train ended ({code}) before 3 rows were logged"
     s = json.loads((run_dir(cfg) / "summary.json").read_text())
-    ckpts = sorted((run_dir(cfg) / "checkpoints").glob("step-*"))
+    ckpts = sorted((run_dir(cfg) / "checkpoints").glob("*/step-*"))
     return code, sent["logged"], s, int(ckpts[-1].name.split("-")[1]) if ckpts else None

@@ -213,11 +213,17 @@ def test_hashes_of_todays_configs_unchanged(repo):
     how fast the data stage runs, never the dataset: issue 40 rule 5), and drafter.num_target_layers defaults to null
     (as many as target_layer_ids lists, else 5); the hashes reproduced the earlier ones without those keys exactly.
     train.rendezvous.node_rank, never read, was removed: the config hashes changed, the result hashes did not.
-    config/quality.yaml took train.loss_weighting dpace (issue 39): its hashes changed."""
-    pins = {"config.yaml": ("0167efcd7b22eea4", "08111ef1191481ae"),
-            "h200.yaml": ("7ffc7d3c3af0f26b", "ef55569b45be0b66"),
-            "8gpu.yaml": ("6dc63caa0a4c700d", "ffdbd87e9f5b171a"),
-            "quality.yaml": ("c09f45c19716ee94", "c420025dec8fa74f")}
+    config/quality.yaml took train.loss_weighting dpace (issue 39): its hashes changed. Issue 47 took the keys of
+    switched-off features (each key's `When`: code_completion.* with that source off, muon_lr with AdamW, the other
+    engine's regeneration keys, ...) and dataset_name out of both hashes, and spells paths one way, and added
+    train.keep_runs (operational: the config hashes only): every pin changed
+    (on eb0a841: config.yaml 0167efcd7b22eea4 / 08111ef1191481ae, h200.yaml 7ffc7d3c3af0f26b / ef55569b45be0b66, 8gpu.yaml
+    6dc63caa0a4c700d / ffdbd87e9f5b171a, quality.yaml c09f45c19716ee94 / c420025dec8fa74f, inline 334fcddb7d082029 /
+    64c64f4dac94bb62)."""
+    pins = {"config.yaml": ("5d0d8b3d10a18b70", "6e458efa167a8114"),
+            "h200.yaml": ("b359bf380a590ca9", "e541cb3404d3714e"),
+            "8gpu.yaml": ("4a4b0c935241431e", "304bf9a9a6094000"),
+            "quality.yaml": ("06f84878937117bd", "71ca52a0125abe83")}
     for name, (h, rh) in pins.items():
         loaded = C.load(repo / "config" / name)
         assert (loaded.hash, loaded.result_hash) == (h, rh), name
@@ -225,7 +231,7 @@ def test_hashes_of_todays_configs_unchanged(repo):
                           "data": {"sources": [{"name": "x", "path": "a.jsonl", "weight": 2}],
                                    "regenerate": {"timeout_s": 30}},
                           "report": {"min_utilisation": 50}, "drafter": {"target_layer_ids": [0, 2]}})
-    assert (inline.hash, inline.result_hash) == ("334fcddb7d082029", "64c64f4dac94bb62")
+    assert (inline.hash, inline.result_hash) == ("5ad4de83d5430705", "0424a02cda2230b6")
     assert json.dumps(inline.raw["train"]["betas"]) == "[0, 0.95]" and inline.cfg.train.betas == (0, 0.95)
     assert type(inline.cfg.train.time_budget_s) is int and type(inline.cfg.train.stall_timeout_s) is int   # as written
     assert type(C.from_dict({"train": {"lr": 0.001}}).cfg.train.lr) is float

@@ -195,7 +195,7 @@ class DistSync:
         dist.all_gather(out, value, group=self.group)
         return out
 
-    def hold(self, rank: int, work, timeout_s: float):
+    def hold(self, rank: int, work, timeout_s: float, what: str):
         """Replica 0 runs `work()` while the others wait for a key in the launch's store (host side: no collective
         pending, so no NCCL timeout; at most timeout_s) -> work's result on replica 0, None on the others."""
         self.holds += 1
@@ -207,8 +207,8 @@ class DistSync:
         try:
             self.store.wait([key], datetime.timedelta(seconds=timeout_s))
         except RuntimeError as e:   # torch's DistStoreError is a RuntimeError
-            raise RuntimeError(f"drafter-{rank}: drafter-0's in-training evaluation (train.eval_every) took over "
-                               f"{timeout_s:.0f} s (train.stall_timeout_s): {e}") from None
+            raise RuntimeError(f"drafter-{rank}: {what} took over {timeout_s:.0f} s (train.stall_timeout_s): "
+                               f"{e}") from None
         return None
 
 

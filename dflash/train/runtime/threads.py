@@ -226,7 +226,7 @@ class GradSync:
             torch.cuda.current_stream(dev).synchronize()
         self._wait()
 
-    def hold(self, rank: int, work, timeout_s: float):
+    def hold(self, rank: int, work, timeout_s: float, what: str = ""):
         """Replica 0 runs `work()` while the others wait at the barrier (the supervisor's stall timeout bounds it; a
         failed run aborts the barrier) -> work's result on replica 0, None on the others."""
         out = work() if rank == 0 else None
