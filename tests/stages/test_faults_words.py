@@ -143,7 +143,8 @@ def test_an_unreadable_checkpoint_or_summary_says_it_cannot_be_read(run, capsys,
     """The run's final checkpoint: "cannot write it"; its summary.json: "unreadable (PermissionError); retrain the
     run" (nothing is wrong with the run: the file's permissions are)."""
     cfg, run_dir = run
-    weights = run_dir / "checkpoints" / "step-000004" / "model.safetensors"
+    final = json.loads((run_dir / "summary.json").read_text())["checkpoint"]["path"]   # checkpoints/<identity>/step-N
+    weights = run_dir / final / "model.safetensors"
     unreadable(weights)
     line = one_line(capsys, 1, main(["export", "--config", str(cfg)]))
     assert line == (f"dflash export: error: {weights}: cannot read it: permission denied; make it readable for this "
