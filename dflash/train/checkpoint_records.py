@@ -31,6 +31,10 @@ class TrainerCore(Read):
     data_hash: str | None = Field(None, description=(
         "The dataset manifest's `content_hash` (null: a manifest without one): resuming and restoring need the same "
         "one too."))
+    inputs_hash: str | None = Field(None, description=(
+        "The content of the files the config names that train reads (a target folder with build none, "
+        "drafter.init_from; `run_folder.inputs_hash`), null when it names none: resuming and restoring need the same "
+        "one too (a model edited in place is another run)."))
     metrics: list[dict] | None = Field(None, description=(
         "metrics.jsonl's rows up to this step, which a resumed run writes back first; the last, when it is this "
         "step's, also holds `smoothed_stats`: the step statistics weighted DECAY**age, from which a resumed run's "
@@ -51,6 +55,7 @@ class TrainerState(TrainerCore):
 
     result_hash: str = Field(description=TrainerCore.model_fields["result_hash"].description)
     data_hash: str | None = Field(description=TrainerCore.model_fields["data_hash"].description)
+    inputs_hash: str | None = Field(description=TrainerCore.model_fields["inputs_hash"].description)
     metrics: list[dict] = Field(description=TrainerCore.model_fields["metrics"].description)
     finished: bool = Field(description=TrainerCore.model_fields["finished"].description)
     finished_by: str | None = Field(description=TrainerCore.model_fields["finished_by"].description)

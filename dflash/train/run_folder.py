@@ -46,18 +46,42 @@ LEGACY = ("checkpoints", "checkpoints.previous")   # where checkpoints were befo
 def identity(setup) -> dict:
     """What a checkpoint must match to be resumed (or a finished run to be restored): the config's result hash (the
     keys whose role decides the drafter, those of switched-off features left out, paths in one spelling:
-    dflash.config.result_hash) and the data's content hash (from a manifest that matches its own hash), never a name."""
+    dflash.config.result_hash), the data's content hash (from a manifest that matches its own hash), never a name, and
+    the content of the other files and folders train reads by the config (`inputs_hash`)."""
     from dflash.train.context import read_manifest
-    return {"result_hash": setup.loaded.result_hash, "data_hash": read_manifest(setup).get("content_hash")}
+    return {"result_hash": setup.loaded.result_hash, "data_hash": read_manifest(setup).get("content_hash"),
+            "inputs_hash": inputs_hash(setup.cfg)}
+
+
+def inputs_hash(cfg) -> str | None:
+    """The content of the files and folders the config names that train reads (dflash.inputs: a target folder with
+    build none, drafter.init_from), as the train rule's key stamp records it (dflash.content.record, through the
+    results folder's digest cache: a model folder is read once): a model or init_from folder edited in place is
+    another run. None when the config names none (a target the pipeline builds is its config's)."""
+    import hashlib
+
+    from dflash.content import Digests, record
+    from dflash.inputs import named
+    files = named(cfg, "train")
+    if not files:
+        return None
+    digests = Digests(paths.digests(cfg.results_dir))
+    what = {n.key: record(n.path, digests) for n in files}
+    try:
+        digests.save()
+    except OSError:   # a read-only results folder: the digests are a cache
+        pass
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def home(run_dir, ident: dict) -> Path:
-    """The folder of identity `ident` in the run folder: `checkpoints/<result hash>-<data hash>/`."""
-    return paths.checkpoints(run_dir) / f"{ident['result_hash']}-{ident['data_hash'] or 'none'}"
+    """The folder of identity `ident` in the run folder: `checkpoints/<result hash>-<data hash>[-<inputs hash>]/`."""
+    tail = f"-{ident['inputs_hash']}" if ident.get("inputs_hash") else ""
+    return paths.checkpoints(run_dir) / f"{ident['result_hash']}-{ident['data_hash'] or 'none'}{tail}"
 
 
 def _identity(saved: TrainerCore) -> dict:
-    return {"result_hash": saved.result_hash, "data_hash": saved.data_hash}
+    return {"result_hash": saved.result_hash, "data_hash": saved.data_hash, "inputs_hash": saved.inputs_hash}
 
 
 def finished(saved: TrainerCore, setup) -> bool:
@@ -278,7 +302,7 @@ def _legacy_identity(run_dir: Path, old: Path, steps: list[Path]) -> dict:
         saved = trainer_state(steps[0])
         ident = _identity(saved)
     except UserError:
-        ident = {"result_hash": "unknown", "data_hash": None}
+        ident = {"result_hash": "unknown", "data_hash": None, "inputs_hash": None}
     for summary in (_old_record_summary(old), _json(run_dir / "summary.json")):
         ref = (summary or {}).get("checkpoint") or {}
         step = old / Path(str(ref.get("path", ""))).name

@@ -239,6 +239,45 @@ def test_a_finished_run_is_restored_from_its_final_checkpoint_alone(tmp_path, ca
     assert json.loads(record.read_text())["outputs"] == {k: v.decode() for k, v in got.items()}   # written anew
 
 
+def test_a_model_folder_edited_in_place_is_another_run(tmp_path, caplog):
+    """A user's model (target.build: none) whose weights change in place (one byte, size kept): train trains a new run
+    in a folder of its own instead of restoring the finished run of the old weights (the run's identity holds the
+    content of the files the config names that train reads, as the train rule's key stamp does); the old run is kept,
+    and with the old bytes back it is restored. The same for drafter.init_from."""
+    import yaml
+    cfg = prepared(tmp_path, steps=2, checkpoint_every=0)
+    raw = yaml.safe_load(cfg.read_text())
+    mine = tmp_path / "mine"
+    shutil.copytree(raw["target"]["path"], mine, ignore=shutil.ignore_patterns("build.json"))
+    raw["target"] = {"path": str(mine), "build": "none"}
+    cfg.write_text(yaml.safe_dump(raw))
+    train_ok(cfg)
+    first = home(cfg).name
+    weights = mine / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-7] ^= 0x40                                       # a weight's bits, not the header: the file still loads
+    weights.write_bytes(bytes(data))
+    caplog.clear()
+    train_ok(cfg)
+    assert any("step 2/2 loss" in r.getMessage() for r in caplog.records)      # trained
+    assert not any("restored, nothing trained" in r.getMessage() for r in caplog.records)
+    names = sorted(p.name for p in (run_dir(cfg) / "checkpoints").iterdir())
+    assert len(names) == 2 and first in names and all(n.count("-") == 2 for n in names)   # result-data-inputs
+    data[-7] ^= 0x40
+    weights.write_bytes(bytes(data))
+    caplog.clear()
+    train_ok(cfg)
+    assert any("restored, nothing trained" in r.getMessage() for r in caplog.records)
+    from dflash import config as C
+    from dflash.train.run_folder import inputs_hash
+    raw["drafter"]["init_from"] = str(mine)              # any folder: the hash is of its bytes
+    was = inputs_hash(C.from_dict(raw).cfg)
+    os.utime(weights, (1, 1))                            # a touch changes nothing
+    assert inputs_hash(C.from_dict(raw).cfg) == was
+    (mine / "config.json").write_text((mine / "config.json").read_text() + " ")
+    assert inputs_hash(C.from_dict(raw).cfg) != was
+
+
 def test_going_back_to_the_pipeline_config_restores_it_whatever_ran_by_hand(tmp_path, caplog):
     """The pipeline's run finishes; runs by hand with two other train.lr in its folder train into folders of their own
     (checkpoints/<identity>/; there was one checkpoints.previous/, so the second hand run deleted the pipeline's run).
