@@ -330,3 +330,14 @@ def test_e2e_runs_the_named_runs_and_keeps_each_summary_with_the_tree(tmp_path, 
     calls.clear()   # a misspelt run (1t1d-tc: renamed 1t1d since config/h200.yaml compiles the target) runs nothing
     res = e2e.e2e(Job(tmp_path, {"runs": "1t1d,1t1d-tc", "skip_stages": "1"}, steps=3))
     assert calls == [] and "unknown BENCH_E2E_RUNS / e2e.runs 1t1d-tc" in res["error"]
+
+
+def test_old_vs_new_refuses_without_a_base_tree(tmp_path):
+    """bench/old_vs_new.sh needs .base/ (bench/base_tree.sh): without it, one line and exit 2, nothing run."""
+    import shutil
+    import subprocess
+    (tmp_path / "bench").mkdir()
+    shutil.copy(REPO / "bench" / "old_vs_new.sh", tmp_path / "bench")
+    r = subprocess.run(["bash", "bench/old_vs_new.sh", "out", "1t1d"], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.strip() == "old_vs_new: no .base/ (bash bench/base_tree.sh REV first)"
+    assert not (tmp_path / "out").exists()
