@@ -4,7 +4,9 @@ The package reads a loaded config as a `DflashConfig`: frozen, typed attributes,
 refused, and checks that need only the config (values that contradict each other) made by the models' validators, so
 that `snakemake -n` refuses what a stage would. `workflow/schemas/config.schema.yaml` (what Snakemake and the docs
 read) is generated from these models: to add a key, add one field with its `Role` to its section here, then run
-`python -m dflash schema --write` (docs/config.md). Defaults that change what a drafter learns do not change.
+`python -m dflash schema --write` (docs/config.md). Defaults that change what a drafter learns do not change, with
+one deliberate exception so far: `train.loss_weighting` moved from decay to dpace (issue 48) after D-PACE beat the
+baseline alone on the GPU on every build measured (docs/recipes.md); configs that mean to run decay say so.
 """
 from __future__ import annotations
 
@@ -553,11 +555,12 @@ class TrainSection(Section):
     loss_kernel: Annotated[Literal["fused", "checkpointed"], GRAPH] = Field("fused", description=(
         "fused computes the hidden-state gradient inside the forward (two matmuls per chunk); checkpointed "
         "recomputes each chunk in the backward (three)."))
-    loss_weighting: Annotated[Literal["decay", "dpace"], TRAIN] = Field("decay", description=(
-        "Weights of the block positions in the loss (docs/recipes.md). decay: exp(-(k-1)/gamma), the loss the"
-        " weighted mean over scored positions. dpace: D-PACE (arXiv 2605.18810), detached weights from the "
-        "drafter's own confidence in each label, the suffix sums of the smoothed confidences' prefix "
-        "products, the loss normalised by the number of blocks (sampled anchors) instead of the weight sum."))
+    loss_weighting: Annotated[Literal["decay", "dpace"], TRAIN] = Field("dpace", description=(
+        "Weights of the block positions in the loss (docs/recipes.md). dpace (the default since issue 48: it beat "
+        "decay on every build measured, alone at equal GPU time): D-PACE (arXiv 2605.18810), detached weights from "
+        "the drafter's own confidence in each label, the suffix sums of the smoothed confidences' prefix products, "
+        "the loss normalised by the number of blocks (sampled anchors) instead of the weight sum. decay: the DFlash "
+        "paper's exp(-(k-1)/gamma), the loss the weighted mean over scored positions."))
     dpace_alpha: Annotated[float, TRAIN, DPACE_WEIGHTS] = Field(0.5, le=1, gt=0, description=(
         "D-PACE's confidence smoothing (the paper's Eq. 7): q~ = alpha + (1 - alpha) q; read with "
         "loss_weighting dpace only."))
