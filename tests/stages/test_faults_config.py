@@ -67,7 +67,7 @@ def test_hash_lists_and_rule_triggers_derive_from_the_roles(repo):
     both; data.num_proc nothing; drafter.block_size the data stage too."""
     assert set(C.OPERATIONAL) == {k for k, r in C.roles().items() if r.hashed == "run"}
     assert {"train.log_every", "train.eval_every", "train.rendezvous.nnodes", "train.profile.out"} <= set(C.OPERATIONAL)
-    assert set(C.UNHASHED) == {"run_name", "dataset_name", "results_dir", "strict_env", "evaluate", "report"}
+    assert set(C.UNHASHED) == {"run_name", "dataset_name", "results_dir", "strict_env", "evaluate", "report", "sweep"}
     raw = C.from_dict({}).raw
     trig = {rule: json.loads(C.trigger(raw, rule)) for rule in ("target", "data", "warmup", "train", "evaluate",
                                                                  "export", "report", "gate")}
