@@ -732,8 +732,8 @@ class SweepSection(Section):
     runs: Annotated[str | Annotated[tuple[dict[str, SweepValue], ...], Strict(False)] | None, SWEEP, SHEET] = Field(
         None, description=(
         "The sweep's runs besides the config's own (run_name, always run): a list of {run: NAME, KEY: VALUE, ...} "
-        "(dotted keys over this config), or the path of a runs sheet (TSV or CSV: a header `run` and one dotted key per "
-        "column, one run a row, cells read as YAML, an empty cell leaving the key to the config). The workflow trains "
+        "(dotted keys over this config), or the path of a runs sheet (TSV or CSV: a header `run` and one dotted key "
+        "per column, one run a row, cells read as YAML, an empty cell leaving the key to the config). The workflow trains "
         "each into results/runs/<run>/; a run whose data keys differ gets its own dataset. Keys of the target, the "
         "placement, the names and files the workflow reads stay the config's (dflash/sweep.py). null: no sweep."))
     evaluate: Annotated[Literal["all", "own"], SWEEP] = Field("all", description=(

@@ -17,7 +17,8 @@ made before stamps existed rerun once; `snakemake --touch` marks them current in
 One stamp per rule and output: a sweep's runs (dflash.sweep) each have their own, made from the run's config.
 
 Public: `Stamps(results_dir, cfg, raw, mode)`, `.path(rule, name="", files=(), extra=None, loaded=None)` -> the stamp's
-path (written as the mode allows; `loaded`: a sweep run's config), `.moved`: the (rule, name) pairs whose hash changed; `mode_of(args, remote)`: the mode
+path (written as the mode allows; `loaded`: a sweep run's config), `.moved`: the (rule, name) pairs whose hash
+changed; `mode_of(args, remote)`: the mode
 of a Snakemake command line.
 """
 from __future__ import annotations

@@ -147,8 +147,8 @@ def markdown(rec: SweepRecord) -> str:
             f"{', '.join(rec.devices) or 'the CPU'}. tau on the held-out prompts at temperature 0: the evaluate "
             f"stage's, or the run's last in-training evaluation where it is the same measure (column `by`); at other "
             f"temperatures per draft policy (argmax: vLLM's default, SGLang, TensorRT-LLM; sample: the reference "
-            f"package, DeepSpec, vLLM's probabilistic drafts). Runs differing only in `seed` (or in keys that cannot change the "
-            f"drafter) are one group; a group "
+            f"package, DeepSpec, vLLM's probabilistic drafts). Runs differing only in `seed` (or in keys that cannot "
+            f"change the drafter) are one group; a group "
             f"beats the baseline group (`{rec.baseline}`) when |its mean - the baseline's| exceeds the larger of the "
             f"two spreads (max - min). Curves: `sweep_tau_gpu_seconds.png`; every figure: `sweep.json`.\n\n"
             + head + "\n".join(lines) + "\n\n## Seed groups\n\n" + "\n".join(groups) + f"\n\n{verdict}\n")

@@ -27,7 +27,8 @@ def test_fp8_features_say_why_they_were_not_measured(tmp_path, monkeypatch, fake
     assert "no target or no held-out conversations" in fp8_features.measure(cfg)["skipped"]
     data = tmp_path / "results" / "data" / "code-completion"
     data.mkdir(parents=True)
-    data.joinpath("holdout.jsonl").write_text(json.dumps({"id": "a", "prompt_ids": [1, 2], "reference_ids": [3]}) + "\n")
+    row = {"id": "a", "prompt_ids": [1, 2], "reference_ids": [3]}
+    data.joinpath("holdout.jsonl").write_text(json.dumps(row) + "\n")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert fp8_features.measure(cfg) == {
         "skipped": "train placement: 'cuda:0' asks for a GPU but CUDA is not available here"}

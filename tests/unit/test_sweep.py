@@ -104,8 +104,8 @@ def test_a_csv_sheet_and_a_missing_one(tmp_path, monkeypatch):
 
 
 def test_what_the_sweep_section_itself_refuses():
-    with pytest.raises(C.ConfigError, match=r"sweep.runs\[0\] \(x\): key 'evaluate.temperature' asks for an evaluation, "
-                                            r"but sweep.evaluate is own"):
+    with pytest.raises(C.ConfigError, match=r"sweep.runs\[0\] \(x\): key 'evaluate.temperature' asks for an "
+                                            r"evaluation, but sweep.evaluate is own"):
         expand(swept([{"run": "x", "train.eval_every": 5, "evaluate.temperature": 1.0}], evaluate="own"))
     with pytest.raises(C.ConfigError, match=r"sweep.runs\[0\] \(x\): sweep.evaluate is own, so this run's tau is its "
                                             r"last in-training evaluation.*\(here 0, None, None, 0.0\)"):
@@ -171,11 +171,11 @@ def test_the_sweep_table_groups_seeds_and_names_the_levers_beyond_the_spread(tmp
     assert groups["lr"].vs_baseline == pytest.approx(2.75 - 6.375 / 3)           # 0.625 > max(0.25, 0.5)
     assert (groups["kl"].n, groups["kl"].beats_spread) == (0, None)
     md = (tmp_path / "out" / "sweep.md").read_text()
-    assert "| demo (own) | (the config's) | 0 | default (-) | 10 | 2.0 | 1.50 | 2.000 | evaluate | 1.500 | 1.250 | True |" \
-        in md
+    assert ("| demo (own) | (the config's) | 0 | default (-) | 10 | 2.0 | 1.50 | 2.000 | evaluate | 1.500 | 1.250 | "
+            "True |") in md
     assert "| lr | `train.lr: 0.001` | lr, lr-s1 | 2 | 2.750 | 0.500 | 0.625 | yes |" in md
-    assert "| kl | `train.objective: \"kl\"`, `train.eval_every: 5` | 0 | default (-) | 10 | 2.0 | 1.50 |  | completed, " \
-           "no tau measure |" in md
+    assert ("| kl | `train.objective: \"kl\"`, `train.eval_every: 5` | 0 | default (-) | 10 | 2.0 | 1.50 |  | "
+            "completed, no tau measure |") in md
     assert "Groups that beat the spread: lr." in md and "| T=1 argmax | T=1 sample |" in md
     assert json.loads((tmp_path / "out" / "sweep.json").read_text())["groups"][1]["beats_spread"] is True
     assert (tmp_path / "out" / "sweep_tau_gpu_seconds.png").read_bytes()[:4] == b"\x89PNG"

@@ -70,8 +70,8 @@ if SWEEP.declared:
         conda:
             ENV
         shell:
-            "python -m dflash report {params.stage_config:q} --sweep --runs-dir {params.runs_dir:q} --out {params.out:q}"
-            " --log {log:q}"
+            "python -m dflash report {params.stage_config:q} --sweep --runs-dir {params.runs_dir:q}"
+            " --out {params.out:q} --log {log:q}"
 
 
 # The gate: a separate job after the report, so a failing gate (report.fail_on_regression) keeps report.md, the plots
