@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Downloads, here (with network), the wheels a lent H200 lacks for the benches into .whl/ (git-ignored; the device
 # tool's `carry: [".whl"]` takes them along). The device image has torch, transformers, triton, pyarrow, pandas,
-# xxhash, rich and tqdm; it lacks datasets, pydantic, jsonschema, torchao (and snakemake for the quality bench).
+# xxhash, rich and tqdm; it lacks datasets, pydantic, jsonschema, torchao (and snakemake for the quality workflow).
 #   bash bench/device_wheels.sh              # what bench/h200.py and bench/regen.py import
-#   bash bench/device_wheels.sh snakemake    # + snakemake and its needs (bench/quality.py runs the workflow)
+#   bash bench/device_wheels.sh snakemake    # + snakemake and its needs (bench/quality_device.sh runs the workflow)
 # On the device: python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 #                export PYTHONPATH=/tmp/site:$PWD
 # Versions: envs/requirements.txt's pins, their needs at the versions `make venv` resolves (`.venv/bin/pip list`).

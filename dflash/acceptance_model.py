@@ -5,8 +5,8 @@ both `evaluate` and `report`: the report reads it without importing the evaluati
 
 `Acceptance` is every key the writer writes, with its meaning. `AcceptanceCore` is what its readers use, of a file of
 any age: every key optional (the first files held only `tau`, some as {prompt set: tau}, read as their mean; later
-ones lack the keys added since), the types checked where present, other keys kept. (bench/quality.py still reads its
-own temperature files by key.)
+ones lack the keys added since), the types checked where present, other keys kept (the sweep table reads a run's
+acceptance files through it: dflash/report/sweep.py).
 """
 from __future__ import annotations
 

@@ -4,7 +4,9 @@ The package reads a loaded config as a `DflashConfig`: frozen, typed attributes,
 refused, and checks that need only the config (values that contradict each other) made by the models' validators, so
 that `snakemake -n` refuses what a stage would. `workflow/schemas/config.schema.yaml` (what Snakemake and the docs
 read) is generated from these models: to add a key, add one field with its `Role` to its section here, then run
-`python -m dflash schema --write` (docs/config.md). Defaults that change what a drafter learns do not change.
+`python -m dflash schema --write` (docs/config.md). Defaults that change what a drafter learns do not change, with
+one deliberate exception so far: `train.loss_weighting` moved from decay to dpace (issue 48) after D-PACE beat the
+baseline alone on the GPU on every build measured (docs/recipes.md); configs that mean to run decay say so.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import dataclasses
 import typing
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, WithJsonSchema, field_validator, model_validator
 
 
 @dataclasses.dataclass(frozen=True)
@@ -553,11 +555,12 @@ class TrainSection(Section):
     loss_kernel: Annotated[Literal["fused", "checkpointed"], GRAPH] = Field("fused", description=(
         "fused computes the hidden-state gradient inside the forward (two matmuls per chunk); checkpointed "
         "recomputes each chunk in the backward (three)."))
-    loss_weighting: Annotated[Literal["decay", "dpace"], TRAIN] = Field("decay", description=(
-        "Weights of the block positions in the loss (docs/recipes.md). decay: exp(-(k-1)/gamma), the loss the"
-        " weighted mean over scored positions. dpace: D-PACE (arXiv 2605.18810), detached weights from the "
-        "drafter's own confidence in each label, the suffix sums of the smoothed confidences' prefix "
-        "products, the loss normalised by the number of blocks (sampled anchors) instead of the weight sum."))
+    loss_weighting: Annotated[Literal["decay", "dpace"], TRAIN] = Field("dpace", description=(
+        "Weights of the block positions in the loss (docs/recipes.md). dpace (the default since issue 48: it beat "
+        "decay on every build measured, alone at equal GPU time): D-PACE (arXiv 2605.18810), detached weights from "
+        "the drafter's own confidence in each label, the suffix sums of the smoothed confidences' prefix products, "
+        "the loss normalised by the number of blocks (sampled anchors) instead of the weight sum. decay: the DFlash "
+        "paper's exp(-(k-1)/gamma), the loss the weighted mean over scored positions."))
     dpace_alpha: Annotated[float, TRAIN, DPACE_WEIGHTS] = Field(0.5, le=1, gt=0, description=(
         "D-PACE's confidence smoothing (the paper's Eq. 7): q~ = alpha + (1 - alpha) q; read with "
         "loss_weighting dpace only."))
@@ -718,6 +721,35 @@ class ReportSection(Section):
                                  f"({getattr(self, floor)}): the cap must be at or below the floor; lower report.{cap}")
         return self
 
+# A value a sweep row gives a key: a scalar or a list of scalars (checked against the key's own type when the row's
+# config is resolved, dflash/sweep.py).
+SweepValue = int | float | bool | str | None | Annotated[tuple[int | float | bool | str, ...], Strict(False)]
+SWEEP = Role((), None)   # the sweep itself: each run's keys are hashed and rerun its stages as any config's keys do
+SHEET = Reads((), lambda cfg, s: isinstance(s.runs, str))   # a runs sheet: checked before any job, read by the workflow
+
+
+class SweepSection(Section):
+    runs: Annotated[str | Annotated[tuple[dict[str, SweepValue], ...], Strict(False)] | None, SWEEP, SHEET] = Field(
+        None, description=(
+        "The sweep's runs besides the config's own (run_name, always run): a list of {run: NAME, KEY: VALUE, ...} "
+        "(dotted keys over this config), or the path of a runs sheet (TSV or CSV: a header `run` and one dotted key "
+        "per column, one run a row, cells read as YAML, an empty cell leaving the key to the config). The workflow trains "
+        "each into results/runs/<run>/; a run whose data keys differ gets its own dataset. Keys of the target, the "
+        "placement, the names and files the workflow reads stay the config's (dflash/sweep.py). null: no sweep."))
+    evaluate: Annotated[Literal["all", "own"], SWEEP] = Field("all", description=(
+        "Runs the evaluate stage decodes: all, every run; own, the config's own run only, the others' tau at "
+        "temperature 0 being their last in-training evaluation (train.eval_every on, on the evaluate stage's prompts "
+        "and tokens: the same measure, a few seconds instead of a minute and a half of decoding each)."))
+    temperatures: Annotated[tuple[Annotated[float, Field(ge=0)], ...], SWEEP] = Field((), strict=False, description=(
+        "Other temperatures each decoded run is evaluated at (acceptance-t<T>.json), under evaluate.proposal's draft "
+        "policies (auto: argmax and sample)."))
+    only: Annotated[tuple[str, ...] | None, SWEEP] = Field(None, strict=False, description=(
+        "Run only the sweep's runs these names or shell patterns match (`[muon*, quality-s*]`), and the config's own: "
+        "a part of a sweep per session (docs/quality.md); the table covers them. null: every run."))
+    baseline: Annotated[str | None, SWEEP] = Field(None, pattern=NAME, max_length=NAME_MAX, description=(
+        "The run whose seed group the sweep table compares every other group with; null: the config's own run."))
+
+
 class DflashConfig(Section):
     """The whole config: one YAML drives the Snakemake workflow and every `python -m dflash <stage>`."""
     model_config = ConfigDict(title="dflash pipeline configuration", json_schema_extra={
@@ -744,6 +776,9 @@ class DflashConfig(Section):
         "Speculative decoding with the target and the trained drafter (stage `evaluate`)."))
     report: ReportSection = Field({}, validate_default=True, description=(
         "Throughput and quality history and regression report (stage `report`)."))
+    sweep: SweepSection = Field({}, validate_default=True, description=(
+        "Named runs over this config, each a set of key overrides (recipe, seed, data size, temperature, policy), "
+        "trained and evaluated by the workflow, compared in results/report/sweep.md (docs/quality.md)."))
 
     @model_validator(mode="after")
     def _drafter_fits_target(self):

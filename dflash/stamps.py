@@ -14,8 +14,11 @@ shows the rerun and a later run of the unchanged config reruns nothing; `read` (
 on its node, --lint, --list-rules) writes nothing. A stamp made for the first time is new, so its rule reruns (results
 made before stamps existed rerun once; `snakemake --touch` marks them current instead).
 
-Public: `Stamps(results_dir, cfg, raw, mode)`, `.path(rule, name="", files=(), extra=None)` -> the stamp's path
-(written as the mode allows), `.moved`: the (rule, name) pairs whose hash changed; `mode_of(args, remote)`: the mode
+One stamp per rule and output: a sweep's runs (dflash.sweep) each have their own, made from the run's config.
+
+Public: `Stamps(results_dir, cfg, raw, mode)`, `.path(rule, name="", files=(), extra=None, loaded=None)` -> the stamp's
+path (written as the mode allows; `loaded`: a sweep run's config), `.moved`: the (rule, name) pairs whose hash
+changed; `mode_of(args, remote)`: the mode
 of a Snakemake command line.
 """
 from __future__ import annotations
@@ -71,17 +74,19 @@ class Stamps:
         self.digests = Digests(paths.digests(results_dir))
         self.moved: set[tuple[str, str]] = set()   # (rule, name) of the stamps whose hash changed
 
-    def what(self, rule: str, files=(), extra: dict | None = None) -> dict:
+    def what(self, rule: str, files=(), extra: dict | None = None, loaded=None) -> dict:
         """What the stamp of `rule` records: its config keys, the content of the files the config names for it and
-        of `files` ((label, path) pairs), and `extra`."""
-        inputs = {n.key: {"path": n.path, **record(n.path, self.digests)} for n in named(self.cfg, rule)}
+        of `files` ((label, path) pairs), and `extra`; `loaded`: a sweep run's (or dataset's) config in place of the
+        config's own."""
+        cfg, raw = (loaded.cfg, loaded.raw) if loaded is not None else (self.cfg, self.raw)
+        inputs = {n.key: {"path": n.path, **record(n.path, self.digests)} for n in named(cfg, rule)}
         inputs.update({label: {"path": str(p), **record(p, self.digests)} for label, p in files})
-        return {"rule": rule, "config": json.loads(trigger(self.raw, rule)), "inputs": inputs, **(extra or {})}
+        return {"rule": rule, "config": json.loads(trigger(raw, rule)), "inputs": inputs, **(extra or {})}
 
-    def path(self, rule: str, name: str = "", files=(), extra: dict | None = None) -> str:
+    def path(self, rule: str, name: str = "", files=(), extra: dict | None = None, loaded=None) -> str:
         """The stamp of `rule` for the output named `name` (a run, a dataset, a target path; "" for a rule with one
-        output), written when its hash changed and the mode allows it."""
-        what = self.what(rule, files, extra)
+        output), written when its hash changed and the mode allows it; `loaded`: as `what`."""
+        what = self.what(rule, files, extra, loaded)
         what["hash"] = _hash(what)
         if self.mode != "read":
             self.digests.save()

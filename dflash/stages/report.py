@@ -1,4 +1,5 @@
-"""Stage `report`: the run history, regressions of Ktok/s and tau with attribution, anomalies, plots and report.md.
+"""Stage `report`: the run history, regressions of Ktok/s and tau with attribution, anomalies, plots and report.md;
+with --sweep, the config's sweep table instead (dflash/report/sweep.py: its own files, one writer each).
 
 It exits 0 whatever the verdict (so Snakemake keeps every output); the `gate` stage fails on a regression."""
 import logging
@@ -13,6 +14,9 @@ def add_arguments(p):
     p.add_argument("--out", default=None,
                    help="report folder: report.md, history.csv, history/, regressions.json, *.png "
                         "(default: <results_dir>/report)")
+    p.add_argument("--sweep", action="store_true",
+                   help="write the config's sweep table instead (sweep.json, sweep.md, sweep_tau_gpu_seconds.png: "
+                        "every run of its `sweep`, seed groups, tau against training time)")
 
 
 def run(loaded: Loaded, args) -> int:
@@ -22,11 +26,16 @@ def run(loaded: Loaded, args) -> int:
     results = loaded.cfg.results_dir
     out = args.out or paths.report(results)
     check_out(out)
+    if args.sweep:
+        from dflash.report import sweep as table
+        from dflash.sweep import expand
+        table.build(expand(loaded), args.runs_dir or paths.runs(results), out, loaded.source)
+        return 0
     build(args.runs_dir or paths.runs(results), out, loaded.cfg.report)
     return 0
 
 
-OURS = ("regressions.json", "history", "history.csv")   # what only a report folder holds
+OURS = ("regressions.json", "history", "history.csv", "sweep.json")   # what only a report folder holds
 
 
 def check_out(out) -> None:

@@ -227,17 +227,32 @@ def test_dry_run_refuses_a_path_like_name(wf):
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a CUDA GPU")
-def test_dry_run_refuses_cuda_devices_the_machine_lacks(wf):
-    """config/quality.yaml on a machine without CUDA built the corpus and the tokenizer for minutes, then died in
-    "Torch not compiled with CUDA enabled". `snakemake -n` refuses it in one line; planned for a cluster (the slurm
-    profile: the jobs run on its GPU nodes, which check themselves), it plans."""
+def test_a_dry_run_lists_the_whole_sweep_and_a_run_refuses_cuda_devices_the_machine_lacks(wf):
+    """Issue 48 item 2: `snakemake -n --configfile config/quality.yaml` on a machine without CUDA lists every job of its
+    sweep (a note says a run here is refused). The run itself is refused in one line (config/quality.yaml on a machine
+    without CUDA built the corpus and the tokenizer for minutes, then died in "Torch not compiled with CUDA enabled");
+    planned for a cluster (the slurm profile: the jobs run on its GPU nodes, which check themselves), it plans."""
     r = snakemake(wf, "-n", "--configfile", "config/quality.yaml")
+    assert r.returncode == 0, r.out[-2000:]
+    jobs = planned(r)
+    assert jobs["train"] == 21 and jobs["data"] == 3 and jobs["sweep_table"] == 1, jobs     # >= 4 train jobs
+    assert (jobs["evaluate"], jobs["evaluate_at"], jobs["export"]) == (1, 1, 1)    # `quality` decoded at T=0 and T=1
+    assert "note: config/quality.yaml: target.pretrain.device names cuda:0 but this machine has no CUDA GPU" in r.out
+    r = snakemake(wf, "--cores", "1", "--configfile", "config/quality.yaml")
     assert r.returncode != 0, r.out[-2000:]
     assert ("config error: config/quality.yaml: target.pretrain.device names cuda:0 but this machine has no CUDA GPU"
             in r.out), r.out[-2000:]
     assert len(error_lines(r)) <= 4, r.out
     r = snakemake(wf, "-n", "--workflow-profile", "workflow/profiles/slurm", "--configfile", "config/quality.yaml")
     assert r.returncode == 0, r.out[-2000:]
+
+
+def test_a_bad_runs_sheet_row_is_refused_by_the_dry_run(wf):
+    (wf / "config" / "runs.tsv").write_text("run\ttrain.lr\nfast\t1e-3\nslow\tquick\n")
+    r = snakemake(wf, "-n", "--config", "sweep={runs: config/runs.tsv}")
+    assert r.returncode != 0
+    assert "config error: config/runs.tsv:3 (slow): key 'train.lr' must be number, got str 'quick'" in r.out, r.out
+    assert len(error_lines(r)) <= 4, r.out
 
 
 # ---- the pipeline, then what reruns -------------------------------------------------------------------------
@@ -267,7 +282,7 @@ def test_copied_config_with_same_content_reruns_nothing(done):
 @pipeline
 @pytest.mark.parametrize("change", [{"train__lr": 1e-3}, {"train__runtime": "distributed"},
                                     {"train__optimizer": "muon", "train__muon_lr": 2e-3}, {"train__time_budget_s": 60},
-                                    {"train__loss_weighting": "dpace"}],
+                                    {"train__loss_weighting": "decay"}],   # dpace is the default (issue 48)
                          ids=["lr", "runtime", "muon", "time_budget", "loss_weighting"])
 def test_train_key_change_reruns_train_to_report_only(done, change):
     work = done[0]
@@ -564,3 +579,58 @@ def test_an_interrupted_forced_retrain_resumes_with_rerun_incomplete(after):
     assert (s["resumed_from_step"], s["steps"], s["status"]) == (2, 3, "completed")
     kept = [p for p in (after / "results" / "runs" / "tiny" / "checkpoints").iterdir() if p.name.endswith(".1")]
     assert len(kept) == 1 and (kept[0] / "finished.json").is_file()
+
+
+# ---- issue 48 item 2: a sweep is rules ------------------------------------------------------------------------------
+@pipeline
+def test_a_sweep_trains_its_runs_and_writes_the_table_from_their_outputs(after):
+    """The tiny pipeline's config with a sweep of two more runs (a runs sheet): `tiny-s1`, another seed on the config's
+    dataset, and `tiny-h3`, another data key and so its own dataset; their tau at T=0 is their last in-training
+    evaluation (sweep.evaluate own), the config's own run is evaluated at T=1 too. The finished own run is kept (its
+    stamps did not move); each new run has its own stamps, so a changed row reruns its run alone; the table's figures
+    are the runs' own."""
+    cfg = tiny_config(after)
+    cfg["sweep"] = {"runs": "config/tiny-runs.tsv", "evaluate": "own", "temperatures": [1.0]}
+    (after / "config" / "tiny-runs.tsv").write_text("run\tseed\tdata.holdout\tdataset_name\ttrain.eval_every\n"
+                                                    "tiny-s1\t1\t\t\t3\ntiny-h3\t\t3\ttiny-h3\t3\n")
+    write_config(after, "tiny.yaml", cfg)
+    r = dry(after, "-p")
+    assert planned(r) == {"data": 1, "train": 2, "evaluate_at": 1, "sweep_table": 1, "all": 1}
+    assert ("train --config config/tiny.yaml --set seed=1 --set train.eval_every=3 --set 'run_name=\"tiny-s1\"' --set "
+            "'dataset_name=\"tiny\"' --data results/data/tiny --run-dir results/runs/tiny-s1") in r.out   # its keys
+    r = snakemake(after, "--cores", "2", "--configfile", "config/tiny.yaml")
+    assert r.returncode == 0, r.out[-3000:]
+    res = after / "results"
+    for stamp in ("train/tiny-s1.json", "train/tiny-h3.json", "data/tiny-h3.json", "evaluate/tiny.json"):
+        assert (res / "stamps" / stamp).is_file(), stamp
+    runs = {n: json.loads((res / "runs" / n / "summary.json").read_text()) for n in ("tiny", "tiny-s1", "tiny-h3")}
+    assert runs["tiny-s1"]["config"]["seed"] == 1 and runs["tiny-s1"]["data_hash"] == runs["tiny"]["data_hash"]
+    assert runs["tiny-h3"]["data_hash"] != runs["tiny"]["data_hash"]
+    assert len((res / "data" / "tiny-h3" / "holdout.jsonl").read_text().splitlines()) == 3
+    own = json.loads((res / "runs" / "tiny" / "acceptance.json").read_text())
+    hot = json.loads((res / "runs" / "tiny" / "acceptance-t1.json").read_text())
+    assert hot["temperature"] == 1.0 and set(hot["by_proposal"]) == {"argmax", "sample"}
+    rec = json.loads((res / "report" / "sweep.json").read_text())
+    rows = {r["run"]: r for r in rec["runs"]}
+    assert list(rows) == ["tiny", "tiny-s1", "tiny-h3"] and rec["x_unit"] == "train_s" and rec["devices"] == []
+    assert (rows["tiny"]["tau"], rows["tiny"]["tau_by"]) == (own["tau"], "evaluate")
+    assert rows["tiny"]["hot"] == {"1": {p: f["tau"] for p, f in hot["by_proposal"].items()}}
+    for name in ("tiny-s1", "tiny-h3"):
+        assert (rows[name]["tau"], rows[name]["tau_by"]) == (runs[name]["eval"]["tau"], "in-training replay")
+        assert rows[name]["curve"][-1]["tau"] == runs[name]["eval"]["tau"] and rows[name]["steps"] == 3
+    assert (rows["tiny-h3"]["dataset"], rows["tiny-s1"]["dataset"]) == ("tiny-h3", "tiny")
+    groups = {g["group"]: g for g in rec["groups"]}
+    taus = [own["tau"], runs["tiny-s1"]["eval"]["tau"]]
+    assert groups["tiny"]["runs"] == ["tiny", "tiny-s1"] and groups["tiny"]["mean"] == pytest.approx(sum(taus) / 2)
+    assert groups["tiny"]["spread"] == pytest.approx(max(taus) - min(taus))
+    assert (groups["tiny-h3"]["overrides"], groups["tiny-h3"]["beats_spread"]) == ({"data.holdout": 3}, None)
+    md = (res / "report" / "sweep.md").read_text()
+    assert f"| tiny (own) | (the config's) | 0 | tiny ({rows['tiny']['samples']}) | 3 |" in md
+    assert "| T=1 argmax | T=1 sample |" in md
+    assert (res / "report" / "sweep_tau_gpu_seconds.png").read_bytes()[:4] == b"\x89PNG"
+    assert "Nothing to be done" in dry(after).out
+    (after / "config" / "tiny-runs.tsv").write_text("run\tseed\tdata.holdout\tdataset_name\ttrain.eval_every\n"
+                                                    "tiny-s1\t2\t\t\t3\ntiny-h3\t\t3\ttiny-h3\t3\n")
+    r = dry(after)
+    assert planned(r) == {"train": 1, "sweep_table": 1, "all": 1}, r.out[-3000:]      # tiny-s1 alone, and the table
+    assert "results/stamps/plan/train/tiny-s1.json" in r.out

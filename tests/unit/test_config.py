@@ -219,10 +219,13 @@ def test_hashes_of_todays_configs_unchanged(repo):
     train.keep_runs (operational: the config hashes only): every pin changed
     (on eb0a841: config.yaml 0167efcd7b22eea4 / 08111ef1191481ae, h200.yaml 7ffc7d3c3af0f26b / ef55569b45be0b66, 8gpu.yaml
     6dc63caa0a4c700d / ffdbd87e9f5b171a, quality.yaml c09f45c19716ee94 / c420025dec8fa74f, inline 334fcddb7d082029 /
-    64c64f4dac94bb62)."""
-    pins = {"config.yaml": ("5d0d8b3d10a18b70", "6e458efa167a8114"),
+    64c64f4dac94bb62). Issue 48 made train.loss_weighting dpace the default (train.gamma then out, dpace_alpha in):
+    the configs that do not set it changed (on b637148: config.yaml 5d0d8b3d10a18b70 / 6e458efa167a8114, 8gpu.yaml
+    4a4b0c935241431e / 304bf9a9a6094000, inline 5ad4de83d5430705 / 0424a02cda2230b6); quality.yaml dropped its
+    `dpace` line and h200.yaml says `decay`, so theirs did not (the `sweep` section is in no hash)."""
+    pins = {"config.yaml": ("9991b7cfa553632c", "9d1b30fb55ed9649"),
             "h200.yaml": ("b359bf380a590ca9", "e541cb3404d3714e"),
-            "8gpu.yaml": ("4a4b0c935241431e", "304bf9a9a6094000"),
+            "8gpu.yaml": ("22435069ff1d9856", "ddc63b05d9b376c2"),
             "quality.yaml": ("06f84878937117bd", "71ca52a0125abe83")}
     for name, (h, rh) in pins.items():
         loaded = C.load(repo / "config" / name)
@@ -231,7 +234,7 @@ def test_hashes_of_todays_configs_unchanged(repo):
                           "data": {"sources": [{"name": "x", "path": "a.jsonl", "weight": 2}],
                                    "regenerate": {"timeout_s": 30}},
                           "report": {"min_utilisation": 50}, "drafter": {"target_layer_ids": [0, 2]}})
-    assert (inline.hash, inline.result_hash) == ("5ad4de83d5430705", "0424a02cda2230b6")
+    assert (inline.hash, inline.result_hash) == ("01d9ae0efa9d97bd", "5a5de1b41bd6701e")
     assert json.dumps(inline.raw["train"]["betas"]) == "[0, 0.95]" and inline.cfg.train.betas == (0, 0.95)
     assert type(inline.cfg.train.time_budget_s) is int and type(inline.cfg.train.stall_timeout_s) is int   # as written
     assert type(C.from_dict({"train": {"lr": 0.001}}).cfg.train.lr) is float

@@ -19,6 +19,7 @@ NOT_INPUTS = {
     "train.drafters": "devices", "evaluate.device": "a device", "train.fail_at_step": "a test hook",
     "train.diverge_at_step": "a test hook", "train.profile.out": "an output in the run folder",
     "train.rendezvous.endpoint": "host:port", "train.rendezvous.id": "a name", "report.baseline_run": "a run id",
+    "sweep.only": "run names", "sweep.baseline": "a run name",
 }
 
 
@@ -26,7 +27,7 @@ def test_every_key_that_names_a_file_is_an_input_or_said_not_to_be():
     strings = {key for key, field, sub in C._fields(DflashConfig)
                if sub is None and "str" in repr(field.annotation) and "Literal" not in repr(field.annotation)}
     marked = {key for key, field, sub in C._fields(DflashConfig) if any(isinstance(m, Reads) for m in field.metadata)}
-    assert marked == {"target.path", "data.sources.path", "drafter.init_from", "evaluate.prompt_files"}
+    assert marked == {"target.path", "data.sources.path", "drafter.init_from", "evaluate.prompt_files", "sweep.runs"}
     assert strings - marked == set(NOT_INPUTS)
 
 

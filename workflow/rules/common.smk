@@ -7,10 +7,11 @@ import io
 import json
 import os
 import platform
+import re
 
 from snakemake.exceptions import WorkflowError
 
-from dflash import fingerprint, inputs, paths, stamps
+from dflash import fingerprint, inputs, paths, stamps, sweep
 from dflash.config import ConfigError, check_here, configfile_flags, for_workflow, trigger
 from dflash.errors import UserError
 from dflash.stages.target import check_out as check_target_out
@@ -55,14 +56,18 @@ try:
     _loaded, _sets = for_workflow(CONFIG_FILE, workflow.config_settings.config)
 except ConfigError as e:
     raise WorkflowError(f"config error: {e}") from None
+_MODE = stamps.mode_of(_CLI, workflow.remote_exec)
 try:
     check_here(_loaded, devices=False)  # a target layer past the layers of the target folder
     try:
         check_here(_loaded)  # a CUDA device this machine lacks (a cluster executor's jobs run elsewhere)
-    except ConfigError:
-        if _jobs_run_here():
+    except ConfigError as e:  # a dry run, --lint, ... only read the workflow: the jobs run on the machine that has them
+        if _jobs_run_here() and (_MODE == "run" or workflow.remote_exec):
             raise
+        if _MODE == "plan":
+            print(f"note: {e}; planned only: a run on this machine is refused", file=sys.stderr)
     inputs.check(_loaded.cfg, _loaded.source)  # a file or folder the config names that is not there
+    SWEEP = sweep.expand(_loaded)  # the runs: the config's own, and its sweep's (dflash/sweep.py)
 except ConfigError as e:
     raise WorkflowError(f"config error: {e}") from None
 CFG = _loaded.cfg  # the typed config (defaults are the models'); `config` is the same as a plain dict
@@ -80,16 +85,48 @@ os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), _inherite
 
 
 def config_args(wildcards, input):
-    """How a stage reads the config: the file and the --config values as --set. Declared as a function of the
-    input, so it is no rerun trigger: what triggers a rule is its `config` param (the sections it depends on)."""
-    return ["--config", CONFIG_FILE] + [a for s in _sets for a in ("--set", s)]
+    """How a stage reads the config: the file, the --config values as --set, and for a sweep's run (or dataset) its
+    overrides as --set. Declared as a function of the input, so it is no rerun trigger: what triggers a rule is its
+    `config` param (the sections it depends on)."""
+    run, dataset = getattr(wildcards, "run", None), getattr(wildcards, "dataset", None)
+    own = SWEEP.runs[run].sets if run else SWEEP.sets[dataset] if dataset else []
+    return ["--config", CONFIG_FILE] + [a for s in [*_sets, *own] for a in ("--set", s)]
 
 
 ENV = "../../envs/dflash.yaml"
 
 RESULTS = CFG.results_dir
-RUN = CFG.run_name
+RUN = CFG.run_name  # the config's own run: exported and reported; a sweep adds its runs (RUNS)
 DATASET = CFG.dataset_name
+RUNS = list(SWEEP.runs)
+DATASETS = list(SWEEP.datasets)
+DECODED = [r for r in RUNS if SWEEP.runs[r].decoded]
+
+
+def run_file(run, name):
+    """A file of a run's folder: results/runs/<run>/<name> (run may be the wildcard "{run}")."""
+    return str(paths.run(RESULTS, run) / name)
+
+
+def manifest(dataset):
+    return str(paths.dataset(RESULTS, dataset) / "manifest.json")
+
+
+def holdout(dataset):
+    return str(paths.dataset(RESULTS, dataset) / "holdout.jsonl")
+
+
+def data_of(wildcards):
+    """The manifest of the dataset a run trains on."""
+    return manifest(SWEEP.runs[wildcards.run].dataset)
+
+
+def evaluations(run):
+    """The evaluate stage's outputs of a run: acceptance.json and one per other temperature (none when the sweep
+    takes its tau from its training, sweep.evaluate own)."""
+    r = SWEEP.runs[run]
+    return [run_file(run, "acceptance.json")] * r.decoded + [run_file(run, f"acceptance-t{t:g}.json")
+                                                              for t in r.temperatures]
 TARGET_DIR = CFG.target.path
 # the target folder the target rule builds (its output, so a rebuild reruns what reads it); with build none the folder
 # is the user's, an input each rule that reads it names (reads) and its stamp holds by content
@@ -116,20 +153,38 @@ def forced(rule, outputs) -> bool:
 
 def rerun_by(rule):
     """The rule's rerun trigger (its `config` param): the config keys whose role names it, as one stable string. Its
-    key stamp holds them too, so that they rerun it when Snakemake's metadata is gone."""
-    return trigger(config, rule)
+    key stamp holds them too, so that they rerun it when Snakemake's metadata is gone. For a rule of a sweep's runs
+    (or datasets) a function of the wildcard: each run's (dataset's) own keys."""
+    per = {"train": "run", "evaluate": "run", "export": "run", "data": "dataset"}.get(rule)
+    if per is None:
+        return trigger(config, rule)
+    of = (lambda w: SWEEP.runs[w.run].loaded) if per == "run" else (lambda w: SWEEP.datasets[w.dataset])
+    return lambda wildcards: trigger(of(wildcards).raw, rule)
 
 
-STAMPS = stamps.Stamps(RESULTS, CFG, config, stamps.mode_of(_CLI, workflow.remote_exec))
+STAMPS = stamps.Stamps(RESULTS, CFG, config, _MODE)
 
 
-def stamp(rule, name="", files=(), extra=None):
+def stamp(rule, name="", files=(), extra=None, loaded=None):
     """The rule's key stamp (an input): the hash of its config keys and of the content of the files the config names
-    for it (and of `files`, `extra`), for the output named `name`; rewritten only when that hash changes."""
+    for it (and of `files`, `extra`), for the output named `name`; rewritten only when that hash changes. `loaded`: a
+    sweep run's (dataset's) config."""
     try:
-        return STAMPS.path(rule, name, files, extra)
+        return STAMPS.path(rule, name, files, extra, loaded)
     except (UserError, OSError) as e:  # a named file that cannot be read, a stamps folder that cannot be written
         raise WorkflowError(f"{rule}'s key stamp: {e}") from None
+
+
+def run_stamp(rule):
+    """The key stamp of `rule` for each run of the sweep (its own config), made now; an input function of {run}."""
+    made = {r: stamp(rule, r, loaded=SWEEP.runs[r].loaded) for r in RUNS}
+    return lambda wildcards: made[wildcards.run]
+
+
+def data_stamp():
+    """The data rule's key stamp for each dataset of the sweep; an input function of {dataset}."""
+    made = {d: stamp("data", d, loaded=loaded) for d, loaded in SWEEP.datasets.items()}
+    return lambda wildcards: made[wildcards.dataset]
 
 
 def reads(rule):

@@ -1,33 +1,35 @@
-# Stage 'export': the trained drafter in the reference inference format (+ README.md model card).
+# Stage 'export': the trained drafter in the reference inference format (+ README.md model card): the config's own
+# run's (a sweep's other runs are experiments; `snakemake results/runs/<run>/drafter` exports one of them).
 from dflash.stages.export import check_out as check_export_out
 
 # Snakemake removes a directory() output before its job: a drafter folder holding files the export did not write
 # (a user's) is refused now, naming them, instead of being removed without a word.
 try:
-    check_export_out(paths.run(RESULTS, RUN) / "drafter")
+    for _run in RUNS:
+        check_export_out(paths.run(RESULTS, _run) / "drafter")
 except (ConfigError, UserError) as e:
     raise WorkflowError(str(e)) from None
 
 
 rule export:
     input:
-        summary=rules.train.output.summary,
-        acceptance=rules.evaluate.output[0],  # the model card states tau
-        data=rules.data.output.manifest,
+        summary=run_file("{run}", "summary.json"),
+        acceptance=run_file("{run}", "acceptance.json"),  # the model card states tau
+        data=data_of,
         target=TARGET_BUILT,
         named=reads("export"),
-        stamp=stamp("export", RUN),
+        stamp=run_stamp("export"),
     output:
-        directory(paths.run(RESULTS, RUN) / "drafter"),
+        directory(run_file("{run}", "drafter")),
     params:
         stage_config=config_args,
         run_dir=lambda wildcards, input: os.path.dirname(input.summary),
         data=lambda wildcards, input: os.path.dirname(input.data),
         config=rerun_by("export"),
     log:
-        LOGS / "export" / f"{RUN}.log",
+        LOGS / "export" / "{run}.log",
     benchmark:
-        BENCH / "export" / f"{RUN}.jsonl"
+        BENCH / "export" / "{run}.jsonl"
     conda:
         ENV
     shell:

@@ -1,6 +1,7 @@
 # Stage 'report': throughput and quality history, regressions of Ktok/s and tau with attribution, anomalies, plots,
 # report.md; then the gate.
-# One thin shell line; the logic lives in dflash/report/.
+# One thin shell line; the logic lives in dflash/report/. The report follows the config's own run (`snakemake gate` is
+# the pipeline alone); a sweep's finished runs land in its history too (it reads every run folder).
 REPORT_DIR = f"{RESULTS}/report"
 
 
@@ -10,10 +11,10 @@ REPORT_DIR = f"{RESULTS}/report"
 # outputs always stay; the gate below fails on a regression of Ktok/s or tau.
 rule report:
     input:
-        summary=rules.train.output.summary,
-        metrics=rules.train.output.metrics,  # the latest run's training curves
-        acceptance=rules.evaluate.output[0],  # tau: a re-evaluation reruns the report
-        drafter=rules.export.output[0],  # report.md says where the exported drafter is: after the export
+        summary=run_file(RUN, "summary.json"),
+        metrics=run_file(RUN, "metrics.jsonl"),  # the latest run's training curves
+        acceptance=run_file(RUN, "acceptance.json"),  # tau: a re-evaluation reruns the report
+        drafter=run_file(RUN, "drafter"),  # report.md says where the exported drafter is: after the export
         stamp=stamp("report"),
     output:
         md=report(f"{REPORT_DIR}/report.md", caption="../report/report_md.rst", category="Throughput"),
@@ -41,6 +42,36 @@ rule report:
         ENV
     shell:
         "python -m dflash report {params.stage_config:q} --runs-dir {params.runs_dir:q} --out {params.out:q} --log {log:q}"
+
+
+# The sweep's table (only with a sweep): every run's tau at each temperature and draft policy, its seed group's mean
+# and spread, which groups beat the spread, tau against training GPU-seconds; sweep.json is the record behind them. Its
+# stamp holds the sweep's runs, overrides and baseline, so a changed runs sheet rewrites it.
+if SWEEP.declared:
+
+    rule sweep_table:
+        input:
+            summaries=[run_file(r, "summary.json") for r in RUNS],
+            metrics=[run_file(r, "metrics.jsonl") for r in RUNS],
+            evaluations=[e for r in RUNS for e in evaluations(r)],
+            stamp=stamp("sweep_table", extra={"sweep": SWEEP.record()}),
+        output:
+            md=report(f"{REPORT_DIR}/sweep.md", caption="../report/sweep.rst", category="Sweep"),
+            record=f"{REPORT_DIR}/sweep.json",
+            plot=report(f"{REPORT_DIR}/sweep_tau_gpu_seconds.png", caption="../report/sweep.rst", category="Sweep"),
+        params:
+            stage_config=config_args,
+            runs_dir=lambda wildcards, input: os.path.dirname(os.path.dirname(input.summaries[0])),
+            out=lambda wildcards, output: os.path.dirname(output.md),
+        log:
+            f"{RESULTS}/logs/sweep_table.log",
+        benchmark:
+            f"{RESULTS}/benchmarks/sweep_table.jsonl"
+        conda:
+            ENV
+        shell:
+            "python -m dflash report {params.stage_config:q} --sweep --runs-dir {params.runs_dir:q}"
+            " --out {params.out:q} --log {log:q}"
 
 
 # The gate: a separate job after the report, so a failing gate (report.fail_on_regression) keeps report.md, the plots

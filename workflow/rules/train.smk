@@ -1,29 +1,31 @@
-# Stage 'train': the threads runtime in one process, or (runtime distributed) one process per device under
-# torchrun, launched by the stage itself.
+# Stage 'train': one job per run (the config's own and each of its sweep's, results/runs/{run}/), on the dataset of
+# the run's data keys. The threads runtime in one process, or (runtime distributed) one process per device under
+# torchrun, launched by the stage itself. A run cut short resumes from its checkpoint when its job runs again.
 rule train:
     input:
-        env=rules.env.output[0],
-        data=rules.data.output.manifest,
+        env=paths.fingerprint(RESULTS),
+        data=data_of,
         target=TARGET_BUILT,
         named=reads("train"),
-        stamp=stamp("train", RUN),
-        warmup=expand(rules.warmup.output[0], device=WARMUP_DEVICES),
+        stamp=run_stamp("train"),
+        warmup=expand(paths.compile_record(RESULTS, "{device}"), device=WARMUP_DEVICES),
     output:
-        summary=paths.run(RESULTS, RUN) / "summary.json",
-        metrics=paths.run(RESULTS, RUN) / "metrics.jsonl",
+        summary=run_file("{run}", "summary.json"),
+        metrics=run_file("{run}", "metrics.jsonl"),
     params:
         # a finished run is restored, not retrained, unless train itself is forced (a function of the input: no trigger)
         stage_config=lambda wildcards, input: config_args(wildcards, input)
-        + (["--retrain"] if forced("train", rules.train.output) else []),
+        + (["--retrain"] if forced("train", [run_file(wildcards.run, "summary.json"),
+                                             run_file(wildcards.run, "metrics.jsonl")]) else []),
         data=lambda wildcards, input: os.path.dirname(input.data),
         run_dir=lambda wildcards, output: os.path.dirname(output.summary),
         config=rerun_by("train"),
     resources:
         gpu=TRAIN_GPUS,
     log:
-        LOGS / "train" / f"{RUN}.log",
+        LOGS / "train" / "{run}.log",
     benchmark:
-        BENCH / "train" / f"{RUN}.jsonl"
+        BENCH / "train" / "{run}.jsonl"
     conda:
         ENV
     shell:

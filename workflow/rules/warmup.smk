@@ -1,9 +1,10 @@
 # Stage 'warmup': one job per drafter device (and, with train.compile_target, per target device) compiles every
-# length bucket single-threaded into this environment's Inductor cache: the drafter, the target's captured layers.
+# length bucket single-threaded into this environment's Inductor cache: the drafter, the target's captured layers. It
+# warms the config's graphs: a sweep's run that changes a compiled graph's key compiles it in its own train job.
 rule warmup:
     input:
-        env=rules.env.output[0],
-        data=rules.data.output.manifest,
+        env=paths.fingerprint(RESULTS),
+        data=manifest(DATASET),  # the config's dataset: its buckets are the shapes compiled
         target=TARGET_BUILT,
         named=reads("warmup"),
         stamp=stamp("warmup"),
