@@ -366,7 +366,7 @@ def test_exported_checkpointed_and_built_files_follow_the_umask(tmp_path, run, m
         d = checkpoint.load_drafter(run_dir / "drafter")
         opt = torch.optim.AdamW(d.parameters())
         ckpt = checkpoint.save(run_dir, 20, 20, d, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
-                              {"result_hash": raw.result_hash, "data_hash": None})
+                              {"result_hash": raw.result_hash, "data_hash": None, "inputs_hash": None})
     finally:
         os.umask(old)
     for folder in (run_dir / "drafter", tmp_path / "t", ckpt):

@@ -323,7 +323,7 @@ def test_fp8_trained_run_exports_through_the_stage_as_a_bf16_trained_one(tmp_pat
     run = tmp_path / "results" / "runs"
     for name, drafter in (("fp8", d), ("plain", plain)):
         ckpt = checkpoint.save(run / name, 1, 0, drafter, opt, sched,
-                               {"result_hash": ctx.loaded.result_hash, "data_hash": None})
+                               {"result_hash": ctx.loaded.result_hash, "data_hash": None, "inputs_hash": None})
         for dtype in ("keep", "bfloat16"):
             assert main(["export", "--config", str(cfg), "--run-dir", str(run / name), "--checkpoint", str(ckpt),
                          "--dtype", dtype, "--out", str(tmp_path / f"{name}-{dtype}")]) == 0

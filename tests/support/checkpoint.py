@@ -26,8 +26,10 @@ def fake_setup(tmp_path, steps=12, resume=True, result_hash="c1", data_hash="d1"
     data = tmp_path / "data"
     data.mkdir(exist_ok=True)
     write_manifest(data, {"content_hash": data_hash})
+    from dflash import config
+    cfg = config.from_dict({"train": {"steps": steps, "resume": resume}}).cfg   # a real config: names no input file
     return SimpleNamespace(run_dir=tmp_path / "run", data_dir=data, loaded=SimpleNamespace(result_hash=result_hash),
-                           cfg=SimpleNamespace(train=SimpleNamespace(steps=steps, resume=resume, keep_runs=None)))
+                           cfg=cfg)
 
 
 def saved(setup, steps=(4, 8), finished_by=None):

@@ -43,7 +43,7 @@ def evaluable_run(tmp_path: Path, tiny_target: Path, questions, steps, evaluate:
     opt = torch.optim.AdamW(d.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     run_dir = tmp_path / "results" / "runs" / "t"
-    ident = {"result_hash": loaded.result_hash, "data_hash": "abcdef0123456789"}
+    ident = {"result_hash": loaded.result_hash, "data_hash": "abcdef0123456789", "inputs_hash": None}
     home = run_folder.home(run_dir, ident)
     for step in steps:
         checkpoint.save(home, step, step, d, opt, sched, ident)

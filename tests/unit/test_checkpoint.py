@@ -201,14 +201,14 @@ def test_trainer_json_is_exactly_the_model_and_the_bytes_it_always_was(tmp_path)
     version, state, gauss = random.getstate()
     assert text == json.dumps({"step": 4, "data_index": 8, "scheduler": sched.state_dict(),
                                "python_random": [version, list(state), gauss], "result_hash": "c1", "data_hash": "d1",
-                               "metrics": rows, "finished": True, "finished_by": "time_budget", "summary": None},
+                               "inputs_hash": None, "metrics": rows, "finished": True, "finished_by": "time_budget", "summary": None},
                               indent=2) + "\n"
     state = TrainerState.model_validate_json(text)
     assert (state.step, state.data_index, state.metrics, state.finished) == (4, 8, rows, True)
     with pytest.raises(ValidationError, match="surprise"):
         C.save(home(setup), 8, 16, d, opt, sched, {**R.identity(setup), "surprise": 1})
     with pytest.raises(ValidationError, match="result_hash"):
-        C.save(home(setup), 8, 16, d, opt, sched, {"result_hash": 3, "data_hash": None})
+        C.save(home(setup), 8, 16, d, opt, sched, {"result_hash": 3, "data_hash": None, "inputs_hash": None})
     assert [p.name for p in home(setup).iterdir()] == ["step-000004"]
 
 
