@@ -43,6 +43,7 @@ def run(loaded: Loaded, args) -> int:
     from dflash.data.shards import HOLDOUT, MANIFEST, verify_file
     from dflash.errors import UserError, io_error
     from dflash.evaluate import DFlashDraft
+    from dflash.families import embed_scale
     from dflash.evaluate import acceptance as A
     from dflash.evaluate import loading as L
     from dflash.acceptance_model import Acceptance
@@ -72,7 +73,7 @@ def run(loaded: Loaded, args) -> int:
     dtype = next(target.parameters()).dtype
     embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     # the drafter's shape is its folder's config.json (a checkpoint or an export), never the YAML's drafter keys
-    drafter = load_drafter(path, embed, head, device=device, dtype=dtype).eval()
+    drafter = load_drafter(path, embed, head, device=device, dtype=dtype, embed_scale=embed_scale(target.config)).eval()
     source, step = str(path), paths.checkpoint_step(path)
     draft = DFlashDraft(drafter)
     bsz, mask_id = drafter.cfg.block_size, drafter.cfg.mask_token_id

@@ -113,7 +113,8 @@ class LayerCapture:
             pass
         finally:
             self._active = None
-        out = torch.cat([self._out[i] for i in self.layer_ids], dim=-1)
+        # a target split over devices (train.target_split): each layer's output to the input's device
+        out = torch.cat([self._out[i].to(input_ids.device) for i in self.layer_ids], dim=-1)
         self._out = {}
         return out
 

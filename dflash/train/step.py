@@ -27,13 +27,14 @@ def build_drafter(ctx, embed, head, device: torch.device):
     from dflash.model import DFlashDrafter
     from dflash.train.checkpoint import load_drafter
 
-    init_from = ctx.cfg.drafter.init_from
+    from dflash.families import embed_scale
+    init_from, scale = ctx.cfg.drafter.init_from, embed_scale(ctx.target_config)   # the block embedded as the target does
     if init_from:
-        drafter = load_drafter(init_from, embed, head, device=device, expect=ctx.drafter_config)
+        drafter = load_drafter(init_from, embed, head, device=device, expect=ctx.drafter_config, embed_scale=scale)
     else:
         torch.manual_seed(ctx.cfg.seed)
         with torch.device(device):
-            drafter = DFlashDrafter(ctx.drafter_config, embed, head)
+            drafter = DFlashDrafter(ctx.drafter_config, embed, head, embed_scale=scale)
     precision.apply_drafter(drafter, ctx.cfg.train, ctx.compile)   # train.precision / fp8_lm_head: before compiling
     if ctx.compile:
         from dflash.model.drafter import Linear
