@@ -102,7 +102,8 @@ def prepare(loaded: Loaded, need_data: bool = True, run_dir=None, data_dir=None)
     quant = getattr(tconf, "quantization_config", None)
     if quant and cfg.train.fp8_target:
         raise UserError(f"train.fp8_target: the target is a quantized checkpoint already "
-                        f"({dict(quant).get('quant_method')}): it loads in its own precision; set train.fp8_target: false")
+                        f"({quant.get('quant_method') if isinstance(quant, dict) else getattr(quant, 'quant_method', '')}): it "
+                        f"loads in its own precision; set train.fp8_target: false")
     cap = getattr(tconf, "final_logit_softcapping", None)
     if cap and cfg.train.objective != "ce":
         raise UserError(f"train.objective {cfg.train.objective}: the target soft-caps its logits "

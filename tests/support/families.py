@@ -81,3 +81,52 @@ def first_layer_input(model, ids) -> torch.Tensor:
 def softcap(logits, config):
     cap = getattr(config, "final_logit_softcapping", None)
     return logits if not cap else torch.tanh(logits / cap) * cap
+
+
+def quantized_copy(src: Path, out: Path, method: str) -> dict:
+    """A copy of the built target `src` as a quantized checkpoint transformers loads: `fp8` (block-wise float8_e4m3fn
+    weights of every decoder Linear with float32 `weight_scale_inv` per 16 x 16 block, as Qwen3-*-FP8 ships at 128 x
+    128) or `mxfp4` (GPT-OSS's experts as 4-bit E2M1 values in blocks of 32 with an E8M0 exponent each, `_blocks` and
+    `_scales`). Returns {parameter: the float32 weight the checkpoint encodes}."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, out)
+    (out / "build.json").unlink()
+    sd, q, want = load_file(str(src / "model.safetensors")), {}, {}
+    for k, w in sd.items():
+        if method == "fp8" and ".layers." in k and k.endswith("proj.weight"):
+            r, c = w.shape
+            blocks = w.reshape(r // 16, 16, c // 16, 16)
+            scale = blocks.abs().amax(dim=(1, 3)) / 448.0
+            qw = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+            q[k], q[k.replace("weight", "weight_scale_inv")] = qw.reshape(r, c), scale.float().contiguous()
+            want[k] = (qw.float() * scale[:, None, :, None]).reshape(r, c)
+        elif method == "mxfp4" and k.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            q[k + "_blocks"], q[k + "_scales"], want[k] = _mxfp4(w)
+        else:
+            q[k] = w
+    save_file(q, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = (
+        {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [16, 16]} if method == "fp8" else
+        {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                            "model.embed_tokens", "lm_head"]})
+    (out / "config.json").write_text(json.dumps(cfg))
+    return want
+
+
+_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def _mxfp4(w):
+    """GptOssExperts' [E, in, out] weight -> blocks [E, out, in/32, 16] (two E2M1 codes a byte, low nibble first),
+    scales [E, out, in/32] (E8M0: exponent + 127), and the weight those encode."""
+    g = w.transpose(1, 2).float().reshape(*w.shape[:1], w.shape[2], w.shape[1] // 32, 32)
+    e = torch.ceil(torch.log2(g.abs().amax(-1).clamp_min(1e-30) / 6.0)).clamp(-127, 127)
+    x = g / torch.exp2(e)[..., None]
+    code = ((x.abs()[..., None] - _E2M1).abs().argmin(-1) + 8 * (x < 0)).to(torch.uint8)
+    value = _E2M1[(code % 8).long()] * (1 - 2 * (code >= 8).float()) * torch.exp2(e)[..., None]
+    blocks = (code[..., 0::2] | (code[..., 1::2] << 4)).contiguous()
+    return blocks, (e + 127).to(torch.uint8).contiguous(), value.reshape(g.shape[:2] + (-1,)).transpose(1, 2)

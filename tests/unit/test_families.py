@@ -90,16 +90,16 @@ def test_target_split_places_one_worker_per_run_of_devices(fake_gpus):
     from dflash.errors import UserError
     from dflash.train import placement as P
     fake_gpus(8)
-    t = C.from_dict({"train": {"targets": [0, 1, 2, 3], "target_split": 2, "drafters": [4, 5]}}).cfg.train
+    t = C.from_dict({"train": {"targets": ["0", "1", "2", "3"], "target_split": 2, "drafters": ["4", "5"]}}).cfg.train
     p = P.resolve(t)
     assert [str(d) for d in p.targets] == ["cuda:0", "cuda:2"] and p.runtime == "distributed"
     assert [str(d) for d in p.group(p.targets[1])] == ["cuda:2", "cuda:3"]
     one = P.resolve(C.from_dict({"train": {"targets": ["cpu"], "drafters": ["cpu"]}}).cfg.train)
     assert one.group(one.targets[0]) == (one.targets[0],)
     with pytest.raises(C.ConfigError, match="not a whole number of target workers"):
-        C.from_dict({"train": {"targets": [0, 1, 2], "target_split": 2}})
+        C.from_dict({"train": {"targets": ["0", "1", "2"], "target_split": 2}})
     with pytest.raises(C.ConfigError, match="train.compile_target"):
-        C.from_dict({"train": {"targets": [0, 1], "target_split": 2, "compile_target": True}})
+        C.from_dict({"train": {"targets": ["0", "1"], "target_split": 2, "compile_target": True}})
     with pytest.raises(UserError, match="co-located"):
-        P.resolve(C.from_dict({"train": {"targets": [0, 1], "drafters": [0, 1], "target_split": 2,
+        P.resolve(C.from_dict({"train": {"targets": ["0", "1"], "drafters": ["0", "1"], "target_split": 2,
                                          "runtime": "distributed"}}).cfg.train)
