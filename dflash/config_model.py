@@ -528,11 +528,12 @@ class TrainSection(Section):
         ("cpu",), min_length=1, strict=False, description=(
         "Devices running target workers (cpu, cuda:N or N); with target_split > 1, each run of target_split "
         "entries is one target worker over those devices."))
-    target_split: Annotated[int, GRAPH] = Field(1, ge=1, description=(
+    target_split: Annotated[int, TRAIN_OPS] = Field(1, ge=1, description=(
         "Devices per target worker, for a target that does not fit one: train.targets is read target_split entries "
         "at a time, each run one target worker whose decoder layers are split into contiguous, even runs over its "
         "devices (one process; transformers' device_map: the embedding on the first, the final norm and LM head on "
-        "the last), the features leaving from the first. The captured features equal the unsplit target's "
+        "the last), the features leaving from the first (the evaluate stage loads it over the first worker's devices). "
+        "The captured features equal the unsplit target's "
         "(tests/e2e/test_target_split.py). Not with train.compile_target nor the co-located distributed layout; "
         "tensor-parallel target ranks are not implemented."))
     drafters: Annotated[tuple[Annotated[str, Field(pattern=PLACED_PATTERN)], ...], GRAPH, ON_DEVICE] = Field(

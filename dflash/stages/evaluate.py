@@ -67,9 +67,15 @@ def run(loaded: Loaded, args) -> int:
         check_run_config(loaded, run_dir)
     path = Path(args.drafter) if args.drafter else ended_with(run_dir)
     trained_on = None if args.drafter else _trained_on(cfg.target, run_dir)
-    device = resolve_device(ev.device)
+    device, split = resolve_device(ev.device), None
+    if cfg.train.target_split > 1:   # a target that does not fit one device: over train's first target group
+        from dflash.train.placement import resolve
+        split = resolve(cfg.train).target_groups[0]
+        device = str(split[0])
+        log.info("the target is split over %s (train.target_split), the drafter on %s", ", ".join(map(str, split)),
+                 device)
     tok = load_tokenizer(cfg.target)
-    target = load_target(cfg.target, device=device, seed=cfg.seed)
+    target = load_target(cfg.target, device=device, seed=cfg.seed, devices=split)
     dtype = next(target.parameters()).dtype
     embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     # the drafter's shape is its folder's config.json (a checkpoint or an export), never the YAML's drafter keys
