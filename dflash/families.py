@@ -126,7 +126,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
                            "linear_value_head_dim": a.head_dim, "full_attention_interval": 2},
            limits=("the reference package's decoding is not lossless on it (recurrent state cropped): vLLM or SGLang",
                    "speculative decoding here re-runs the accepted tokens after a rejection (one more target forward)",
-                   "data.regenerate.decoder static (the GPU default) has no recurrent cache: regeneration uses generate")),
+                   "data.regenerate.decoder static (the GPU default) holds no recurrent state: regeneration uses "
+                   "generate")),
 )}
 
 

@@ -82,8 +82,9 @@ def regenerate(model, tokenizer, prompts, max_new_tokens, temperature=0.0, batch
     decoder "generate": transformers `generate` with its dynamic cache. "static": `dflash.data.decode.StaticDecoder`
     (one fixed batch shape, the last batch filled; on GPU with `compile` the decode step is a CUDA graph). "auto":
     static on GPU, generate on CPU and for a target with recurrent states (dflash.families; "static" is refused for
-    one). batch_size 0 sizes batches by `auto_batch_size` (free GPU memory; on CPU `cpu_batch_size`). `ignore_eos` generates exactly max_new_tokens (benchmarks). `static_options`: the static
-    decoder's options (`dflash.data.decode.OPTIONS`; None: their defaults)."""
+    one). batch_size 0 sizes batches by `auto_batch_size` (free GPU memory; on CPU `cpu_batch_size`). `ignore_eos`
+    generates exactly max_new_tokens (benchmarks). `static_options`: the static decoder's options
+    (`dflash.data.decode.OPTIONS`; None: their defaults)."""
     import torch
     from tqdm import tqdm
     from transformers import GenerationConfig

@@ -1,9 +1,9 @@
 """The embedded tiny target: a byte-level BPE tokenizer and a small model pre-trained briefly on CPU.
 
 `build_target(target_cfg, out_dir)` writes a transformers folder into `out_dir` (the caller makes it atomic):
-- `tiny`: tokenizer + a causal LM of `target.arch` (Qwen3, or another `arch.family`: dflash.families), pre-trained `target.pretrain.steps` steps on the
-  chat-formatted built-in corpus; safetensors weights; `build.json` with the loss curve, seconds and every file
-  written (`dflash.target.write_build`).
+- `tiny`: tokenizer + a causal LM of `target.arch` (Qwen3, or another `arch.family`: dflash.families), pre-trained
+  `target.pretrain.steps` steps on the chat-formatted built-in corpus; safetensors weights; `build.json` with the
+  loss curve, seconds and every file written (`dflash.target.write_build`).
 - `random`: config.json of `target.arch` + the tiny tokenizer, no weights (`load_target` makes them).
 """
 from __future__ import annotations
