@@ -20,7 +20,8 @@
 Every engine that accepts a drafter reads `dflash_config.target_layer_ids` with the same rule for every family
 (`TARGET_LAYER_IDS`): ids 0..L-2 mean the same in all three; L-1 does not (docs/serving.md).
 
-`check_config(config)`: why a target config cannot be trained on here (one line naming what is missing), or None.
+`check_config(config)`, `check_json(config.json as a dict)` (at config load, dflash.config.check_here): why a target
+cannot be trained on here (one line naming what is missing), or None.
 `check_model(model)`: the same for a loaded target, and that its first layer sees the embedding `embed_scale` says.
 """
 from __future__ import annotations
@@ -160,26 +161,36 @@ def embed_scale(config) -> float | None:
 REQUIRED = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads")
 
 
-def check_config(config, attn: str | None = None) -> str | None:
-    """Why a target of this transformers config cannot be trained on here (with target.attn_implementation `attn`), in
-    one line naming what is missing, or None. Families outside the matrix pass when they have what the drafter reads."""
-    from transformers import AutoModelForCausalLM
-    name = f"target model_type {getattr(config, 'model_type', None)!r}"
-    if hasattr(config, "text_config") and not hasattr(config, "num_hidden_layers"):
+def check_json(d: dict, attn: str | None = None, sizes: bool = True) -> str | None:
+    """Why a target of this config.json (as read, a dict: at config load, without transformers) cannot be trained on
+    here with target.attn_implementation `attn`, in one line naming what is missing, or None; `sizes`: its REQUIRED
+    keys too (at config load the stages' own checks name a missing size, dflash.config.check_here)."""
+    name = f"target model_type {d.get('model_type')!r}"
+    if d.get("text_config") is not None and d.get("num_hidden_layers") is None:
         return (f"{name}: a multimodal config (its decoder is text_config); point target.path at the text model "
                 f"(e.g. a *ForCausalLM folder) instead")
-    if type(config) not in AutoModelForCausalLM._model_mapping:
-        return f"{name}: transformers has no AutoModelForCausalLM class for it (trust_remote_code off?)"
-    missing = [k for k in REQUIRED if getattr(config, k, None) is None]
+    missing = [k for k in REQUIRED if d.get(k) is None] if sizes else []
     if missing:
         return f"{name}: its config has no {missing[0]} (the drafter reads {', '.join(REQUIRED)})"
-    fam = family(config)
+    fam = FAMILIES.get(d.get("model_type"))
     if attn is not None and fam is not None and attn not in fam.attention:
         return (f"{name} ({fam.label}) runs with target.attn_implementation {' or '.join(fam.attention)} only, not "
                 f"{attn}: set target.attn_implementation: {fam.attention[0]}")
-    if getattr(config, "final_logit_softcapping", None) and fam is None:
+    if d.get("final_logit_softcapping") and fam is None:
         return f"{name}: soft-capped logits (final_logit_softcapping) in a family outside the matrix (docs/targets.md)"
     return None
+
+
+def check_config(config, attn: str | None = None) -> str | None:
+    """check_json on a transformers config, and that transformers has a causal-LM class for it. Families outside the
+    matrix pass when they have what the drafter reads."""
+    from transformers import AutoModelForCausalLM
+    why = check_json({k: getattr(config, k, None) for k in (*REQUIRED, "model_type", "text_config",
+                                                            "final_logit_softcapping")}, attn)
+    if why is None and type(config) not in AutoModelForCausalLM._model_mapping:
+        why = (f"target model_type {getattr(config, 'model_type', None)!r}: transformers has no AutoModelForCausalLM "
+               f"class for it (trust_remote_code off?)")
+    return why
 
 
 def check_model(model) -> str | None:

@@ -103,3 +103,14 @@ def test_target_split_places_one_worker_per_run_of_devices(fake_gpus):
     with pytest.raises(UserError, match="co-located"):
         P.resolve(C.from_dict({"train": {"targets": ["0", "1"], "drafters": ["0", "1"], "target_split": 2,
                                          "runtime": "distributed"}}).cfg.train)
+
+
+def test_a_build_none_target_that_cannot_work_is_refused_at_config_load(tmp_path):
+    import json
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_oss", "hidden_size": 32, "vocab_size": 64,
+                                                      "num_hidden_layers": 2, "num_attention_heads": 4}))
+    loaded = C.from_dict({"target": {"path": str(tmp_path), "build": "none"}})
+    with pytest.raises(C.ConfigError, match=r"target\.path .*'gpt_oss'.*set target\.attn_implementation: eager"):
+        C.check_here(loaded, devices=False)
+    C.check_here(C.from_dict({"target": {"path": str(tmp_path), "build": "none", "attn_implementation": "eager"}}),
+                 devices=False)
