@@ -109,7 +109,8 @@ def prepare(loaded: Loaded, need_data: bool = True, run_dir=None, data_dir=None)
         raise UserError(f"train.objective {cfg.train.objective}: the target soft-caps its logits "
                         f"(final_logit_softcapping {cap}), the KL teacher here does not; use train.objective: ce")
     tok = load_tokenizer(cfg.target)
-    mask_id = cfg.drafter.mask_token_id if cfg.drafter.mask_token_id is not None else mask_token_id(tok)
+    mask_id = cfg.drafter.mask_token_id if cfg.drafter.mask_token_id is not None else \
+        mask_token_id(tok, tconf.vocab_size)   # a padded vocabulary's first unused row, as the data stage takes it
     dconf = DrafterConfig.from_target(tconf, cfg.drafter, mask_id)
     data_dir = Path(data_dir or paths.dataset(cfg.results_dir, cfg.dataset_name))
     if need_data and not (data_dir / "manifest.json").is_file():
