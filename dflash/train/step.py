@@ -24,11 +24,12 @@ def random_head(ctx, device: torch.device, dtype):
 
 
 def build_drafter(ctx, embed, head, device: torch.device):
+    from dflash.families import embed_scale
     from dflash.model import DFlashDrafter
     from dflash.train.checkpoint import load_drafter
 
-    from dflash.families import embed_scale
-    init_from, scale = ctx.cfg.drafter.init_from, embed_scale(ctx.target_config)   # the block embedded as the target does
+    init_from = ctx.cfg.drafter.init_from
+    scale = embed_scale(getattr(ctx, "target_config", None))   # the block embedded as the target does (None: no target)
     if init_from:
         drafter = load_drafter(init_from, embed, head, device=device, expect=ctx.drafter_config, embed_scale=scale)
     else:
