@@ -12,9 +12,12 @@ from dflash.train import compile_guard, placement as P, precision
 
 def frozen_head(target_model, device: torch.device):
     """The target's embedding and LM head weights on `device`: the target's own tensors there (shared, never
-    copied), one frozen copy on any other device. The drafter takes them as plain tensors."""
-    return tuple(m.weight.detach().to(device) for m in
-                 (target_model.get_input_embeddings(), target_model.get_output_embeddings()))
+    copied), one frozen copy on any other device (one for both where the head is tied to the embedding). The drafter
+    takes them as plain tensors."""
+    e, h = (m.weight.detach() for m in (target_model.get_input_embeddings(), target_model.get_output_embeddings()))
+    tied = e.data_ptr() == h.data_ptr()
+    e = e.to(device)
+    return e, e if tied else h.to(device)
 
 
 def random_head(ctx, device: torch.device, dtype):

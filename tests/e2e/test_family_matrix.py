@@ -3,6 +3,7 @@ target stage's builder and loaded by `from_pretrained`, then the train stage's c
 hidden states, the drafter's frozen parts against the target's own forward, a few training steps whose loss falls,
 speculative decoding lossless at T=0 against the target's greedy decoding (with the family's cache: KV, sliding
 window, recurrent state), the export and its serving contract. A wrong capture index or embedding scale fails it."""
+import copy
 import dataclasses
 
 import pytest
@@ -17,10 +18,10 @@ ALL = sorted(FAM.FAMILIES)
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory, one_thread):
-    """{family: (ctx, target)}: every family's tiny target, built and loaded once for the module."""
-    root = tmp_path_factory.mktemp("families")
-    return {f: F.context(F.build(f, root / "targets"), root / f) for f in ALL}
+def built(tmp_path_factory, family_targets, one_thread):
+    """{family: (ctx, target)}: every family's tiny target (built once per session), loaded once for the module."""
+    root = tmp_path_factory.mktemp("contexts")
+    return {f: F.context(family_targets(f), root / f) for f in ALL}
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +145,51 @@ def test_export_meets_the_serving_contract(built, trained, family, tmp_path):
     served = [e for e, s in FAM.FAMILIES[family].serving.items() if s.accepts]
     L = target.config.num_hidden_layers
     assert served and max(d.cfg.target_layer_ids) <= L + FAM.MAX_SERVED_ID   # the ids every engine reads alike
+
+
+def test_the_reference_package_decodes_the_families_it_serves_as_we_do(built, trained, tmp_path):
+    """The serving contract's reference column, run: the published package (0.1.0, .venv-interop) decodes with each
+    family's target and our export; where dflash.families says it serves the family its tokens and acceptance lengths
+    are our evaluator's and lossless; Qwen3-Next, which it does not, comes out other than the target's greedy decoding
+    (its cropped cache keeps the rejected tokens in the recurrent state)."""
+    import json
+    import os
+    from dflash.model import save_drafter
+    problem = F.reference_problem()
+    if problem:
+        (pytest.fail if os.environ.get("DFLASH_INTEROP") == "required" else pytest.skip)(problem)
+    case = {}
+    for f in ALL:
+        ctx, target = built[f]
+        d, _ = trained[f]
+        save_drafter(d, tmp_path / f)
+        path = ctx.cfg.target.path
+        if FAM.FAMILIES[f].cache == FAM.RECURRENT:   # a random tiny target's recurrent path is too faint to flip a
+            target = copy.deepcopy(target)          # greedy token: its linear-attention weights 5x
+            with torch.no_grad():
+                for n, p in target.named_parameters():
+                    if ".linear_attn." in n and n.endswith(".weight") and "norm" not in n:
+                        p.mul_(5)
+            target.save_pretrained(tmp_path / f"{f}-target")
+            path = str(tmp_path / f"{f}-target")
+        g, prompts = torch.Generator().manual_seed(4), []
+        for _ in range(3):
+            prompt = torch.randint(0, d.cfg.vocab_size, (19,), generator=g).tolist()
+            ours = S.speculative_generate(target, S.DFlashDraft(d), prompt, 24, mask_token_id=d.cfg.mask_token_id)
+            prompts.append({"prompt": prompt, "tokens": ours.tokens, "produced": ours.produced,
+                            "greedy": S.target_generate(target, prompt, 24).tokens})
+            assert ours.tokens == prompts[-1]["greedy"], f                  # ours is lossless on it
+        case[f] = {"target": path, "drafter": str(tmp_path / f),
+                   "attn": ctx.cfg.target.attn_implementation, "prompts": prompts}
+    (tmp_path / "case.json").write_text(json.dumps(case))
+    ran = F.run_reference("check_families.py", tmp_path)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    result = json.loads((tmp_path / "families.json").read_text())
+    for f in ALL:
+        if FAM.FAMILIES[f].serving["reference"].accepts:
+            assert result[f] == [{"tokens_equal": True, "acceptance_equal": True, "lossless": True}] * 3, (f, result[f])
+        else:
+            assert "error" in result[f] or not all(r["lossless"] for r in result[f]), (f, result[f])
 
 
 def test_a_wrong_capture_index_fails_the_matrix(built, monkeypatch):

@@ -14,9 +14,8 @@ from support import families as F
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory, one_thread):
-    root = tmp_path_factory.mktemp("quantized")
-    return {f: F.build(f, root / "targets") for f in ("llama", "gpt_oss")}
+def built(family_targets, one_thread):
+    return {f: family_targets(f) for f in ("llama", "gpt_oss")}
 
 
 def _load(path, device="cpu", **kw):

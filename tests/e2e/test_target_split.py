@@ -9,15 +9,13 @@ from dflash.config_model import TargetSection
 from dflash.target import load_target, split_map, target_config
 from dflash.train import memory
 from dflash.train.features import LayerCapture
-from support import families as F
 
 CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
-def targets(tmp_path_factory, one_thread):
-    root = tmp_path_factory.mktemp("split")
-    return {f: TargetSection.model_validate({"path": str(F.build(f, root)), "build": "tiny", "arch": {"family": f}})
+def targets(family_targets, one_thread):
+    return {f: TargetSection.model_validate({"path": str(family_targets(f)), "build": "tiny", "arch": {"family": f}})
             for f in ("qwen3", "gemma3_text")}
 
 

@@ -130,3 +130,26 @@ def _mxfp4(w):
     value = _E2M1[(code % 8).long()] * (1 - 2 * (code >= 8).float()) * torch.exp2(e)[..., None]
     blocks = (code[..., 0::2] | (code[..., 1::2] << 4)).contiguous()
     return blocks, (e + 127).to(torch.uint8).contiguous(), value.reshape(g.shape[:2] + (-1,)).transpose(1, 2)
+
+
+REPO = Path(__file__).resolve().parents[2]
+REFERENCE = REPO / ".venv-interop" / "bin" / "python"   # the published reference package's side venv (make interop)
+
+
+def reference_problem() -> str | None:
+    """Why the reference package's side venv cannot run here (None: it can)."""
+    import os
+    import subprocess
+    if not REFERENCE.exists():
+        return "side venv .venv-interop not built (`make interop` builds it: needs the package index for dflash==0.1.0)"
+    probe = subprocess.run([str(REFERENCE), "-c", "from dflash import DFlashDraftModel"], cwd="/", capture_output=True,
+                           text=True, timeout=120, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    return None if probe.returncode == 0 else f".venv-interop cannot import the reference: {probe.stderr[-300:]}"
+
+
+def run_reference(script: str, out: Path):
+    import os
+    import subprocess
+    return subprocess.run([str(REFERENCE), str(REPO / "tests" / "interop" / script), str(out)], cwd=out,
+                          capture_output=True, text=True, timeout=600,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
