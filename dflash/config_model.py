@@ -147,7 +147,8 @@ TARGET_FOLDER = Reads(("data", "warmup", "train", "evaluate", "export"), lambda 
 SOURCE_FILE = Reads(("data",), lambda cfg, s: s.kind != "hub" and not cfg.data.synthetic.enabled)
 
 
-FAMILIES = ("qwen3", "llama", "qwen2", "qwen3_moe", "gemma3_text", "mistral", "gpt_oss", "qwen3_next")   # dflash.families
+FAMILIES = ("qwen3", "llama", "qwen2", "qwen3_moe", "gemma3_text", "mistral", "gpt_oss", "qwen3_next",
+            "lfm2")   # dflash.families
 MOE_FAMILY = when("target.arch.family", "qwen3_moe", "gpt_oss", "qwen3_next")
 SLIDING_FAMILY = when("target.arch.family", "gemma3_text", "mistral", "gpt_oss")
 
@@ -157,7 +158,8 @@ class ArchSection(Section):
         "Architecture family of the built target (transformers model_type; docs/targets.md has the matrix): qwen3, "
         "llama, qwen2, qwen3_moe, gemma3_text (sliding and global layers, scaled embeddings, tied head), mistral "
         "(sliding window), gpt_oss (MoE, attention sinks, sliding layers), qwen3_next (hybrid: gated DeltaNet "
-        "layers with a recurrent state and attention layers, MoE)."))
+        "layers with a recurrent state and attention layers, MoE), lfm2 (hybrid: short-convolution layers and "
+        "attention layers)."))
     num_experts: Annotated[int, BUILD, MOE_FAMILY] = Field(4, ge=2, description=(
         "MoE families: experts per MoE layer (each intermediate_size wide)."))
     experts_per_token: Annotated[int, BUILD, MOE_FAMILY] = Field(2, ge=1, description=(
@@ -179,8 +181,8 @@ class ArchSection(Section):
     @model_validator(mode="after")
     def _heads(self):
         if self.family in MOE_FAMILY.cases[0][1] and self.experts_per_token > self.num_experts:
-            raise ValueError(f"target.arch.experts_per_token ({self.experts_per_token}) exceeds target.arch.num_experts "
-                             f"({self.num_experts})")
+            raise ValueError(f"target.arch.experts_per_token ({self.experts_per_token}) exceeds "
+                             f"target.arch.num_experts ({self.num_experts})")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"target.arch.num_attention_heads ({self.num_attention_heads}) is not a multiple of "
                              f"target.arch.num_key_value_heads ({self.num_key_value_heads})")
@@ -228,8 +230,8 @@ class TargetSection(Section):
     build: Annotated[Literal["none", "tiny", "code", "random"], TARGET] = Field("tiny", description=(
         "How the `target` stage makes `path`: `tiny` builds and briefly pre-trains a small model of `arch` (its "
         "`family`, Qwen3 by default) with a locally trained BPE tokenizer; `code` pre-trains a Qwen3 model of "
-        "the `arch` shape (GPU-sized) on the Python source of the standard library and site-packages, with a BPE tokenizer trained on it, and"
-        " records its held-out perplexity (`pretrain` sets the corpus and the budget); `random` writes a "
+        "the `arch` shape (GPU-sized) on the Python source of the standard library and site-packages, with a BPE "
+        "tokenizer trained on it, and records its held-out perplexity (`pretrain` sets the corpus and the budget); `random` writes a "
         "randomly initialised model of the `arch` shape with the tiny tokenizer's vocabulary padded to "
         "`arch.vocab_size` (benchmarks); `none` uses an existing directory."))
     dtype: Annotated[Literal["auto", "float32", "bfloat16"], TARGET] = Field("auto", description=(

@@ -5,9 +5,11 @@
   the family needs (the target stage builds one: `target.arch.family`);
 - `cache`: what the target's decoding cache holds, which decides how speculative decoding rolls a rejected draft
   back (dflash/evaluate/specdec.py): `kv` (every layer attends over the whole past: crop), `sliding` (some layers keep
-  a window: crop with the past recorded), `recurrent` (linear-attention layers carry a state that no crop can undo:
-  snapshot before verifying, restore and re-run the accepted tokens);
+  a window: crop with the past recorded), `conv` (short-convolution layers keep their last inputs: crop them with the
+  past recorded), `recurrent` (linear-attention layers carry a state that no crop can undo: snapshot before verifying,
+  restore and re-run the accepted tokens);
 - `moe`: its MLPs are mixtures of experts (a captured layer's output is the sum over its routed experts);
+- `final_norm`: the decoder's attribute holding the norm the LM head reads (feature id L-1 is its output);
 - `embed_scale(config)`: the factor by which the target's first layer sees its token embeddings scaled (Gemma:
   sqrt(hidden_size)); the drafter embeds its block the same way (`DFlashDrafter(embed_scale=)`);
 - `serving`: per engine, whether it accepts a DFlash drafter for a target of this family, read from the released code
@@ -30,7 +32,7 @@ import dataclasses
 from typing import Callable
 
 ENGINES = ("reference", "vllm", "sglang")
-KV, SLIDING, RECURRENT = "kv", "sliding", "recurrent"
+KV, SLIDING, CONV, RECURRENT = "kv", "sliding", "conv", "recurrent"
 TARGET_LAYER_IDS = {
     "reference": "hidden_states[id + 1] (`extract_context_feature`): the output of layer id, after the final norm for "
                  "id L-1",
@@ -57,6 +59,7 @@ class Family:
     serving: dict[str, Serving]
     tiny: Callable = lambda arch: {}
     attention: tuple[str, ...] = ("sdpa", "eager")   # the target.attn_implementation values transformers runs it with
+    final_norm: str = "norm"
     embed_scale: Callable = lambda config: None
     limits: tuple[str, ...] = ()
 
@@ -129,6 +132,14 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
                    "speculative decoding here re-runs the accepted tokens after a rejection (one more target forward)",
                    "data.regenerate.decoder static (the GPU default) holds no recurrent state: regeneration uses "
                    "generate")),
+    Family("lfm2", "LFM2 (hybrid: short convolutions + attention)", "Lfm2Config", CONV, False,
+           {"reference": _ref(), "vllm": _vllm("Lfm2ForCausalLM", False), "sglang": _sglang("Lfm2ForCausalLM")},
+           tiny=lambda a: {"block_auto_adjust_ff_dim": False,
+                           "full_attn_idxs": list(range(1, a.num_hidden_layers, 2))},
+           final_norm="embedding_norm",
+           limits=("vLLM 0.33.0 serves no DFlash drafter for it (Lfm2ForCausalLM lacks SupportsEagle3)",
+                   "data.regenerate.decoder static (the GPU default) holds no convolution state: regeneration uses "
+                   "generate")),
 )}
 
 
@@ -150,6 +161,13 @@ def hf_config(arch, **keys):
 
 def _rope(theta) -> dict:
     return {"rope_type": "default", "rope_theta": float(theta)}
+
+
+def final_norm(model):
+    """The target's final norm module (what its LM head reads; feature id L-1 is its output), or None."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    fam = family(model.config)
+    return getattr(decoder, fam.final_norm if fam is not None else "norm", None)
 
 
 def embed_scale(config) -> float | None:

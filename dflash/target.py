@@ -296,6 +296,8 @@ def split_map(config, devices) -> dict[str, str]:
     head tied to the embedding on the first, with it). Module names from the model built on the meta device."""
     import torch
     from transformers import AutoModelForCausalLM
+
+    from dflash.families import final_norm
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     names = {id(m): n for n, m in model.named_modules()}
@@ -304,9 +306,10 @@ def split_map(config, devices) -> dict[str, str]:
     k, extra = divmod(len(layers), len(devices))
     owner = [str(d) for i, d in enumerate(devices) for _ in range(k + (i < extra))]
     out = {names[id(m)]: owner[i] for i, m in enumerate(layers)}
+    norm = final_norm(model)
     for name, m in decoder.named_children():
         if m is not layers:
-            out[names[id(m)]] = last if m is getattr(decoder, "norm", None) else first
+            out[names[id(m)]] = last if m is norm else first
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     for name, m in model.named_children():
         if m is not decoder:

@@ -20,6 +20,7 @@ SERVED = {
     "mistral": {"reference", "vllm", "sglang"},
     "gpt_oss": {"reference", "vllm", "sglang"},
     "qwen3_next": {"vllm", "sglang"},
+    "lfm2": {"reference", "sglang"},
 }
 
 
