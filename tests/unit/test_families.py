@@ -115,3 +115,15 @@ def test_a_build_none_target_that_cannot_work_is_refused_at_config_load(tmp_path
         C.check_here(loaded, devices=False)
     C.check_here(C.from_dict({"target": {"path": str(tmp_path), "build": "none", "attn_implementation": "eager"}}),
                  devices=False)
+
+
+def test_a_soft_capped_target_trains_on_ce_only(tmp_path):
+    import transformers
+
+    from dflash.errors import UserError
+    from dflash.train.context import prepare
+    transformers.Gemma3TextConfig(hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                  head_dim=8, vocab_size=64, final_logit_softcapping=30.0).save_pretrained(tmp_path)
+    loaded = C.from_dict({"target": {"path": str(tmp_path), "build": "none"}, "train": {"objective": "kl"}})
+    with pytest.raises(UserError, match=r"train\.objective kl: the target soft-caps its logits"):
+        prepare(loaded, need_data=False)
