@@ -71,6 +71,18 @@ def test_frozen_parts_are_the_targets_as_it_uses_them(built, trained, family):
     assert FAM.check_model(target) is None
 
 
+def test_a_soft_capped_head_is_the_head_then_the_cap(built, trained, monkeypatch):
+    """Gemma 2-style final_logit_softcapping (off in Gemma 3 by default, on here): the target's logits are the head on
+    its last hidden state, capped; the argmax, all a served drafter's drafts use, is the uncapped head's."""
+    ctx, target = built["gemma3_text"]
+    d, _ = trained["gemma3_text"]
+    monkeypatch.setattr(target.config, "final_logit_softcapping", 2.0)
+    out = F.hidden_states(target, torch.randint(0, 320, (1, 12), generator=torch.Generator().manual_seed(5)))
+    head = d.logits(out.hidden_states[-1])
+    assert torch.allclose(F.softcap(head, target.config), out.logits, atol=1e-5, rtol=0)
+    assert not torch.allclose(head, out.logits, atol=1e-3) and torch.equal(head.argmax(-1), out.logits.argmax(-1))
+
+
 @pytest.mark.parametrize("family", ALL)
 def test_training_steps_lower_the_loss(trained, family):
     _, losses = trained[family]
