@@ -41,7 +41,6 @@ def test_every_family_builds_from_the_arch_keys():
                                            "num_key_value_heads": 2, "head_dim": 8})
         cfg = FAM.hf_config(arch)
         assert cfg.model_type == name and cfg.num_hidden_layers == arch.num_hidden_layers
-        assert FAM.check_config(cfg) is None
         assert (FAM.embed_scale(cfg) == 32 ** 0.5) == (name == "gemma3_text")
     assert typing.get_args(ArchSection.model_fields["family"].annotation) == CONFIG_FAMILIES
 
