@@ -62,3 +62,21 @@ def test_split_over_two_gpus_equals_one(targets):
         per = memory.target_bytes(model)
         assert per[devs[0]] > 0 and per[devs[1]] > 0
         assert torch.allclose(whole, split, atol=1e-5, rtol=0), (whole - split).abs().max()
+
+
+def test_the_train_stage_trains_the_same_drafter_on_a_split_target(tmp_path):
+    """`dflash train` with one target worker over two `cpu` placements (train.target_split 2) against one over one:
+    the same losses step for step (the same features reach the drafter), the run's memory estimate with it."""
+    import json
+
+    from support.train import prepared, run_dir, train_ok
+    losses = {}
+    for n, targets in ((1, ["cpu"]), (2, ["cpu", "cpu"])):
+        cfg = prepared(tmp_path / f"split{n}", targets=targets, target_split=n, drafters=["cpu"], steps=4,
+                       checkpoint_every=4)
+        train_ok(cfg)
+        rows = [json.loads(x) for x in (run_dir(cfg) / "metrics.jsonl").read_text().splitlines()]
+        losses[n] = [r["loss"] for r in rows if "loss" in r]
+        summary = json.loads((run_dir(cfg) / "summary.json").read_text())
+        assert summary["status"] == "completed" and [w["role"] for w in summary["workers"]].count("target") == 1
+    assert losses[1] and losses[1] == losses[2]
