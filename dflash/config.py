@@ -563,6 +563,14 @@ def check_here(loaded: Loaded, stage: str | None = None, devices: bool = True) -
     only the keys that stage reads (those whose Role reruns it); None: every key."""
     cfg, src, wanted = loaded.cfg, loaded.source, lambda key: stage is None or stage in roles()[key].reruns
     ids, path = cfg.drafter.target_layer_ids, Path(cfg.target.path) / "config.json"
+    if cfg.target.build == "none" and wanted("target.path"):   # a family that cannot work, before any job
+        from dflash.families import check_json
+        try:
+            why = check_json(json.loads(path.read_text()), cfg.target.attn_implementation, sizes=False)
+        except (OSError, ValueError, AttributeError):
+            why = None                                           # unreadable: the stage that loads it names it
+        if why:
+            raise ConfigError(f"{src}: target.path {cfg.target.path}: {why}")
     sizes = _target_sizes(path) if cfg.target.build == "none" and wanted("drafter.target_layer_ids") else {}
     layers = sizes.get("num_hidden_layers")
     if ids and layers is not None and max(ids) >= layers:

@@ -149,7 +149,26 @@ TARGET_FOLDER = Reads(("data", "warmup", "train", "evaluate", "export"), lambda 
 SOURCE_FILE = Reads(("data",), lambda cfg, s: s.kind != "hub" and not cfg.data.synthetic.enabled)
 
 
+FAMILIES = ("qwen3", "llama", "qwen2", "qwen3_moe", "gemma3_text", "mistral", "gpt_oss", "qwen3_next",
+            "lfm2")   # dflash.families
+MOE_FAMILY = when("target.arch.family", "qwen3_moe", "gpt_oss", "qwen3_next")
+SLIDING_FAMILY = when("target.arch.family", "gemma3_text", "mistral", "gpt_oss")
+
+
 class ArchSection(Section):
+    family: Annotated[Literal[FAMILIES], BUILD] = Field("qwen3", description=(
+        "Architecture family of the built target (transformers model_type; docs/targets.md has the matrix): qwen3, "
+        "llama, qwen2, qwen3_moe, gemma3_text (sliding and global layers, scaled embeddings, tied head), mistral "
+        "(sliding window), gpt_oss (MoE, attention sinks, sliding layers), qwen3_next (hybrid: gated DeltaNet "
+        "layers with a recurrent state and attention layers, MoE), lfm2 (hybrid: short-convolution layers and "
+        "attention layers)."))
+    num_experts: Annotated[int, BUILD, MOE_FAMILY] = Field(4, ge=2, description=(
+        "MoE families: experts per MoE layer (each intermediate_size wide)."))
+    experts_per_token: Annotated[int, BUILD, MOE_FAMILY] = Field(2, ge=1, description=(
+        "MoE families: experts routed per token."))
+    sliding_window: Annotated[int, BUILD, SLIDING_FAMILY] = Field(64, ge=2, description=(
+        "Families with sliding-window layers: the window (gemma3_text and gpt_oss alternate sliding and full "
+        "layers; mistral slides on every layer)."))
     num_hidden_layers: Annotated[int, BUILD] = Field(4, ge=2, description="Decoder layers.")
     hidden_size: Annotated[int, BUILD] = Field(128, ge=8, description="Hidden size.")
     num_attention_heads: Annotated[int, BUILD] = Field(4, ge=1, description="Query heads.")
@@ -163,6 +182,9 @@ class ArchSection(Section):
 
     @model_validator(mode="after")
     def _heads(self):
+        if self.family in MOE_FAMILY.cases[0][1] and self.experts_per_token > self.num_experts:
+            raise ValueError(f"target.arch.experts_per_token ({self.experts_per_token}) exceeds "
+                             f"target.arch.num_experts ({self.num_experts})")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"target.arch.num_attention_heads ({self.num_attention_heads}) is not a multiple of "
                              f"target.arch.num_key_value_heads ({self.num_key_value_heads})")
@@ -208,10 +230,10 @@ class TargetSection(Section):
     path: Annotated[str, TARGET, TARGET_FOLDER] = Field("results/target/tiny", description=(
         "Directory loadable by AutoModelForCausalLM.from_pretrained / AutoTokenizer.from_pretrained."))
     build: Annotated[Literal["none", "tiny", "code", "random"], TARGET] = Field("tiny", description=(
-        "How the `target` stage makes `path`: `tiny` builds and briefly pre-trains a small Qwen3 model with a"
-        " locally trained BPE tokenizer; `code` pre-trains a Qwen3 model of the `arch` shape (GPU-sized) on "
-        "the Python source of the standard library and site-packages, with a BPE tokenizer trained on it, and"
-        " records its held-out perplexity (`pretrain` sets the corpus and the budget); `random` writes a "
+        "How the `target` stage makes `path`: `tiny` builds and briefly pre-trains a small model of `arch` (its "
+        "`family`, Qwen3 by default) with a locally trained BPE tokenizer; `code` pre-trains a Qwen3 model of "
+        "the `arch` shape (GPU-sized) on the Python source of the standard library and site-packages, with a BPE "
+        "tokenizer trained on it, and records its held-out perplexity (`pretrain` sets the corpus and the budget); `random` writes a "
         "randomly initialised model of the `arch` shape with the tiny tokenizer's vocabulary padded to "
         "`arch.vocab_size` (benchmarks); `none` uses an existing directory."))
     dtype: Annotated[Literal["auto", "float32", "bfloat16"], TARGET] = Field("auto", description=(
@@ -226,6 +248,13 @@ class TargetSection(Section):
         "Pre-training of the target (build tiny: briefly, on the CPU, on the built-in corpus; build code: on "
         "`device`, on the code corpus). Random windows of the packed token stream; AdamW, warm-up over the "
         "first tenth, cosine to a tenth of `lr`."))
+
+    @model_validator(mode="after")
+    def _family(self):
+        if self.build == "code" and self.arch.family != "qwen3":
+            raise ValueError(f"target.arch.family {self.arch.family}: build code pre-trains a Qwen3 model only (use "
+                             f"build tiny for a {self.arch.family} target)")
+        return self
 
 
 
@@ -501,7 +530,16 @@ class TrainSection(Section):
         "threads otherwise."))
     targets: Annotated[tuple[Annotated[str, Field(pattern=PLACED_PATTERN)], ...], GRAPH, ON_DEVICE] = Field(
         ("cpu",), min_length=1, strict=False, description=(
-        "Devices running target workers (cpu, cuda:N or N)."))
+        "Devices running target workers (cpu, cuda:N or N); with target_split > 1, each run of target_split "
+        "entries is one target worker over those devices."))
+    target_split: Annotated[int, TRAIN_OPS] = Field(1, ge=1, description=(
+        "Devices per target worker, for a target that does not fit one: train.targets is read target_split entries "
+        "at a time, each run one target worker whose decoder layers are split into contiguous, even runs over its "
+        "devices (one process; transformers' device_map: the embedding on the first, the final norm and LM head on "
+        "the last), the features leaving from the first (the evaluate stage loads it over the first worker's devices). "
+        "The captured features equal the unsplit target's "
+        "(tests/e2e/test_target_split.py). Not with train.compile_target nor the co-located distributed layout; "
+        "tensor-parallel target ranks are not implemented."))
     drafters: Annotated[tuple[Annotated[str, Field(pattern=PLACED_PATTERN)], ...], GRAPH, ON_DEVICE] = Field(
         ("cpu", "cpu"), min_length=1, strict=False, description=(
         "Devices running drafter replicas; a device may also be in targets."))
@@ -657,6 +695,12 @@ class TrainSection(Section):
         if self.fp8_lm_head and self.loss_kernel != "fused":
             raise ValueError(f"train.fp8_lm_head=true needs train.loss_kernel: fused (the FP8 head runs inside the "
                              f"fused loss), not {self.loss_kernel}")
+        if len(self.targets) % self.target_split:
+            raise ValueError(f"train.target_split {self.target_split}: train.targets lists {len(self.targets)} "
+                             f"devices, not a whole number of target workers of {self.target_split} devices each")
+        if self.target_split > 1 and self.compile_target:
+            raise ValueError("train.target_split > 1 with train.compile_target: the split target's layers are not "
+                             "compiled (its warm-up compiles per listed device); set train.compile_target: false")
         if self.eval_every and self.fp8_target:
             raise ValueError("train.eval_every with train.fp8_target: the in-training tau would be measured against "
                              "the FP8-quantized target, not the target `evaluate` decodes with; set "

@@ -3,7 +3,9 @@
 Public:
 - `resolve_dtype(name, device)` -> torch.dtype (`auto`: bfloat16 on CUDA, float32 otherwise)
 - `load_tokenizer(target_cfg)` -> tokenizer (AutoTokenizer.from_pretrained)
-- `load_target(target_cfg, device="cpu", dtype=None, seed=0)` -> model in eval mode, requires_grad False
+- `target_config(target_cfg)` -> the target's transformers config (one-line error for a folder it cannot read)
+- `load_target(target_cfg, device="cpu", dtype=None, seed=0)` -> model in eval mode, requires_grad False, checked
+  (`dflash.families.check_model`: what the drafter reads of it is there and as its family says)
 - `mask_token_id(tokenizer, vocab_size=None)` -> id of the drafter's mask token
 - `stop_token_ids(tokenizer, model=None)` -> ids that end an assistant turn (for generate)
 - `has_weights(path)` -> whether the folder holds weight files
@@ -276,8 +278,48 @@ def _tokenizer_fault(path: Path, e: Exception) -> str:
     return " ".join(str(e).split()) + f" (the tokenizer files in {path}: copy them again from the model)"
 
 
-def load_target(target_cfg: TargetSection, device="cpu", dtype=None, seed=0):
-    """The target in eval mode with requires_grad False, on `device` in `dtype` (default: target.dtype).
+def target_config(target_cfg: TargetSection):
+    """The target's transformers config (AutoConfig of target.path), or a UserError in one line naming the folder."""
+    from transformers import AutoConfig
+    path = _path(target_cfg)
+    try:
+        return AutoConfig.from_pretrained(str(path), trust_remote_code=target_cfg.trust_remote_code)
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(f"target.path {path}: cannot read its config.json: "
+                        f"{(str(e).splitlines() or [type(e).__name__])[0]}") from None
+
+
+def split_map(config, devices) -> dict[str, str]:
+    """transformers' device_map of a target of `config` split over `devices` (train.target_split): its decoder layers
+    in contiguous runs, as even as their count allows (the first devices take one more), everything of the decoder
+    before and beside them (embedding, rotary tables) on the first device, the final norm and LM head on the last (a
+    head tied to the embedding on the first, with it). Module names from the model built on the meta device."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dflash.families import final_norm
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    names = {id(m): n for n, m in model.named_modules()}
+    decoder = model.get_decoder()
+    layers, first, last = decoder.layers, str(devices[0]), str(devices[-1])
+    k, extra = divmod(len(layers), len(devices))
+    owner = [str(d) for i, d in enumerate(devices) for _ in range(k + (i < extra))]
+    out = {names[id(m)]: owner[i] for i, m in enumerate(layers)}
+    norm = final_norm(model)
+    for name, m in decoder.named_children():
+        if m is not layers:
+            out[names[id(m)]] = last if m is norm else first
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    for name, m in model.named_children():
+        if m is not decoder:
+            out[name] = first if tied and m is model.get_output_embeddings() else last
+    return out
+
+
+def load_target(target_cfg: TargetSection, device="cpu", dtype=None, seed=0, devices=None):
+    """The target in eval mode with requires_grad False, on `device` in `dtype` (default: target.dtype). `devices`
+    (train.target_split, `device` first): its layers split over them (`split_map`), loaded there directly.
 
     A folder without weight files and `build: random` is built from its config.json with seeded random weights,
     initialised directly on the device in the target dtype (an 8B-shaped model is created on a GPU in seconds).
@@ -288,11 +330,16 @@ def load_target(target_cfg: TargetSection, device="cpu", dtype=None, seed=0):
     path = _path(target_cfg)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype if dtype is not None else target_cfg.dtype, device)
+    split = devices is not None and len(devices) > 1
     trust = target_cfg.trust_remote_code
     attn = target_cfg.attn_implementation
     if not has_weights(path) and target_cfg.build != "random":
         raise UserError(f"target.path {path}: no weight files (*.safetensors or pytorch_model*.bin) and "
                         f"target.build is {target_cfg.build!r} (only `random` builds weights at load time)")
+    from dflash.families import check_config, check_model
+    why = check_config(target_config(target_cfg), attn)
+    if why:
+        raise UserError(f"target.path {path}: {why}")
     damaged = weights_problem(path)
     if damaged:
         raise UserError(f"{damaged}: the weight file is cut short or damaged; copy it again from the model (a target "
@@ -300,8 +347,9 @@ def load_target(target_cfg: TargetSection, device="cpu", dtype=None, seed=0):
     from safetensors import SafetensorError
     try:
         if has_weights(path):
+            where = {"device_map": split_map(target_config(target_cfg), devices)} if split else {}
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation=attn,
-                                                         trust_remote_code=trust)
+                                                         trust_remote_code=trust, **where)
         else:
             config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust)
             torch.manual_seed(seed)
@@ -317,9 +365,16 @@ def load_target(target_cfg: TargetSection, device="cpu", dtype=None, seed=0):
         raise io_error(e, action="read") or UserError(
             f"target.path {path}: cannot load the model: {(str(e).splitlines() or [type(e).__name__])[0]}; copy the "
             f"model's files again (a target this pipeline built: rerun the target stage)") from None
-    model.to(device)
+    if split and not has_weights(path):   # a random build: made on `device`, then its layers dispatched
+        from accelerate import dispatch_model
+        model = dispatch_model(model, split_map(model.config, devices))
+    elif not split:
+        model.to(device)
     model.eval()
     model.requires_grad_(False)
+    why = check_model(model)   # a decoder to capture from, its embeddings as the drafter will take them
+    if why:
+        raise UserError(f"target.path {path}: {why}")
     return model
 
 

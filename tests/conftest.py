@@ -62,6 +62,22 @@ def talking_target():
     return build_talking_target()
 
 
+@pytest.fixture(scope="session")
+def family_targets(tmp_path_factory):
+    """`family_targets(family)`: the folder of a tiny random-weight target of that family (support.families.build),
+    built on first use and shared by the session (the family matrix, the split and the quantized-target tests)."""
+    from dflash.data.tiny_target import cpu_threads
+    from support.families import build
+    root, built = tmp_path_factory.mktemp("families"), {}
+
+    def get(family):
+        if family not in built:
+            with cpu_threads(1):
+                built[family] = build(family, root)
+        return built[family]
+    return get
+
+
 @pytest.fixture
 def data_cfg(tmp_path, tiny_target):
     """`data_cfg(sources, **data)`: a loaded config over the tiny target (support.data.make_loaded)."""

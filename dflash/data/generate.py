@@ -81,20 +81,29 @@ def regenerate(model, tokenizer, prompts, max_new_tokens, temperature=0.0, batch
 
     decoder "generate": transformers `generate` with its dynamic cache. "static": `dflash.data.decode.StaticDecoder`
     (one fixed batch shape, the last batch filled; on GPU with `compile` the decode step is a CUDA graph). "auto":
-    static on GPU, generate on CPU. batch_size 0 sizes batches by `auto_batch_size` (free GPU memory; on CPU
-    `cpu_batch_size`). `ignore_eos` generates exactly max_new_tokens (benchmarks). `static_options`: the static
-    decoder's options (`dflash.data.decode.OPTIONS`; None: their defaults)."""
+    static on GPU, generate on CPU and for a target with recurrent or convolution states (dflash.families; "static" is
+    refused for one). batch_size 0 sizes batches by `auto_batch_size` (free GPU memory; on CPU `cpu_batch_size`).
+    `ignore_eos` generates exactly max_new_tokens (benchmarks). `static_options`: the static decoder's options
+    (`dflash.data.decode.OPTIONS`; None: their defaults)."""
     import torch
     from tqdm import tqdm
     from transformers import GenerationConfig
 
     from dflash.data.decode import decoder_for
+    from dflash.errors import UserError
+    from dflash.families import CONV, RECURRENT, family
     from dflash.target import stop_token_ids
 
     stop_ids = stop_token_ids(tokenizer, model) if stop_ids is None else list(stop_ids)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
     device = next(model.parameters()).device
     static = decoder == "static" or (decoder == "auto" and device.type == "cuda")
+    fam = family(model.config)
+    if static and fam is not None and fam.cache in (RECURRENT, CONV):   # a static KV cache holds no such state
+        if decoder == "static":
+            raise UserError(f"data.regenerate.decoder static: the target ({fam.label}) carries {fam.cache} states the "
+                            f"static KV cache does not hold; use data.regenerate.decoder: generate (or auto)")
+        static = False
     order = sorted(range(len(prompts)), key=lambda i: (-len(prompts[i]), i))
     longest = len(prompts[order[0]]) if prompts else 1
     static_options = static_options or {}

@@ -1,9 +1,9 @@
-"""The embedded tiny target: a byte-level BPE tokenizer and a small Qwen3 model pre-trained briefly on CPU.
+"""The embedded tiny target: a byte-level BPE tokenizer and a small model pre-trained briefly on CPU.
 
 `build_target(target_cfg, out_dir)` writes a transformers folder into `out_dir` (the caller makes it atomic):
-- `tiny`: tokenizer + Qwen3ForCausalLM of `target.arch`, pre-trained `target.pretrain.steps` steps on the
-  chat-formatted built-in corpus; safetensors weights; `build.json` with the loss curve, seconds and every file
-  written (`dflash.target.write_build`).
+- `tiny`: tokenizer + a causal LM of `target.arch` (Qwen3, or another `arch.family`: dflash.families), pre-trained
+  `target.pretrain.steps` steps on the chat-formatted built-in corpus; safetensors weights; `build.json` with the
+  loss curve, seconds and every file written (`dflash.target.write_build`).
 - `random`: config.json of `target.arch` + the tiny tokenizer, no weights (`load_target` makes them).
 """
 from __future__ import annotations
@@ -79,6 +79,18 @@ def qwen3_config(arch: ArchSection, tokenizer, dtype: str = "float32"):
     )
 
 
+def target_config(arch: ArchSection, tokenizer, dtype: str = "float32"):
+    """The transformers config of a built target of `arch`: Qwen3 as it always was, another `arch.family` through
+    dflash.families (its own defaults, e.g. Gemma 3's tied head, plus the tokenizer's special ids)."""
+    if arch.family == "qwen3":
+        return qwen3_config(arch, tokenizer, dtype)
+    from dflash.families import hf_config
+    if arch.vocab_size < len(tokenizer):
+        raise ValueError(f"target.arch.vocab_size {arch.vocab_size} is smaller than the tokenizer ({len(tokenizer)})")
+    eos, im_end = tokenizer.convert_tokens_to_ids(EOS), tokenizer.convert_tokens_to_ids(IM_END)
+    return hf_config(arch, bos_token_id=eos, eos_token_id=im_end, pad_token_id=eos, dtype=dtype)
+
+
 def generation_config(tokenizer):
     from transformers import GenerationConfig
     return GenerationConfig(eos_token_id=[tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(EOS)],
@@ -124,7 +136,7 @@ def _build_target(target_cfg: TargetSection, out_dir, seed, corpus_size, progres
     info = {"build": build, "corpus": {"conversations": len(convs), "hash": corpus_mod.corpus_hash(convs)},
             "tokenizer": {"size": len(tokenizer), "seconds": round(t_tok, 3)}, "seed": seed}
     if build == "random":
-        config = qwen3_config(arch, tokenizer, "bfloat16" if dtype_name == "auto" else dtype_name)
+        config = target_config(arch, tokenizer, "bfloat16" if dtype_name == "auto" else dtype_name)
         config.save_pretrained(out_dir)
         generation_config(tokenizer).save_pretrained(out_dir)
         tokenizer.save_pretrained(out_dir)
@@ -133,10 +145,10 @@ def _build_target(target_cfg: TargetSection, out_dir, seed, corpus_size, progres
     if build != "tiny":
         raise ValueError(f"target.build {build!r}: the target stage only builds `tiny` or `random`")
 
-    from transformers import Qwen3ForCausalLM
-    config = qwen3_config(arch, tokenizer, "float32")
+    from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
+    config = target_config(arch, tokenizer, "float32")
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config)
+    model = Qwen3ForCausalLM(config) if arch.family == "qwen3" else AutoModelForCausalLM.from_config(config)
     stream: list[int] = []
     for text in texts:
         stream.extend(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -119,7 +119,7 @@ def eager_copy(drafter, target):
     p = next(target.parameters())
     embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     with torch.device("meta"):
-        copy = DFlashDrafter(drafter.cfg, embed, head)   # shapes only: no init, no RNG
+        copy = DFlashDrafter(drafter.cfg, embed, head, drafter.embed_scale)   # shapes only: no init, no RNG
     state = {k: v.detach().to(device=p.device, dtype=p.dtype, copy=True) for k, v in drafter.state_dict().items()}
     copy.load_state_dict(state, strict=True, assign=True)
     return copy.eval()

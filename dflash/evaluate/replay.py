@@ -29,12 +29,11 @@ import dataclasses
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from dflash.model.anchors import Anchors, build_blocks
 from dflash.model.attention import make_mask
 
-from .specdec import Generation, make_cache
+from .specdec import Generation, crop_cache, make_cache
 
 ANCHOR_CHUNK = 256      # anchors per drafter forward: bounds its [A*block, vocab] logits and dense mask
 BATCH = 32              # prompts per batch of the greedy continuation
@@ -66,6 +65,7 @@ def greedy_continuations(target, prompts: Sequence[Sequence[int]], max_new_token
         for _ in range(max_new_tokens):
             logits = target(input_ids=ids, attention_mask=att, position_ids=pos, past_key_values=cache,
                             use_cache=True, logits_to_keep=1).logits[:, -1]
+            crop_cache(cache)   # sliding and linear-attention layers back to what the next step reads
             toks.append(logits.argmax(-1))
             ids, pos = toks[-1][:, None], pos[:, -1:] + 1
             att = torch.cat([att, att.new_ones(len(rows), 1)], dim=1)
@@ -83,7 +83,7 @@ def drafts(drafter, feats: torch.Tensor, ids: torch.Tensor, starts: Sequence[int
         pos = torch.tensor([list(starts[i:i + ANCHOR_CHUNK])], device=dev)
         anchors = Anchors(pos, torch.ones_like(pos, dtype=torch.bool), width)
         block_ids, qpos = build_blocks(ids, anchors, drafter.cfg.mask_token_id)              # [1, A*width]
-        x = F.embedding(block_ids, drafter.embed_weight).to(drafter.fc.weight.dtype)
+        x = drafter.embed(block_ids).to(drafter.fc.weight.dtype)
         hidden = drafter.run(x, qpos, feats, make_mask(anchors, S, "sdpa", drafter.cfg.windows()))
         out.append(drafter.logits(hidden.view(pos.shape[1], width, -1)[:, 1:]).argmax(-1))  # [A, width-1]
     return torch.cat(out)

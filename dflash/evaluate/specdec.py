@@ -18,6 +18,10 @@ Semantics (those of the reference package `dflash` 0.1.0, `dflash_generate`, so 
       produced     accepted + 1, capped so that no more than max_new_tokens are generated and cut after a stop
                    token; `start += produced`; the target cache is cropped to `start`; the features of the produced
                    positions (start..start+produced-1, from the verify forward) become the drafter's new context.
+                   A target whose cache holds recurrent states (linear-attention layers: Qwen3-Next's gated DeltaNet)
+                   cannot be cropped: those states are copied before the verify forward (`snapshot`), and after a
+                   rejection put back and advanced by re-running the produced tokens (`rewind`: one more target
+                   forward, counted in `target_forwards`); attention layers and convolution states crop.
   * the generation ends at max_new_tokens or right after a stop token (which is kept).
 
 tau (acceptance length) = tokens produced per verification step, counting the bonus token.
@@ -99,11 +103,36 @@ def make_cache(target):
     return cache
 
 
-def crop_cache(cache, length: int) -> None:
-    """Keep the first `length` positions of an HF cache (transformers 5: crop(-n) removes n positions)."""
-    remove = cache.get_seq_length() - length
-    if remove > 0:
-        cache.crop(-remove)
+def crop_cache(cache, length: int | None = None) -> None:
+    """Keep the first `length` positions of an HF cache (None: all; transformers 5: crop(-n) removes n positions), and
+    bring the layers that record their past (make_cache) back to what the next forward reads: a sliding layer to its
+    window, a linear-attention layer to its convolution window (its recurrent state is not cropped: rewind). Called
+    after every forward: a sliding layer holding more than its window fails the next forward's mask."""
+    remove = 0 if length is None else cache.get_seq_length() - length
+    cache.crop(-max(remove, 0))
+
+
+def snapshot(cache) -> dict | None:
+    """Copies of the states that no crop can undo, {layer: (conv states, recurrent states)}; None when the cache holds
+    no recurrent state (attention layers and convolution states crop)."""
+    held = {i: ({k: v.clone() for k, v in layer.conv_states.items() if v is not None},
+                {k: v.clone() for k, v in layer.recurrent_states.items() if v is not None})
+            for i, layer in enumerate(getattr(cache, "layers", ())) if hasattr(layer, "recurrent_states")}
+    return held if any(rec for _, rec in held.values()) else None
+
+
+def rewind(target, cache, snap: dict, ids: torch.Tensor, at: int) -> None:
+    """Undo a verify forward in a cache with recurrent states: attention layers cropped back to `at` positions, the
+    linear-attention layers' states put back as `snap` held them before it, then `ids` (the tokens accepted at
+    positions at..) run again from there."""
+    crop_cache(cache, at)
+    for i, (conv, rec) in snap.items():
+        layer = cache.layers[i]
+        layer.conv_states.update(conv)
+        for k, v in rec.items():
+            layer.recurrent_states[k].copy_(v)
+    target_forward(target, ids, at, cache, [], last_only=True)
+    crop_cache(cache, at + ids.shape[1])
 
 
 def target_forward(target, ids: torch.Tensor, start: int, cache, layer_ids: Sequence[int], last_only=False):
@@ -213,6 +242,7 @@ def speculative_generate(target, draft: Draft, prompt_ids, max_new_tokens: int, 
     _sync(device)
     t0 = time.perf_counter()
     logits, feats = target_forward(target, prompt, 0, cache, layer_ids, last_only=True)
+    crop_cache(cache)
     first = int(_choose(logits[0, -1], temperature, generator).item())
     _sync(device)
     out = Generation(tokens=[first], target_forwards=1, prefill_seconds=time.perf_counter() - t0)
@@ -231,6 +261,7 @@ def speculative_generate(target, draft: Draft, prompt_ids, max_new_tokens: int, 
         else:
             dtoks = dlogits.argmax(-1)
         block[0, 1:] = dtoks
+        snap = snapshot(cache)
         tlogits, tfeats = target_forward(target, block, start, cache, layer_ids)
         out.target_forwards += 1
         if sample:
@@ -251,8 +282,12 @@ def speculative_generate(target, draft: Draft, prompt_ids, max_new_tokens: int, 
         out.drafted.append(vs - 1)
         ctx_ids = block[:, :produced]
         ctx_feats = tfeats[:, :produced] if tfeats is not None else None
+        if snap is not None and produced < vs:
+            rewind(target, cache, snap, block[:, :produced], start)
+            out.target_forwards += 1
+        else:
+            crop_cache(cache, start + produced)
         start += produced
-        crop_cache(cache, start)
     _sync(device)
     out.seconds = time.perf_counter() - t0
     out.tokens = seq[n:max_length]
@@ -272,12 +307,14 @@ def target_generate(target, prompt_ids, max_new_tokens: int, stop_ids: Sequence[
     _sync(device)
     t0 = time.perf_counter()
     logits, _ = target_forward(target, prompt, 0, cache, [], last_only=True)
+    crop_cache(cache)
     tok = int(_choose(logits[0, -1], temperature, generator).item())
     _sync(device)
     out = Generation(tokens=[tok], target_forwards=1, prefill_seconds=time.perf_counter() - t0)
     pos = n
     while len(out.tokens) < max_new_tokens and tok not in stops:
         logits, _ = target_forward(target, torch.tensor([[tok]], device=device), pos, cache, [])
+        crop_cache(cache)
         out.target_forwards += 1
         pos += 1
         tok = int(_choose(logits[0, -1], temperature, generator).item())

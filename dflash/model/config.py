@@ -168,7 +168,8 @@ class DrafterConfig:
             mask_token_id=int(mask_id),
             num_target_layers=t.num_hidden_layers,
             block_size=sec.block_size,
-            rms_norm_eps=float(t.rms_norm_eps),
+            # LFM2 names it norm_eps
+            rms_norm_eps=float(getattr(t, "rms_norm_eps", None) or getattr(t, "norm_eps", None) or 1e-6),
             rope_theta=_rope_theta(t.to_dict()),
             max_position_embeddings=t.max_position_embeddings,
             layer_types=list(sec.layer_types) if sec.layer_types is not None else None,

@@ -11,7 +11,9 @@ Math (matches the reference `DFlashDraftModel` of z-lab dflash 0.1.0 for the sam
   out = norm(x)                                                      [B, Q, H]
 mask: dflash.model.masks (full layers: context before the anchor + the whole own block; sliding layers: causal
 over [context ; block] positions within the window, as the reference's sliding layers).
-The embedding and LM head are the target's: frozen, held by reference, not parameters of this module.
+The embedding and LM head are the target's: frozen, held by reference, not parameters of this module. The block is
+embedded as the target's first layer sees its tokens: times `embed_scale` where the target scales (Gemma: sqrt(H),
+rounded to the weight's dtype as Gemma's scaled embedding rounds it; dflash.families.embed_scale).
 
 One computation, `run`, serves training (`forward`: many blocks over the whole context) and speculative decoding
 (`draft`: one block per call, the context K/V of earlier calls kept in a DrafterCache).
@@ -173,9 +175,10 @@ def _weight(m) -> torch.Tensor:
 
 
 class DFlashDrafter(nn.Module):
-    def __init__(self, cfg: DrafterConfig, embed_tokens, lm_head):
+    def __init__(self, cfg: DrafterConfig, embed_tokens, lm_head, embed_scale: float | None = None):
         super().__init__()
         self.cfg = cfg
+        self.embed_scale = embed_scale
         H = cfg.hidden_size
         self.fc = nn.Linear(cfg.num_context_layers * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
@@ -201,6 +204,10 @@ class DFlashDrafter(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:  # [V, H]
         return self._target[1]
 
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:   # [..] -> [.., H]: what the target's first layer sees
+        x = F.embedding(ids, self.embed_weight)
+        return x if self.embed_scale is None else x * torch.tensor(self.embed_scale, dtype=torch.float32).to(x.dtype)
+
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02):
         """HF Qwen3 init: linear weights N(0, std), norm weights 1 (seed the global RNG before)."""
@@ -221,7 +228,7 @@ class DFlashDrafter(nn.Module):
         if masks is None:
             masks = make_mask(anchors, S, backend, self.cfg.windows())
         ids, qpos = build_blocks(input_ids, anchors, self.cfg.mask_token_id)   # [B, Q], [B, Q]
-        return self.run(F.embedding(ids, self.embed_weight), qpos, target_hidden, masks)
+        return self.run(self.embed(ids), qpos, target_hidden, masks)
 
     def run(self, x: torch.Tensor, qpos: torch.Tensor, target_hidden: torch.Tensor, masks: dict,
             cache: DrafterCache | None = None) -> torch.Tensor:
@@ -269,7 +276,7 @@ class DFlashDrafter(nn.Module):
         anchors = Anchors(torch.full((B, 1), start, device=dev), torch.ones(B, 1, dtype=torch.bool, device=dev), vs)
         masks = make_mask(anchors, start, backend, self.cfg.windows())
         qpos = torch.arange(start, start + vs, device=dev).expand(B, vs)
-        x = F.embedding(block_ids, self.embed_weight).to(self.fc.weight.dtype)
+        x = self.embed(block_ids).to(self.fc.weight.dtype)
         return self.run(x, qpos, target_hidden, masks, cache)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -62,8 +62,9 @@ def save_drafter(drafter: DFlashDrafter, out_dir, extra: dict | None = None, dty
     return Path(out_dir)
 
 
-def load_drafter(path, embed_tokens, lm_head, device=None, dtype: torch.dtype | None = None) -> DFlashDrafter:
-    """A DFlashDrafter from a reference-format directory (safetensors only)."""
+def load_drafter(path, embed_tokens, lm_head, device=None, dtype: torch.dtype | None = None,
+                 embed_scale: float | None = None) -> DFlashDrafter:
+    """A DFlashDrafter from a reference-format directory (safetensors only); `embed_scale`: the target's."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
     path = Path(path)
@@ -85,7 +86,7 @@ def load_drafter(path, embed_tokens, lm_head, device=None, dtype: torch.dtype | 
         raise ValueError(f"{w_file}: weights do not match {cfg_file} ({cfg.num_layers} layers): "
                          f"missing keys {missing[:5]}{'...' if len(missing) > 5 else ''}, "
                          f"unexpected keys {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
-    drafter = DFlashDrafter(cfg, embed_tokens, lm_head)
+    drafter = DFlashDrafter(cfg, embed_tokens, lm_head, embed_scale)
     try:
         drafter.load_state_dict(sd, strict=True)
     except RuntimeError as e:

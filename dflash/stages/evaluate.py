@@ -43,6 +43,7 @@ def run(loaded: Loaded, args) -> int:
     from dflash.data.shards import HOLDOUT, MANIFEST, verify_file
     from dflash.errors import UserError, io_error
     from dflash.evaluate import DFlashDraft
+    from dflash.families import embed_scale
     from dflash.evaluate import acceptance as A
     from dflash.evaluate import loading as L
     from dflash.acceptance_model import Acceptance
@@ -66,13 +67,19 @@ def run(loaded: Loaded, args) -> int:
         check_run_config(loaded, run_dir)
     path = Path(args.drafter) if args.drafter else ended_with(run_dir)
     trained_on = None if args.drafter else _trained_on(cfg.target, run_dir)
-    device = resolve_device(ev.device)
+    device, split = resolve_device(ev.device), None
+    if cfg.train.target_split > 1:   # a target that does not fit one device: over train's first target group
+        from dflash.train.placement import resolve
+        split = resolve(cfg.train).target_groups[0]
+        device = str(split[0])
+        log.info("the target is split over %s (train.target_split), the drafter on %s", ", ".join(map(str, split)),
+                 device)
     tok = load_tokenizer(cfg.target)
-    target = load_target(cfg.target, device=device, seed=cfg.seed)
+    target = load_target(cfg.target, device=device, seed=cfg.seed, devices=split)
     dtype = next(target.parameters()).dtype
     embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     # the drafter's shape is its folder's config.json (a checkpoint or an export), never the YAML's drafter keys
-    drafter = load_drafter(path, embed, head, device=device, dtype=dtype).eval()
+    drafter = load_drafter(path, embed, head, device=device, dtype=dtype, embed_scale=embed_scale(target.config)).eval()
     source, step = str(path), paths.checkpoint_step(path)
     draft = DFlashDraft(drafter)
     bsz, mask_id = drafter.cfg.block_size, drafter.cfg.mask_token_id

@@ -278,11 +278,12 @@ def _same_config(path: Path, cfg):
                         + ", ".join(f"{k} {getattr(saved, k)} there vs {getattr(cfg, k)} here" for k in diff))
 
 
-def load_drafter(path, embed=None, head=None, device=None, dtype=None, expect=None):
+def load_drafter(path, embed=None, head=None, device=None, dtype=None, expect=None, embed_scale=None):
     """The one loader of drafter weights: a checkpoint folder (its manifest verified) or an exported drafter
     folder, both config.json + model.safetensors in the reference format; the drafter's shape is config.json's.
     `embed`/`head` are the target's weights; None gives shape-only stand-ins on the meta device (export).
-    `expect` (a DrafterConfig) refuses a drafter of another shape, naming the fields."""
+    `expect` (a DrafterConfig) refuses a drafter of another shape, naming the fields; `embed_scale`: the target's
+    (dflash.families.embed_scale)."""
     from dflash.model import DrafterConfig
     from dflash.model.export import load_drafter as read_reference
     path = Path(path)
@@ -304,7 +305,7 @@ def load_drafter(path, embed=None, head=None, device=None, dtype=None, expect=No
             raise UserError(f"{path / CONFIG}: not a DFlash drafter config: {e}") from None
         embed = head = torch.empty(c.vocab_size, c.hidden_size, device="meta")
     try:
-        drafter = read_reference(path, embed, head, device=device, dtype=dtype)
+        drafter = read_reference(path, embed, head, device=device, dtype=dtype, embed_scale=embed_scale)
     except FileNotFoundError as e:
         raise UserError(f"{e}; a checkpoint written before checkpoints described their drafter has no "
                         f"{CONFIG}") from None

@@ -80,8 +80,9 @@ def check_live_eval(train_cfg: TrainSection, placement) -> None:
 def prepare(loaded: Loaded, need_data: bool = True, run_dir=None, data_dir=None) -> RunContext:
     from transformers import AutoConfig
 
+    from dflash.families import check_config
     from dflash.model import DrafterConfig, default_gamma
-    from dflash.target import load_tokenizer, mask_token_id
+    from dflash.target import load_tokenizer, mask_token_id, target_config
 
     cfg = loaded.cfg
     placement = P.resolve(cfg.train)
@@ -94,9 +95,22 @@ def prepare(loaded: Loaded, need_data: bool = True, run_dir=None, data_dir=None)
     tpath = Path(cfg.target.path)
     if not (tpath / "config.json").is_file():
         raise UserError(f"{tpath}: target folder has no config.json (run the target stage, or set target.path)")
-    tconf = AutoConfig.from_pretrained(tpath, trust_remote_code=cfg.target.trust_remote_code)
+    tconf = target_config(cfg.target)
+    why = check_config(tconf, cfg.target.attn_implementation)
+    if why:
+        raise UserError(f"target.path {tpath}: {why}")
+    quant = getattr(tconf, "quantization_config", None)
+    if quant and cfg.train.fp8_target:
+        raise UserError(f"train.fp8_target: the target is a quantized checkpoint already "
+                        f"({quant.get('quant_method') if isinstance(quant, dict) else getattr(quant, 'quant_method', '')}): it "
+                        f"loads in its own precision; set train.fp8_target: false")
+    cap = getattr(tconf, "final_logit_softcapping", None)
+    if cap and cfg.train.objective != "ce":
+        raise UserError(f"train.objective {cfg.train.objective}: the target soft-caps its logits "
+                        f"(final_logit_softcapping {cap}), the KL teacher here does not; use train.objective: ce")
     tok = load_tokenizer(cfg.target)
-    mask_id = cfg.drafter.mask_token_id if cfg.drafter.mask_token_id is not None else mask_token_id(tok)
+    mask_id = cfg.drafter.mask_token_id if cfg.drafter.mask_token_id is not None else \
+        mask_token_id(tok, tconf.vocab_size)   # a padded vocabulary's first unused row, as the data stage takes it
     dconf = DrafterConfig.from_target(tconf, cfg.drafter, mask_id)
     data_dir = Path(data_dir or paths.dataset(cfg.results_dir, cfg.dataset_name))
     if need_data and not (data_dir / "manifest.json").is_file():

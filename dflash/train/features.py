@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from dflash import compile_threads
+from dflash.families import final_norm
 from dflash.config_model import TrainSection
 from dflash.train import compile_guard, precision
 
@@ -76,11 +77,11 @@ class LayerCapture:
         self.modules = list(layers[:self.last + 1])     # what the capture runs through (what compile() compiles)
         for i in set(self.layer_ids):
             module = layers[i]
-            if i == L - 1:   # hidden_states[L] is the final norm's output
-                module = getattr(self.decoder, "norm", None)
+            if i == L - 1:   # hidden_states[L] is the final norm's output (its name per family: dflash.families)
+                module = final_norm(model)
                 if not isinstance(module, nn.Module):
                     raise ValueError(f"target layer id {i} is the last layer, but the decoder "
-                                     f"{type(self.decoder).__name__} has no final `norm` to take its features after")
+                                     f"{type(self.decoder).__name__} has no final norm to take its features after")
                 self.modules.append(module)
             self._handles.append(module.register_forward_hook(self._hook(i)))
         if self.last + 1 < L:  # the first layer not needed stops the forward before it runs
@@ -113,7 +114,8 @@ class LayerCapture:
             pass
         finally:
             self._active = None
-        out = torch.cat([self._out[i] for i in self.layer_ids], dim=-1)
+        # a target split over devices (train.target_split): each layer's output to the input's device
+        out = torch.cat([self._out[i].to(input_ids.device) for i in self.layer_ids], dim=-1)
         self._out = {}
         return out
 

@@ -113,6 +113,15 @@ def estimate(d, train: TrainSection, max_len: int, backend: str, device_type: st
     return parts
 
 
+def target_bytes(model) -> dict:
+    """{device: bytes} of a loaded target's weights (and buffers) on each device it spans (train.target_split splits
+    its layers; a quantized checkpoint counts in its stored precision)."""
+    out: dict = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        out[t.device] = out.get(t.device, 0) + t.numel() * t.element_size()
+    return out
+
+
 def capacity(device) -> tuple[int, str]:
     """(bytes, what): a GPU's total memory; on the CPU the RAM available now (what the process holds excluded)."""
     device = torch.device(device)

@@ -40,6 +40,12 @@ class Placement:
     # feature transport; replicas in one DDP group)
     colocated: bool = False
     nnodes: int = 1   # distributed: train.rendezvous.nnodes
+    # train.target_split > 1: each target worker's devices, its entry of `targets` first (empty: one device each)
+    target_groups: tuple[tuple[torch.device, ...], ...] = ()
+
+    def group(self, device: torch.device) -> tuple[torch.device, ...]:
+        """The devices of the target worker on `device` (its layers split over them; itself alone unless split)."""
+        return next((g for g in self.target_groups if g[0] == device), (device,))
 
     @property
     def devices(self) -> tuple[torch.device, ...]:
@@ -106,7 +112,9 @@ class Placement:
 def resolve(train_cfg: TrainSection) -> Placement:
     # every node checks every entry: the c10d rendezvous decides which host becomes node n, so any node may run any
     # node's ranks (the nodes are alike: each lists its own local cuda:N)
-    targets = tuple(parse_device(d) for d in train_cfg.targets)
+    listed, n = tuple(parse_device(d) for d in train_cfg.targets), train_cfg.target_split
+    groups = tuple(listed[i:i + n] for i in range(0, len(listed), n)) if n > 1 else ()
+    targets = tuple(g[0] for g in groups) or listed
     drafters = tuple(parse_device(d) for d in train_cfg.drafters)
     runtime, nnodes = train_cfg.runtime, train_cfg.rendezvous.nnodes
     workers = targets + drafters
@@ -117,8 +125,13 @@ def resolve(train_cfg: TrainSection) -> Placement:
         if nnodes > 1:
             raise UserError(f"train.runtime is {runtime} (one process on one node) but train.rendezvous.nnodes is "
                             f"{nnodes}: several nodes need train.runtime: distributed")
-        return Placement(targets, drafters, runtime)
-    p = Placement(targets, drafters, runtime, same_devices(train_cfg.targets, train_cfg.drafters), nnodes)
+        return Placement(targets, drafters, runtime, target_groups=groups)
+    colocated = same_devices(train_cfg.targets, train_cfg.drafters)
+    if colocated and groups:
+        raise UserError(f"train.target_split {n} with the co-located distributed layout (train.targets equal to "
+                        "train.drafters): a rank runs one device's target and replica; list the target groups' "
+                        "devices apart from train.drafters, or use train.runtime: threads")
+    p = Placement(targets, drafters, runtime, colocated, nnodes, groups)
     lists = "train.drafters (co-located)" if p.colocated else "train.targets + train.drafters"
     if len({d.type for d in p.ranks}) > 1:
         cpu = ", ".join(f"rank {r} = {p.worker(r)}" for r, d in enumerate(p.ranks) if d.type == "cpu")

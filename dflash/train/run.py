@@ -102,7 +102,7 @@ class Target:
     def __init__(self, ctx, name: str, device: torch.device):
         from dflash.target import load_target
         self.name, self.device, self.steps = name, device, 0
-        self.model = load_target(ctx.cfg.target, device=device, seed=ctx.cfg.seed)
+        self.model = load_target(ctx.cfg.target, device=device, seed=ctx.cfg.seed, devices=ctx.placement.group(device))
         self.capture = run_capture(self.model, ctx)
         if ctx.cfg.train.compile_target:
             self.capture.compile()
@@ -195,8 +195,7 @@ def refuse_what_cannot_fit(ctx, local: Local, targets: list[Target], reduce: str
     longest = max(s for _, s in ctx.shapes)
     devices = [d for _, d in local.replicas]
     for dev in dict.fromkeys(devices):
-        resident = sum(p.numel() * p.element_size() for t in targets if t.device == dev
-                       for p in t.model.parameters()) if dev.type == "cuda" else 0
+        resident = sum(memory.target_bytes(t.model).get(dev, 0) for t in targets) if dev.type == "cuda" else 0
         memory.check(ctx.drafter_config, ctx.cfg.train, longest, dev, ctx.backend, replicas=devices.count(dev),
                      resident=resident, num_anchors=ctx.anchors_for(longest), compiled=ctx.compile,
                      reduce=reduce if local.replica_count > 1 else "none")

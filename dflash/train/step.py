@@ -12,9 +12,12 @@ from dflash.train import compile_guard, placement as P, precision
 
 def frozen_head(target_model, device: torch.device):
     """The target's embedding and LM head weights on `device`: the target's own tensors there (shared, never
-    copied), one frozen copy on any other device. The drafter takes them as plain tensors."""
-    return tuple(m.weight.detach().to(device) for m in
-                 (target_model.get_input_embeddings(), target_model.get_output_embeddings()))
+    copied), one frozen copy on any other device (one for both where the head is tied to the embedding). The drafter
+    takes them as plain tensors."""
+    e, h = (m.weight.detach() for m in (target_model.get_input_embeddings(), target_model.get_output_embeddings()))
+    tied = e.data_ptr() == h.data_ptr()
+    e = e.to(device)
+    return e, e if tied else h.to(device)
 
 
 def random_head(ctx, device: torch.device, dtype):
@@ -24,16 +27,18 @@ def random_head(ctx, device: torch.device, dtype):
 
 
 def build_drafter(ctx, embed, head, device: torch.device):
+    from dflash.families import embed_scale
     from dflash.model import DFlashDrafter
     from dflash.train.checkpoint import load_drafter
 
     init_from = ctx.cfg.drafter.init_from
+    scale = embed_scale(getattr(ctx, "target_config", None))   # the block embedded as the target does (None: no target)
     if init_from:
-        drafter = load_drafter(init_from, embed, head, device=device, expect=ctx.drafter_config)
+        drafter = load_drafter(init_from, embed, head, device=device, expect=ctx.drafter_config, embed_scale=scale)
     else:
         torch.manual_seed(ctx.cfg.seed)
         with torch.device(device):
-            drafter = DFlashDrafter(ctx.drafter_config, embed, head)
+            drafter = DFlashDrafter(ctx.drafter_config, embed, head, embed_scale=scale)
     precision.apply_drafter(drafter, ctx.cfg.train, ctx.compile)   # train.precision / fp8_lm_head: before compiling
     if ctx.compile:
         from dflash.model.drafter import Linear

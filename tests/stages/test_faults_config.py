@@ -86,6 +86,8 @@ def test_hash_lists_and_rule_triggers_derive_from_the_roles(repo):
 
 # keys whose other value needs another key with it (each change still of one role)
 _WITH = {"data.regenerate.engine": {"data.regenerate.servers": ["http://127.0.0.1:8000/v1"]}}
+# a key whose other values need another key in the base config too (two target devices to split a worker over)
+_BASE = {"train.target_split": {"train.targets": ["cpu", "cpu"]}}
 
 
 def _other_values(key: str, value) -> list:
@@ -133,7 +135,7 @@ def _changed(key: str):
     and the same with `key` changed to another valid value."""
     parent = key.rpartition(".")[0]
     base = C.from_dict(C.set_dotted(C.set_dotted({}, {parent: {}}) if parent and "." in parent else {},
-                                    _read_by(key)))
+                                    {**_read_by(key), **_BASE.get(key, {})}))
     value = base.raw
     for part in key.split("."):
         value = value[part]

@@ -222,11 +222,15 @@ def test_hashes_of_todays_configs_unchanged(repo):
     64c64f4dac94bb62). Issue 48 made train.loss_weighting dpace the default (train.gamma then out, dpace_alpha in):
     the configs that do not set it changed (on b637148: config.yaml 5d0d8b3d10a18b70 / 6e458efa167a8114, 8gpu.yaml
     4a4b0c935241431e / 304bf9a9a6094000, inline 5ad4de83d5430705 / 0424a02cda2230b6); quality.yaml dropped its
-    `dpace` line and h200.yaml says `decay`, so theirs did not (the `sweep` section is in no hash)."""
-    pins = {"config.yaml": ("9991b7cfa553632c", "9d1b30fb55ed9649"),
-            "h200.yaml": ("b359bf380a590ca9", "e541cb3404d3714e"),
-            "8gpu.yaml": ("22435069ff1d9856", "ddc63b05d9b376c2"),
-            "quality.yaml": ("06f84878937117bd", "71ca52a0125abe83")}
+    `dpace` line and h200.yaml says `decay`, so theirs did not (the `sweep` section is in no hash).
+    Issue 49 added target.arch.family (and its num_experts, experts_per_token, sliding_window) and
+    train.target_split (operational: the config hashes only): every pin changed again (after issue 48 alone: config.yaml
+    9991b7cfa553632c / 9d1b30fb55ed9649, h200.yaml b359bf380a590ca9 / e541cb3404d3714e, 8gpu.yaml 22435069ff1d9856 /
+    ddc63b05d9b376c2, quality.yaml 06f84878937117bd / 71ca52a0125abe83, inline 01d9ae0efa9d97bd / 5a5de1b41bd6701e)."""
+    pins = {"config.yaml": ("f8b51d0dd8ec7479", "e353d11c980e9e37"),
+            "h200.yaml": ("77dd16c62b480849", "1979160b9e61ac6e"),
+            "8gpu.yaml": ("408c2dc54fdc1922", "569690937a256357"),
+            "quality.yaml": ("f8e036d2ce5d757f", "82648bef516c3fbd")}
     for name, (h, rh) in pins.items():
         loaded = C.load(repo / "config" / name)
         assert (loaded.hash, loaded.result_hash) == (h, rh), name
@@ -234,7 +238,7 @@ def test_hashes_of_todays_configs_unchanged(repo):
                           "data": {"sources": [{"name": "x", "path": "a.jsonl", "weight": 2}],
                                    "regenerate": {"timeout_s": 30}},
                           "report": {"min_utilisation": 50}, "drafter": {"target_layer_ids": [0, 2]}})
-    assert (inline.hash, inline.result_hash) == ("01d9ae0efa9d97bd", "5a5de1b41bd6701e")
+    assert (inline.hash, inline.result_hash) == ("1766a8dd885d3a4d", "428f73db9c15db08")
     assert json.dumps(inline.raw["train"]["betas"]) == "[0, 0.95]" and inline.cfg.train.betas == (0, 0.95)
     assert type(inline.cfg.train.time_budget_s) is int and type(inline.cfg.train.stall_timeout_s) is int   # as written
     assert type(C.from_dict({"train": {"lr": 0.001}}).cfg.train.lr) is float
