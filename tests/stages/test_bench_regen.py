@@ -28,6 +28,7 @@ def test_variant_names():
             regen.parse_variant(bad)
 
 
+@pytest.mark.slow   # out of make test-fast: its heavy check runs in make test
 def test_hfstatic_gives_the_static_decoders_greedy_tokens(tmp_path, monkeypatch):
     """16 prompts of 3 lengths x 8 tokens, batch 4 (the last batches filled): every hfstatic variant's sequences
     equal static-4-eager's, exactly 8 tokens each (EOS ignored, though the target's generation_config has one)."""

@@ -395,6 +395,7 @@ def test_evaluate_and_export_read_exactly_the_checkpoint_the_run_ended_with(tmp_
         C.ended_with(setup.run_dir)
 
 
+@pytest.mark.slow   # out of make test-fast: its heavy check runs in make test
 def test_checkpoint_loads_into_the_reference_package(tmp_path):
     """A checkpoint folder, as is, is a drafter for `DFlashDraftModel.from_pretrained` (dflash 0.1.0)."""
     if not SIDE.exists():

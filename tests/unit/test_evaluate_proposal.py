@@ -131,6 +131,7 @@ def _bonus_from_the_last_draft_row(real):
     return rule
 
 
+@pytest.mark.slow   # out of make test-fast: its heavy check runs in make test
 @pytest.mark.parametrize("proposal,name", [("argmax", "accept_onehot"), ("sample", "accept_sampling")])
 def test_a_wrong_bonus_row_fails_the_bonus_check(target, law, monkeypatch, proposal, name):
     """(With blocks of 3, test_each_policy_samples_the_targets_law, this wrong rule passes: its bonus is never seen.)"""
@@ -156,6 +157,7 @@ def _sampling_residual_p(draft_tokens, q, p, generator):     # replacement from 
     return acc, int(_sample(p[acc], generator).item())
 
 
+@pytest.mark.slow   # out of make test-fast: its heavy check runs in make test
 @pytest.mark.parametrize("proposal,name,rule", [
     ("argmax", "accept_onehot", _accept_every_argmax_draft),
     ("argmax", "accept_onehot", _residual_keeps_the_draft),
