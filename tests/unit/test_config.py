@@ -244,6 +244,16 @@ def test_hashes_of_todays_configs_unchanged(repo):
     assert type(C.from_dict({"train": {"lr": 0.001}}).cfg.train.lr) is float
 
 
+def test_gpu_configs_write_the_qwen3_8b_target_once(repo):
+    """The GPU configs share config/h200.yaml's random Qwen3-8B-shaped target and drafter through `base:` (directly or
+    through another) and keep only their differences: the target's `arch` is written in one file (issue 50)."""
+    gpu = ("h200.yaml", "h200-long.yaml", "h200-32k.yaml", "2gpu.yaml", "seed-2gpu.yaml", "8gpu.yaml", "seed-8gpu.yaml")
+    written = [n for n in gpu if "arch" in (yaml.safe_load((repo / "config" / n).read_text()).get("target") or {})]
+    assert written == ["h200.yaml"], written
+    arch = C.load(repo / "config" / "h200.yaml").raw["target"]["arch"]
+    assert all(C.load(repo / "config" / n).raw["target"]["arch"] == arch for n in gpu)
+
+
 def test_typed_config_is_frozen_and_refuses_what_the_schema_refuses(tmp_path):
     cfg = C.from_dict({}).cfg
     with pytest.raises(Exception, match="frozen"):
