@@ -10,6 +10,10 @@
   workflow/, envs/, Snakefile, pyproject.toml), computed from the files on disk, so it holds where `.git` is stale or
   absent (the lent GPU machine); the commit only where git's HEAD holds exactly these files. `python bench/common.py
   tree [REV]` prints the hash of the working tree or of a commit; `--find HASH` names the commit(s) with that tree.
+- `portable(x)`: x (a string, or every string in a list or dict) without the paths of the machine that ran it: the
+  repository's own relative to it, a virtual environment `<venv>`, a site-packages folder `<site>`, the temporary
+  folder `<tmp>`, the home folder `~`. `Record.save()`, the commands and the summaries a bench copies out pass through
+  it: a committed result names no machine (tests/unit/test_results_paths.py).
 - `Option`, `Section`, `Registry`: sections registered by name, each with its options (`--opt SECTION.NAME=VALUE`,
   else the environment variable it replaces, else its default).
 """
@@ -19,9 +23,12 @@ import argparse
 import hashlib
 import math
 import os
+import re
 import shlex
+import site
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -191,11 +198,44 @@ def find_commits(hash_: str, revs: int = 200, root: Path = REPO) -> list[str]:
 
 
 # ---- the record -----------------------------------------------------------------------------------------------
+def machine_prefixes(root: Path = REPO) -> list[tuple[str, str]]:
+    """(absolute folder, what a record writes for it), the longest first: the repository ('' : relative to it), the
+    site-packages folders and PYTHONPATH's, a virtual environment's prefix, the temporary folder, the home folder."""
+    pairs = [(str(root), "")]
+    sites = [*site.getsitepackages(), site.getusersitepackages(), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    pairs += [(s, "<site>") for s in sites if s and os.path.isabs(s)]
+    pairs += [(sys.prefix, "<venv>")] if sys.prefix != sys.base_prefix else []      # a system Python's is no machine's
+    pairs += [(tempfile.gettempdir(), "<tmp>"), (str(Path.home()), "~")]
+    pairs = [(str(Path(a)), b) for a, b in pairs if a and a != "/"]
+    return sorted(set(pairs), key=lambda p: -len(p[0]))
+
+
+def portable(x, root: Path = REPO):
+    """x with the machine's paths written as machine_prefixes() says (a string, or every string inside a list, tuple
+    or dict): a result that names no machine. A prefix counts only where a path starts (not inside a word or another
+    path) and ends at a `/` or where the path does: `/work/main/dflash/x.py` is `dflash/x.py`, `/work/main` alone `.`."""
+    if isinstance(x, dict):
+        return {k: portable(v, root) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(portable(v, root) for v in x)
+    if not isinstance(x, str):
+        return x
+    for prefix, label in machine_prefixes(root):
+        start, end = r"(?<![\w.~/-])" + re.escape(prefix), r"(?![\w.-])"
+        if label:
+            x = re.sub(start + end, lambda _: label, x)
+        else:
+            x = re.sub(start + "/" + r"(?=[\w.])", "", x)
+            x = re.sub(start + end + r"(?!/)", ".", x)
+    return x
+
+
 def command(argv: list[str] | None = None) -> str:
-    """The command as it can be typed again: the recorded environment variables, the interpreter, the arguments."""
+    """The command as it can be typed again: the recorded environment variables, the interpreter, the arguments (the
+    machine's paths written portably: `portable`)."""
     env = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
            if k.startswith("BENCH_") or k in RECORDED_ENV]
-    return " ".join([*env, shlex.join([Path(sys.executable).name, *(sys.argv if argv is None else argv)])])
+    return portable(" ".join([*env, shlex.join([Path(sys.executable).name, *(sys.argv if argv is None else argv)])]))
 
 
 def versions() -> dict:
@@ -234,7 +274,7 @@ class Record(dict):
 
     def save(self) -> Path:
         from dflash.atomic import atomic_write_json
-        return atomic_write_json(self.path, self)
+        return atomic_write_json(self.path, portable(dict(self)))
 
 
 # ---- sections by name -----------------------------------------------------------------------------------------

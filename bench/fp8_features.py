@@ -97,14 +97,14 @@ def main(argv=None) -> int:
     import argparse
     import json
 
-    from bench.common import envelope
+    from bench.common import envelope, portable
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="config/quality.yaml")
     p.add_argument("--out", required=True, help="the record (JSON)")
     args = p.parse_args(argv)
     from dflash.atomic import atomic_write_json
     doc = {**envelope(argv), "config": args.config, "fp8_features": measure(args.config)}
-    atomic_write_json(args.out, doc)
+    atomic_write_json(args.out, portable(doc))
     print(json.dumps(doc["fp8_features"]))
     return 0
 

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from bench import traces
-from bench.common import REPO, Option, Section, Stopwatch
+from bench.common import REPO, Option, Section, Stopwatch, portable
 from bench.shapes import H200, LONG, LONG32K
 
 OPT_IN = ("long", "long32k", "1t1d-eager", "1t1d-fp8", "1t1d-fp8head", "1t1d-fp8all", "1t1d-fp8target")   # only when named
@@ -67,13 +67,13 @@ def train_run(job, name: str, config: str, sets: list[str], extra=()) -> dict:
     """One e2e run: its log, and its summary.json beside the bench's JSON (with the tree the bench ran: `bench`)."""
     r, s = dflash_stage("train", "--config", config, "--no-progress", "--set", f"run_name=h200-{name}",
                         "--set", f"train.steps={job.steps}", "--set", "train.resume=false", *sets, *extra)
-    (job.out / f"train-{name}.log").write_text(r.stderr[-200000:])
+    (job.out / f"train-{name}.log").write_text(portable(r.stderr[-200000:]))
     summ = REPO / "results" / "runs" / f"h200-{name}" / "summary.json"
     res = {"exit": r.returncode, "wall_s": round(s, 1)}
     if summ.exists():
         sm = json.loads(summ.read_text())
         sm["bench"] = {"command": job.record.get("command"), "tree": job.record.get("tree")}
-        (job.out / f"summary-{name}.json").write_text(json.dumps(sm, indent=1))
+        (job.out / f"summary-{name}.json").write_text(json.dumps(portable(sm), indent=1))
         res.update({k: sm.get(k) for k in SUMMARY_KEYS})
         (res["compile"] or {}).pop("per_device", None)
     return res
@@ -99,7 +99,7 @@ def e2e(job, extra=()) -> dict:
             ready[config] = not any(k.endswith("_error") for k in st)
         if not ready[config]:
             continue
-        (job.out / "e2e_partial.json").write_text(json.dumps(res, indent=1))
+        (job.out / "e2e_partial.json").write_text(json.dumps(portable(res), indent=1))
         if sets is None:
             res["warm_restart"] = warm_restart(extra)
         else:

@@ -1,0 +1,60 @@
+"""No committed result names the machine that made it (issue 50): the JSON, logs and READMEs under bench/results/
+carry paths relative to the repository, and placeholders (`<tmp>`, `~`, `<venv>`, `<site>`) for the machine's
+folders outside it; the bench writes them so (bench/common.py `portable`: Record.save, the command, the summaries and
+logs the e2e section copies out)."""
+import json
+import re
+from pathlib import Path
+
+from bench import common
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "bench" / "results"
+# a path that starts at a machine's folder: its temporary, home, work or software folders, or this checkout
+MACHINE = re.compile(r"(?<![\w.~/-])(?:/(?:tmp|work|root|home|opt|scratch|mnt)(?![\w.-])|" + re.escape(str(REPO)) + ")")
+ARCHIVES = re.compile(r"\.(gz|tgz|png|zip|pt|safetensors)$")
+
+
+def machine_paths(results: Path) -> list[str]:
+    """'file:line: text' of every machine path in the text files under results (archives and images left out)."""
+    out = []
+    for p in sorted(x for x in results.rglob("*") if x.is_file() and not ARCHIVES.search(x.name)):
+        for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1):
+            if MACHINE.search(line):
+                out.append(f"{p.relative_to(results)}:{n}: {line.strip()[:160]}")
+    return out
+
+
+def test_no_committed_result_names_a_machine_path():
+    found = machine_paths(RESULTS)
+    assert not found, f"{len(found)} machine path(s) in bench/results (write them as bench/common.py portable() " \
+                      "does):\n" + "\n".join(found[:20])
+
+
+def test_the_check_finds_a_machine_path(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "bench.json").write_text(json.dumps({"command": "python3 bench/h200.py --out /tmp/e2e"}))
+    (tmp_path / "run" / "README.md").write_text("ran in /work/main/results/runs/x\nrelative: results/runs/x\n")
+    (tmp_path / "run" / "train.log").write_text(f'File "{REPO}/dflash/cli.py", line 3\n/tmpfoo is a word\n')
+    assert machine_paths(tmp_path) == [
+        'run/README.md:1: ran in /work/main/results/runs/x',
+        'run/bench.json:1: {"command": "python3 bench/h200.py --out /tmp/e2e"}',
+        f'run/train.log:1: File "{REPO}/dflash/cli.py", line 3']
+
+
+def test_a_record_is_saved_without_the_machine_paths(tmp_path, monkeypatch):
+    """The repository's paths relative to it, the temporary and home folders as placeholders; figures untouched."""
+    monkeypatch.setattr(common.tempfile, "gettempdir", lambda: "/tmp")
+    monkeypatch.setattr(common.Path, "home", staticmethod(lambda: Path("/root")))
+    rec = common.Record.__new__(common.Record)
+    rec.path = tmp_path / "bench.json"
+    rec.update({"command": "python3 bench/h200.py --out /tmp/e2e", "ktok_per_s": 12.92, "steps": [1, 2],
+                "error": f'Traceback:\n  File "{REPO}/dflash/cli.py", line 3\n  in {REPO}\n',
+                "summary": {"out": "/root/out/x", "run_dir": f"{REPO}/results/runs/h200", "rel": "results/runs/h"}})
+    rec.save()
+    saved = json.loads(rec.path.read_text())
+    assert saved == {"command": "python3 bench/h200.py --out <tmp>/e2e", "ktok_per_s": 12.92, "steps": [1, 2],
+                     "error": 'Traceback:\n  File "dflash/cli.py", line 3\n  in .\n',
+                     "summary": {"out": "~/out/x", "run_dir": "results/runs/h200", "rel": "results/runs/h"}}
+    assert not machine_paths(tmp_path)
+    assert common.portable(f"{REPO}x /tmpfoo a/tmp/b") == f"{REPO}x /tmpfoo a/tmp/b"   # only where a path starts
