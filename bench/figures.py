@@ -1,7 +1,7 @@
 """The figures typed in prose against the JSON they cite: every decimal figure of a paragraph or table row that names a
 results folder (`bench/results/<date>-<machine>[-<what>]/`, a file in it, or the folder a bench/results README sits
-in) must be a value of that folder's JSON rounded as written (also as a percentage of a fraction, or in thousands:
-`12.33K` tokens/s, `5.29 s` of a figure kept in ms). Ratios (`1.58x`), signed differences (`+0.7%`, `-0.096`) and text in backticks (commands, keys, versions) are
+in; a table row without a source: the paragraph before the table) must be a value of that folder's JSON rounded as written (also as a percentage of a fraction, or in thousands:
+`12.33K` tokens/s, `5.29 s` of a figure kept in ms; millions and billions: `4.55M` tokens, `1.05 B` weights). Ratios (`1.58x`), signed differences (`+0.7%`, `-0.096`) and text in backticks (commands, keys, versions) are
 not checked; a row whose source is "same" names the row above's.
 
     python bench/figures.py                  # every disagreement: file:line: figure (the folders it was looked up in)
@@ -27,7 +27,7 @@ SHORT = re.compile(r"`(-[A-Za-z0-9_]+)/`")                 # `-r3/` after `2026-
 VERSION = re.compile(r"(?:transformers|torch|Python|python|triton|CUDA|cuda|vLLM|SGLang|specforge|SpecForge|"
                      r"version|v)\s?$")
 BOUND = re.compile(r"(?:>=|<=|≥|≤|[<>])\s?$")
-FIGURE = re.compile(r"(?<![\w.+\-−±/])(\d+\.\d+)(?![\d.]*\d)(\s?[%x×](?![\w])|K(?![\w]))?")
+FIGURE = re.compile(r"(?<![\w.+\-−±/])(\d+\.\d+)(?![\d.]*\d)(\s?[%x×](?![\w])|[KMB](?![\w]))?")
 CODE = re.compile(r"`[^`]*`")
 
 
@@ -95,7 +95,7 @@ def folder_values(folder: Path) -> tuple[float, ...]:
 def agrees(figure: str, unit: str, values) -> bool:
     d = len(figure.split(".")[1])
     f = float(figure)
-    scales = {"%": (1, 100), "": (1, 1e-3, 1e3)}["%" if unit == "%" else ""]    # K, s as ms, ms as s
+    scales = {"%": (1, 100), "M": (1e-6,), "B": (1e-9,)}.get(unit, (1, 1e-3, 1e3))   # K, s as ms, ms as s
     half = 0.5 * 10 ** -d + 1e-9                 # rounded half up or half to even, as a person or Python rounds
     return any(abs(v * s - f) <= half for v in values for s in scales)
 
@@ -137,14 +137,21 @@ def cited_logs(unit: str, folders: list[str], results: Path) -> list[Path]:
 
 def check(path: Path, results: Path = RESULTS, own: str | None = None) -> list[Miss]:
     """The figures of `path` that no cited folder's JSON holds."""
-    misses, before = [], []
+    misses, before, intro = [], [], []
     name = path.relative_to(REPO).as_posix() if path.is_relative_to(REPO) else str(path)
     for line, unit in units(path.read_text()):
         folders = cited(unit, results)
-        if unit.lstrip().startswith("|") and re.search(r"\|\s*same\b", unit):
+        row = unit.lstrip().startswith("|")
+        if row and re.search(r"\|\s*same\b", unit):
             folders = before + folders
-        if unit.lstrip().startswith("|"):
+        elif row and not folders:
+            folders = intro                      # a table without sources: the paragraph that introduces it
+        if row:
             before = folders
+        elif unit.lstrip().startswith("#"):
+            intro = []
+        else:
+            intro = folders
         if own:
             folders = [own] + folders
         if not folders:
