@@ -12,8 +12,8 @@
   tree [REV]` prints the hash of the working tree or of a commit; `--find HASH` names the commit(s) with that tree.
 - `portable(x)`: x (a string, or every string in a list or dict) without the paths of the machine that ran it: the
   repository's own relative to it, a virtual environment `<venv>`, a site-packages folder `<site>`, the temporary
-  folder `<tmp>`, the home folder `~`. `Record.save()`, the commands and the summaries a bench copies out pass through
-  it: a committed result names no machine (tests/unit/test_results_paths.py).
+  folder `<tmp>`, the home folder `~`. `Record.save()`, the commands, the summaries a bench copies out and the text
+  files it archives (`add_portable`) pass through it: a committed result names no machine (tests/unit/test_results_paths.py).
 - `Option`, `Section`, `Registry`: sections registered by name, each with its options (`--opt SECTION.NAME=VALUE`,
   else the environment variable it replaces, else its default).
 """
@@ -230,6 +230,21 @@ def portable(x, root: Path = REPO):
     return x
 
 
+PORTABLE_TEXT = (".json", ".jsonl", ".log", ".txt", ".md", ".yaml", ".yml", ".csv")
+
+
+def add_portable(tar, path: Path, arcname: str) -> None:
+    """path into an open tarfile as arcname; a text file (PORTABLE_TEXT) with its machine paths written portably."""
+    import io
+    if path.suffix not in PORTABLE_TEXT:
+        tar.add(path, arcname=arcname)
+        return
+    data = portable(path.read_text(errors="surrogateescape")).encode(errors="surrogateescape")
+    info = tar.gettarinfo(str(path), arcname=arcname)
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))
+
+
 def command(argv: list[str] | None = None) -> str:
     """The command as it can be typed again: the recorded environment variables, the interpreter, the arguments (the
     machine's paths written portably: `portable`)."""
@@ -348,12 +363,29 @@ class Registry:
         return "\n".join(lines)
 
 
+def archive(out: Path, paths: list[str]) -> int:
+    """out (.tar.gz) of the files and folders named (relative paths kept), text files written portably."""
+    import tarfile
+    with tarfile.open(out, "w:gz") as tar:
+        for name in paths:
+            top = Path(name)
+            for f in sorted([top] if top.is_file() else top.rglob("*") if top.is_dir() else []):
+                if f.is_file():
+                    add_portable(tar, f, f.as_posix())
+    return 0
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="The tree a bench records: python bench/common.py tree [REV] [--find H]")
-    p.add_argument("what", choices=["tree"])
-    p.add_argument("rev", nargs="?", help="a commit (default: the files on disk)")
+    p = argparse.ArgumentParser(description="The tree a bench records: python bench/common.py tree [REV] [--find H]; "
+                                            "an archive without machine paths: python bench/common.py archive OUT "
+                                            "PATH...")
+    p.add_argument("what", choices=["tree", "archive"])
+    p.add_argument("rev", nargs="?", help="a commit (default: the files on disk); archive: the .tar.gz to write")
+    p.add_argument("paths", nargs="*", help="archive: the files and folders it holds")
     p.add_argument("--find", metavar="HASH", help="name the commits whose tree hashes to HASH")
     args = p.parse_args(argv)
+    if args.what == "archive":
+        return archive(Path(args.rev), args.paths)
     if args.find:
         found = find_commits(args.find)
         print("\n".join(found) or f"no commit of the last 200 has tree {args.find}")

@@ -39,7 +39,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.common import Budget, Record, Stopwatch  # noqa: E402
+from bench.common import Budget, Record, Stopwatch, add_portable  # noqa: E402
 ONE_GPU = REPO / "bench/results/2026-11-29-h200-r3/summary-1t1d-7bbc115.json"   # 1 target + 1 drafter, one H200
 FX_ERROR = "symbolically trace a dynamo-optimized function"
 CRITERION = ("Ktok/s per GPU against the one-GPU figure (1 target + 1 drafter on one H200, {k:.2f} Ktok/s): in a "
@@ -376,13 +376,13 @@ def collect(drv: Driver):
     with tarfile.open(drv.out / "runs.tar.gz", "w:gz") as tar:
         for f in sorted((res / "runs").glob(f"{drv.prefix}-*/*")):
             if f.is_file() and f.suffix in (".json", ".jsonl"):
-                tar.add(f, arcname=str(f.relative_to(res)))
+                add_portable(tar, f, str(f.relative_to(res)))
         # compile/: the warm-up records only, not the Inductor cache beside them (compile/cache-<env hash>/)
         files = [f for sub in ("report", "logs", "benchmarks") for f in (res / sub).rglob("*")]
         files += list((res / "compile").glob("*.json")) + list((res / "env").glob("*.json"))
         for f in sorted(files):
             if f.is_file() and f.stat().st_size < 5_000_000:
-                tar.add(f, arcname=str(f.relative_to(res)))
+                add_portable(tar, f, str(f.relative_to(res)))
         for f in sorted(drv.logs.glob("*.log")):
             tar.add(f, arcname=f"driver/{f.name}")
     for f in drv.logs.glob("*.log"):

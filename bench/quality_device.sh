@@ -29,7 +29,7 @@ kill "$watchdog" 2>/dev/null
 for f in sweep.md sweep.json sweep_tau_gpu_seconds.png report.md; do
     [ -f "results/report/$f" ] && cp "results/report/$f" "$OUT/"
 done
-tar czf "$OUT/runs.tgz" results/logs results/benchmarks \
+python3 bench/common.py archive "$OUT/runs.tgz" results/logs results/benchmarks \
     $(ls -d results/target/*/build.json results/data/*/manifest.json results/runs/*/summary.json results/runs/*/metrics.jsonl \
-      results/runs/*/acceptance*.json 2>/dev/null) 2>/dev/null
+      results/runs/*/acceptance*.json 2>/dev/null)     # machine paths written portably (bench/common.py portable)
 exit $rc

@@ -1,9 +1,11 @@
-"""No committed result names the machine that made it (issue 50): the JSON, logs and READMEs under bench/results/
-carry paths relative to the repository, and placeholders (`<tmp>`, `~`, `<venv>`, `<site>`) for the machine's
-folders outside it; the bench writes them so (bench/common.py `portable`: Record.save, the command, the summaries and
-logs the e2e section copies out)."""
+"""No committed result names the machine that made it (issue 50): the JSON, logs, READMEs and archived records under
+bench/results/ carry paths relative to the repository, and placeholders (`<tmp>`, `~`, `<venv>`, `<site>`) for the
+machine's folders outside it; the bench writes them so (bench/common.py `portable`: Record.save, the command, the
+summaries and logs the e2e section copies out, the archives of bench/multi_gpu.py and bench/quality_device.sh)."""
+import io
 import json
 import re
+import tarfile
 from pathlib import Path
 
 from bench import common
@@ -12,16 +14,29 @@ REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results"
 # a path that starts at a machine's folder: its temporary, home, work or software folders, or this checkout
 MACHINE = re.compile(r"(?<![\w.~/-])(?:/(?:tmp|work|root|home|opt|scratch|mnt)(?![\w.-])|" + re.escape(str(REPO)) + ")")
-ARCHIVES = re.compile(r"\.(gz|tgz|png|zip|pt|safetensors)$")
+BINARY = re.compile(r"\.(gz|tgz|png|zip|pt|safetensors|arrow|bin)$")
+TARS = (".tar.gz", ".tgz")
+TEXT = (".json", ".jsonl", ".log", ".txt", ".md", ".yaml", ".yml", ".csv")
+
+
+def lines_with_machine_paths(name: str, text: str) -> list[str]:
+    return [f"{name}:{n}: {line.strip()[:160]}" for n, line in enumerate(text.splitlines(), 1) if MACHINE.search(line)]
 
 
 def machine_paths(results: Path) -> list[str]:
-    """'file:line: text' of every machine path in the text files under results (archives and images left out)."""
+    """'file:line: text' of every machine path in the text files under results, and in the text members of its
+    archives ('archive!member:line: text'); images, traces and weights left out."""
     out = []
-    for p in sorted(x for x in results.rglob("*") if x.is_file() and not ARCHIVES.search(x.name)):
-        for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1):
-            if MACHINE.search(line):
-                out.append(f"{p.relative_to(results)}:{n}: {line.strip()[:160]}")
+    for p in sorted(x for x in results.rglob("*") if x.is_file()):
+        name = p.relative_to(results).as_posix()
+        if p.name.endswith(TARS):
+            with tarfile.open(p) as tar:
+                for m in tar.getmembers():
+                    if m.isfile() and m.name.endswith(TEXT):
+                        text = tar.extractfile(m).read().decode(errors="replace")
+                        out += lines_with_machine_paths(f"{name}!{m.name}", text)
+        elif not BINARY.search(p.name):
+            out += lines_with_machine_paths(name, p.read_text(errors="replace"))
     return out
 
 
@@ -36,9 +51,15 @@ def test_the_check_finds_a_machine_path(tmp_path):
     (tmp_path / "run" / "bench.json").write_text(json.dumps({"command": "python3 bench/h200.py --out /tmp/e2e"}))
     (tmp_path / "run" / "README.md").write_text("ran in /work/main/results/runs/x\nrelative: results/runs/x\n")
     (tmp_path / "run" / "train.log").write_text(f'File "{REPO}/dflash/cli.py", line 3\n/tmpfoo is a word\n')
+    with tarfile.open(tmp_path / "run" / "runs.tar.gz", "w:gz") as tar:
+        data = b'{"dir": "runs/x"}\n{"out": "/root/out/x"}\n'
+        info = tarfile.TarInfo("runs/x/metrics.jsonl")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
     assert machine_paths(tmp_path) == [
         'run/README.md:1: ran in /work/main/results/runs/x',
         'run/bench.json:1: {"command": "python3 bench/h200.py --out /tmp/e2e"}',
+        'run/runs.tar.gz!runs/x/metrics.jsonl:2: {"out": "/root/out/x"}',
         f'run/train.log:1: File "{REPO}/dflash/cli.py", line 3']
 
 
@@ -58,3 +79,20 @@ def test_a_record_is_saved_without_the_machine_paths(tmp_path, monkeypatch):
                      "summary": {"out": "~/out/x", "run_dir": "results/runs/h200", "rel": "results/runs/h"}}
     assert not machine_paths(tmp_path)
     assert common.portable(f"{REPO}x /tmpfoo a/tmp/b") == f"{REPO}x /tmpfoo a/tmp/b"   # only where a path starts
+
+
+def test_an_archive_of_the_runs_is_written_without_machine_paths(tmp_path, monkeypatch):
+    """bench/quality_device.sh and bench/multi_gpu.py archive the runs' records and logs through add_portable."""
+    monkeypatch.setattr(common.tempfile, "gettempdir", lambda: "/tmp")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "results" / "logs").mkdir(parents=True)
+    (tmp_path / "results" / "logs" / "train.log").write_text(f'File "{REPO}/dflash/cli.py"\nout /tmp/x\n')
+    (tmp_path / "results" / "summary.json").write_text(json.dumps({"executable": f"{REPO}/.venv/bin/python",
+                                                                   "ktok_per_s": 12.92}))
+    (tmp_path / "out").mkdir()
+    assert common.main(["archive", "out/runs.tgz", "results/logs", "results/summary.json"]) == 0
+    with tarfile.open(tmp_path / "out" / "runs.tgz") as tar:
+        assert sorted(tar.getnames()) == ["results/logs/train.log", "results/summary.json"]
+        assert tar.extractfile("results/logs/train.log").read().decode() == 'File "dflash/cli.py"\nout <tmp>/x\n'
+        assert json.load(tar.extractfile("results/summary.json"))["ktok_per_s"] == 12.92
+    assert not machine_paths(tmp_path / "out")
