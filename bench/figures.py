@@ -27,7 +27,7 @@ SHORT = re.compile(r"`(-[A-Za-z0-9_]+)/`")                 # `-r3/` after `2026-
 VERSION = re.compile(r"(?:transformers|torch|Python|python|triton|CUDA|cuda|vLLM|SGLang|specforge|SpecForge|"
                      r"version|v)\s?$")
 BOUND = re.compile(r"(?:>=|<=|≥|≤|[<>])\s?$")
-FIGURE = re.compile(r"(?<![\w.+\-−±/])(\d+\.\d+)(?![\d.]*\d)(\s?[%x×](?![\w])|[KMB](?![\w]))?")
+FIGURE = re.compile(r"(?<![\w.+\-−±/])(\d+\.\d+)(?![\d.]*\d|e[-+]?\d)(\s?[%x×](?![\w])|[KMB](?![\w]))?")
 CODE = re.compile(r"`[^`]*`")
 
 
@@ -92,12 +92,20 @@ def folder_values(folder: Path) -> tuple[float, ...]:
     return tuple(sorted(set(out)))
 
 
-def agrees(figure: str, unit: str, values) -> bool:
+def agrees(figure: str, unit: str, values, logged=()) -> bool:
+    """figure (as written, with its unit mark) is one of values rounded; else one of the logged values, unless a value
+    of the JSON lies within one unit of its last digit: the JSON holds that quantity, and a log's rounder copy (11.945
+    read as 11.95 where the JSON has 11.9449) does not speak for it."""
     d = len(figure.split(".")[1])
     f = float(figure)
     scales = {"%": (1, 100), "M": (1e-6,), "B": (1e-9,)}.get(unit, (1, 1e-3, 1e3))   # K, s as ms, ms as s
     half = 0.5 * 10 ** -d + 1e-9                 # rounded half up or half to even, as a person or Python rounds
-    return any(abs(v * s - f) <= half for v in values for s in scales)
+
+    def within(vals, by, scales=scales):
+        return any(abs(v * s - f) <= by for v in vals for s in scales)
+    if within(values, half):
+        return True
+    return not within(values, 2 * half, scales[:1]) and within(logged, half)
 
 
 def units(text: str):
@@ -160,14 +168,14 @@ def check(path: Path, results: Path = RESULTS, own: str | None = None) -> list[M
         logs = cited_logs(unit, folders, results)
         if own:                                  # a session's README reads its own logs
             logs += sorted(p for p in (results / own).glob("*") if p.suffix in (".log", ".txt"))
-        values += [v for p in logs for v in text_values(p)]
+        logged = [v for p in logs for v in text_values(p)]
         prose = CODE.sub(" ", unit)
         for n, text in enumerate(prose.splitlines()):
             for m in FIGURE.finditer(text):
                 mark = (m.group(2) or "").strip()
                 if mark in ("x", "×") or VERSION.search(text[:m.start()]) or BOUND.search(text[:m.start()]):
                     continue                     # a ratio of two figures; a version; a bound (`>= 8.9`)
-                if not agrees(m.group(1), mark, values):
+                if not agrees(m.group(1), mark, values, logged):
                     misses.append(Miss(name, line + n, m.group(1) + mark, tuple(folders)))
     return misses
 
