@@ -13,7 +13,8 @@
 - `portable(x)`: x (a string, or every string in a list or dict) without the paths of the machine that ran it: the
   repository's own relative to it, a virtual environment `<venv>`, a site-packages folder `<site>`, the temporary
   folder `<tmp>`, the home folder `~`. `Record.save()`, the commands, the summaries a bench copies out and the text
-  files it archives (`add_portable`) pass through it: a committed result names no machine (tests/unit/test_results_paths.py).
+  files it archives (`add_portable`) pass through it: a committed result names no machine
+  (tests/unit/test_results_paths.py).
 - `Option`, `Section`, `Registry`: sections registered by name, each with its options (`--opt SECTION.NAME=VALUE`,
   else the environment variable it replaces, else its default).
 """
@@ -213,7 +214,8 @@ def machine_prefixes(root: Path = REPO) -> list[tuple[str, str]]:
 def portable(x, root: Path = REPO):
     """x with the machine's paths written as machine_prefixes() says (a string, or every string inside a list, tuple
     or dict): a result that names no machine. A prefix counts only where a path starts (not inside a word or another
-    path) and ends at a `/` or where the path does: `/work/main/dflash/x.py` is `dflash/x.py`, `/work/main` alone `.`."""
+    path) and ends at a `/` or where the path does: `/work/main/dflash/x.py` is `dflash/x.py`, `/work/main` alone
+    `.`."""
     if isinstance(x, dict):
         return {k: portable(v, root) for k, v in x.items()}
     if isinstance(x, (list, tuple)):

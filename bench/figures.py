@@ -1,14 +1,17 @@
-"""The figures typed in prose against the JSON they cite: every decimal figure of a paragraph or table row that names a
-results folder (`bench/results/<date>-<machine>[-<what>]/`, a file in it, or the folder a bench/results README sits
-in; a table row without a source: the paragraph before the table) must be a value of that folder's JSON rounded as written (also as a percentage of a fraction, or in thousands:
-`12.33K` tokens/s, `5.29 s` of a figure kept in ms; millions and billions: `4.55M` tokens, `1.05 B` weights). Ratios (`1.58x`), signed differences (`+0.7%`, `-0.096`) and text in backticks (commands, keys, versions) are
-not checked; a row whose source is "same" names the row above's.
+"""The figures typed in prose against the JSON they cite. Every decimal figure of a paragraph or table row that names
+a results folder (`bench/results/<date>-<machine>[-<what>]/` or a file in it; a results README names its own folder;
+a table row without a source reads the paragraph before the table, one whose source is "same" the row above's) must
+be a value of that folder's JSON (archived records included) rounded as written: also as a percentage of a fraction,
+in thousands (`12.33K` tokens/s, `5.29 s` of a figure kept in ms) or millions and billions (`4.55M`, `1.05 B`). A log
+the text names (and, for a results README, any log beside it) counts too, where the JSON holds no such quantity.
+Ratios (`1.58x`), signed differences (`+0.7%`), bounds (`>= 8.9`), versions and text in backticks (commands, keys)
+are not figures.
 
     python bench/figures.py                  # every disagreement: file:line: figure (the folders it was looked up in)
 
-tests/unit/test_docs_figures.py runs it over README.md, docs/*.md (but the generated benchmarks.md and
-config-keys.md) and bench/results/*/README.md: a figure retyped wrong fails there, naming its line. Prefer citing the
-generated table (docs/benchmarks.md) or the file to retyping a figure.
+tests/unit/test_docs_figures.py runs it over README.md, docs/*.md (but the generated benchmarks.md and config-keys.md)
+and bench/results/*/README.md: a figure retyped wrong fails there, naming its line. Prefer citing the generated table
+(docs/benchmarks.md) or the file to retyping a figure.
 """
 from __future__ import annotations
 

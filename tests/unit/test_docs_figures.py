@@ -50,7 +50,8 @@ def test_a_wrong_figure_is_named(tmp_path):
         ("14.01", ("2026-12-01-h200-r6", "2026-12-04-h200-r9", "2026-12-07-h200-r10", "2026-12-01-h200-quality-fp8",
                    "2026-12-02-h200-quality-regen"))]
     rows = ("| a | 12.92 Ktok/s | `bench/results/2026-12-07-h200-r10/` |\n| b | 12.93 Ktok/s | same |\n"
-            "| c | 27.8 s | same |\n\nIt took 8.36 s (`bench/results/2026-12-01-h200-r5/`, `train-1t1d-964cdac.log`).\n\n"
+            "| c | 27.8 s | same |\n\n"
+            "It took 8.36 s (`bench/results/2026-12-01-h200-r5/`, `train-1t1d-964cdac.log`).\n\n"
             "It took 8.36 s (`bench/results/2026-12-01-h200-r5/`).\n")
     doc.write_text(rows)
     assert [(m.line, m.figure) for m in figures.check(doc)] == [(2, "12.93"), (3, "27.8"), (7, "8.36")]
@@ -59,7 +60,8 @@ def test_a_wrong_figure_is_named(tmp_path):
 def test_the_command_lists_every_disagreement(tmp_path, capsys, monkeypatch):
     repo = tmp_path / "r"
     (repo / "docs").mkdir(parents=True)
-    shutil.copytree(REPO / "bench" / "results" / "2026-12-01-h200-r6", repo / "bench" / "results" / "2026-12-01-h200-r6")
+    r6 = "bench/results/2026-12-01-h200-r6"
+    shutil.copytree(REPO / r6, repo / r6)
     (repo / "README.md").write_text("1t3d: 11.95 Ktok/s (`bench/results/2026-12-01-h200-r6/`).\n")
     (repo / "bench" / "results" / "2026-12-01-h200-r6" / "README.md").write_text("11.94 Ktok/s\n")
     monkeypatch.setattr(figures, "REPO", repo)
