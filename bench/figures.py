@@ -89,9 +89,9 @@ def folder_values(folder: Path) -> tuple[float, ...]:
                 for m in tar.getmembers():
                     if m.isfile() and m.name.endswith((".json", ".jsonl")):
                         for doc in _json_texts(tar.extractfile(m).read().decode(errors="replace")):
-                            if m.name.endswith(".jsonl") and isinstance(doc, dict):   # metrics: its tau alone (the
-                                doc = {k: v for k, v in doc.items() if "tau" in k}    # per-step rest would match
-                            numbers(doc, out)                                        # anything)
+                            if m.name.endswith(".jsonl") and isinstance(doc, dict):   # metrics: its evaluations
+                                doc = {k: v for k, v in doc.items() if "tau" in k or "eval" in k}   # alone (the
+                            numbers(doc, out)                           # per-step rest would match anything)
     return tuple(sorted(set(out)))
 
 
