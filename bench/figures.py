@@ -9,9 +9,9 @@ are not figures.
 
     python bench/figures.py                  # every disagreement: file:line: figure (the folders it was looked up in)
 
-tests/unit/test_docs_figures.py runs it over README.md, docs/*.md (but the generated benchmarks.md and config-keys.md)
-and bench/results/*/README.md: a figure retyped wrong fails there, naming its line. Prefer citing the generated table
-(docs/benchmarks.md) or the file to retyping a figure.
+tests/unit/test_docs_figures.py runs it over README.md, docs/*.md (but the generated benchmarks.md and config-keys.md),
+the comments of config/*.yaml and bench/results/*/README.md: a figure retyped wrong fails there, naming its line.
+Prefer citing the generated table (docs/benchmarks.md) or the file to retyping a figure.
 """
 from __future__ import annotations
 
@@ -150,7 +150,10 @@ def check(path: Path, results: Path = RESULTS, own: str | None = None) -> list[M
     """The figures of `path` that no cited folder's JSON holds."""
     misses, before, intro = [], [], []
     name = path.relative_to(REPO).as_posix() if path.is_relative_to(REPO) else str(path)
-    for line, unit in units(path.read_text()):
+    text = path.read_text()
+    if path.suffix in (".yaml", ".yml"):         # a config's comments: a line's comment, or an empty line
+        text = "\n".join(x.split("#", 1)[1] if "#" in x else "" for x in text.splitlines())
+    for line, unit in units(text):
         folders = cited(unit, results)
         row = unit.lstrip().startswith("|")
         if row and re.search(r"\|\s*same\b", unit):
@@ -187,6 +190,7 @@ def documents(repo: Path = REPO) -> list[tuple[Path, str | None]]:
     docs = [(repo / "README.md", None)]
     docs += [(p, None) for p in sorted((repo / "docs").glob("*.md")) if p.name not in ("benchmarks.md",
                                                                                         "config-keys.md")]
+    docs += [(p, None) for p in sorted((repo / "config").glob("*.yaml"))]
     docs += [(p, p.parent.name) for p in sorted((repo / "bench" / "results").glob("*/README.md"))]
     return docs
 

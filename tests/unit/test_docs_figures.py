@@ -1,8 +1,8 @@
 """Every figure in prose comes from the JSON it cites (issue 50): bench/figures.py reads each paragraph and table row
-of README.md, docs/*.md and bench/results/*/README.md that names a results folder, and looks each decimal figure up
-in that folder's JSON (and the logs the text names) as written, rounded. docs/benchmarks.md is generated
-(tests/unit/test_bench_tables.py). The session READMEs' figures the tool cannot trace yet are listed, one by one, in
-bench/figures-untraced.txt; README.md and docs/ have none."""
+of README.md, docs/*.md, the configs' comments and bench/results/*/README.md that names a results folder, and looks
+each decimal figure up in that folder's JSON (and the logs the text names) as written, rounded. docs/benchmarks.md is
+generated (tests/unit/test_bench_tables.py). The session READMEs' figures the tool cannot trace yet are listed, one by
+one, in bench/figures-untraced.txt; README.md, docs/ and the configs have none."""
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -21,10 +21,10 @@ def untraced() -> Counter:
     return Counter(x for x in lines if x and not x.startswith("#"))
 
 
-def test_the_readme_and_docs_figures_are_the_json_they_cite():
+def test_the_readme_docs_and_config_figures_are_the_json_they_cite():
     found = [str(m) for m in misses() if not m.file.startswith("bench/results/")]
-    assert not found, "figures in README.md / docs/ that the JSON they cite does not hold (cite the generated " \
-                      "table or fix the figure):\n" + "\n".join(found)
+    assert not found, "figures in README.md, docs/ or a config's comments that the JSON they cite does not hold " \
+                      "(cite the generated table or fix the figure):\n" + "\n".join(found)
 
 
 def test_the_session_readmes_disagree_only_where_listed():
@@ -55,6 +55,10 @@ def test_a_wrong_figure_is_named(tmp_path):
             "It took 8.36 s (`bench/results/2026-12-01-h200-r5/`).\n")
     doc.write_text(rows)
     assert [(m.line, m.figure) for m in figures.check(doc)] == [(2, "12.93"), (3, "27.8"), (7, "8.36")]
+    config = tmp_path / "h200.yaml"                                  # a config's comments, not its values
+    config.write_text("train:\n  compile_target: true  # 12.63 vs 11.65 Ktok/s (bench/results/2026-11-29-h200-r3)\n"
+                      "  anchors_per_token: 0.125\n")
+    assert [(m.line, m.figure) for m in figures.check(config)] == [(2, "12.63")]
 
 
 def test_the_command_lists_every_disagreement(tmp_path, capsys, monkeypatch):
