@@ -96,3 +96,31 @@ def test_an_archive_of_the_runs_is_written_without_machine_paths(tmp_path, monke
         assert tar.extractfile("results/logs/train.log").read().decode() == 'File "dflash/cli.py"\nout <tmp>/x\n'
         assert json.load(tar.extractfile("results/summary.json"))["ktok_per_s"] == 12.92
     assert not machine_paths(tmp_path / "out")
+
+
+def test_older_results_are_rewritten_in_place(tmp_path):
+    """bench/portable.py: a results folder made before the bench wrote paths portably (its text files and archived
+    members), with the repository's copy on that machine named; strings change, figures do not."""
+    from bench import portable
+    run = tmp_path / "2027-01-01-h200"
+    run.mkdir()
+    doc = {"command": "python3 bench/h200.py --out /root/out/e2e", "ktok_per_s": 12.92,
+           "env": {"executable": "/opt/torch/.venv/bin/python3"}, "error": 'File "/work/main/dflash/cli.py"'}
+    (run / "bench.json").write_text(json.dumps(doc))
+    (run / "train.log").write_text("/opt/torch/.venv/lib/python3.12/site-packages/torch/x.py:3: warning\n"
+                                   "PYTHONPATH=/tmp/site:$PWD, cache /tmp/torchinductor_root, cd /work/main\n")
+    with tarfile.open(run / "runs.tar.gz", "w:gz") as tar:
+        data = json.dumps({"dir": "/work/main/results/runs/x", "tau": 5.355}).encode()
+        info = tarfile.TarInfo("runs/x/summary.json")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    assert len(machine_paths(tmp_path)) == 4             # bench.json, two log lines, the archived summary
+    assert portable.main(["--root", "/work/main", str(run)]) == 0
+    assert not machine_paths(tmp_path)
+    assert json.loads((run / "bench.json").read_text()) == {
+        "command": "python3 bench/h200.py --out ~/out/e2e", "ktok_per_s": 12.92,
+        "env": {"executable": "<venv>/bin/python3"}, "error": 'File "dflash/cli.py"'}
+    assert (run / "train.log").read_text() == ("<site>/torch/x.py:3: warning\n"
+                                               "PYTHONPATH=<site>:$PWD, cache <tmp>/torchinductor_root, cd .\n")
+    with tarfile.open(run / "runs.tar.gz") as tar:
+        assert json.load(tar.extractfile("runs/x/summary.json")) == {"dir": "results/runs/x", "tau": 5.355}
