@@ -31,6 +31,7 @@ from dflash.data.rows import min_supervised_tokens
 from dflash.data.spill import Spill
 from dflash.data.synthetic import synthetic_part
 from dflash.data.tally import READ, Tally
+from dflash.data.tokenise import target_tokenizer
 from dflash.errors import UserError
 
 log = logging.getLogger("dflash.data")
@@ -89,7 +90,7 @@ def build_part(loaded: Loaded, shard: int, nshards: int, part_dir, cache_dir=Non
     work = part_dir / ".work"
     work.mkdir(parents=True, exist_ok=True)
     tally, regen, weights = Tally(), {"enabled": False, "tokens": 0, "seconds": 0.0, "tokens_per_s": 0.0}, {}
-    tokenizer, vocab_size = _tokenizer(cfg)
+    tokenizer, vocab_size = target_tokenizer(cfg)
     bars = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
     try:
@@ -142,12 +143,3 @@ def _chain(cfg, specs, shard, nshards, work, tokenizer, tally, regen, cache_dir,
     ds = samples.filtered(ds, [s.name for s in specs], tally, work)
     return holdout, samples.weighted(ds, {s.name: s.weight for s in specs}, cfg.seed, work)
 
-
-def _tokenizer(cfg):
-    """(the target's tokenizer, its vocab_size: the target config's, else len(tokenizer))."""
-    from transformers import AutoConfig
-
-    from dflash.target import load_tokenizer
-    tokenizer = load_tokenizer(cfg.target)
-    tconf = AutoConfig.from_pretrained(str(cfg.target.path), trust_remote_code=cfg.target.trust_remote_code)
-    return tokenizer, int(getattr(tconf, "vocab_size", len(tokenizer)))

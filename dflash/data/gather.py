@@ -21,6 +21,7 @@ from dflash.config_model import DflashConfig
 from dflash.data import shards
 from dflash.data.manifest import Manifest
 from dflash.data.rows import min_supervised_tokens, rank, reasons
+from dflash.data.tokenise import target_tokenizer
 from dflash.errors import UserError
 
 log = logging.getLogger("dflash.data")
@@ -136,12 +137,8 @@ def _write_samples(cfg: DflashConfig, parts, holdout, out_dir: Path) -> dict:
 
 
 def _tokenizer_facts(cfg: DflashConfig) -> dict:
-    from transformers import AutoConfig
-
-    from dflash.target import load_tokenizer, mask_token_id
-    tokenizer = load_tokenizer(cfg.target)
-    tconf = AutoConfig.from_pretrained(str(cfg.target.path), trust_remote_code=cfg.target.trust_remote_code)
-    vocab_size = int(getattr(tconf, "vocab_size", len(tokenizer)))
+    from dflash.target import mask_token_id
+    tokenizer, vocab_size = target_tokenizer(cfg)
     return {"size": len(tokenizer), "vocab_size": vocab_size, "pad_token_id": tokenizer.pad_token_id,
             "eos_token_id": tokenizer.eos_token_id, "mask_token_id": mask_token_id(tokenizer, vocab_size)}
 
