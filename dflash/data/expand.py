@@ -18,7 +18,6 @@ Public:
 """
 from __future__ import annotations
 
-import logging
 import shutil
 import time
 from pathlib import Path
@@ -33,9 +32,6 @@ from dflash.data.synthetic import synthetic_part
 from dflash.data.tally import READ, Tally
 from dflash.data.tokenise import target_tokenizer
 from dflash.errors import UserError
-
-log = logging.getLogger("dflash.data")
-PART = "part.json"
 
 
 def build(loaded: Loaded, out_dir, shard: tuple[int, int] | None = None, parts=None, cache_dir=None,
@@ -70,7 +66,7 @@ def expand_part(loaded: Loaded, shard: int, nshards: int, part_dir, cache_dir=No
 
 
 def write_part(part_dir, record: dict) -> dict:
-    atomic_write_json(Path(part_dir) / PART, record)
+    atomic_write_json(Path(part_dir) / gather.PART, record)
     return record
 
 

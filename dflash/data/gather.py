@@ -25,15 +25,16 @@ from dflash.data.tokenise import target_tokenizer
 from dflash.errors import UserError
 
 log = logging.getLogger("dflash.data")
+PART = "part.json"      # a part's record, beside its samples/ and holdout.jsonl
 
 
 def read_part(folder) -> dict:
     """A part folder: part.json's fields, "samples" (a memory-mapped datasets.Dataset) and "holdout" (rows)."""
     from datasets import load_from_disk
     folder = Path(folder)
-    if not (folder / "part.json").is_file():
+    if not (folder / PART).is_file():
         raise UserError(f"{folder}: not a data part (no part.json): run `python -m dflash data --shard I/N` first")
-    part = json.loads((folder / "part.json").read_text())
+    part = json.loads((folder / PART).read_text())
     part["samples"] = load_from_disk(str(folder / "samples"))
     part["holdout"] = shards.read_holdout(folder)
     return part

@@ -54,7 +54,7 @@ def run(loaded: Loaded, args) -> int:
     from dflash.data.tiny_target import cpu_threads
 
     shard, out = _where(loaded, args)
-    record_file, layout, write = ((expand.PART, PART_LAYOUT, expand.write_part) if shard else
+    record_file, layout, write = ((gather.PART, PART_LAYOUT, expand.write_part) if shard else
                                   (MANIFEST, DATASET_LAYOUT, gather.write_manifest))
     with cpu_threads(args.threads), atomic_dir(out, record_file, layout, REMEDY) as tmp:
         record = expand.build(loaded, tmp, shard=shard, parts=args.gather, cache_dir=args.cache,
