@@ -84,6 +84,40 @@ def _corpus(pre: PretrainSection):
     return docs, [f.text for f in held], record
 
 
+def _tokenised(pre: PretrainSection, vocab_size: int, docs, held_texts, corpus: dict, times: dict):
+    """(tokenizer, the texts it was trained on, pre-training token stream, held-out token stream): the tokenizer
+    trained on `pretrain.tokenizer_mb` of the documents, both streams encoded; corpus["tokens"] set."""
+    t = time.perf_counter()
+    sample = tokenizer_sample(docs, pre.tokenizer_mb)
+    tokenizer = train_tokenizer(sample, vocab_size)
+    times["tokenizer"] = time.perf_counter() - t
+    t = time.perf_counter()
+    stream = encode(tokenizer, [text for _, text in docs])
+    held = encode(tokenizer, held_texts)
+    times["encode"] = time.perf_counter() - t
+    corpus["tokens"] = {"pretrain": int(stream.size), "heldout": int(held.size)}
+    if stream.size <= pre.seq_len + 1:
+        raise UserError(f"target.pretrain.corpus_mb {pre.corpus_mb} gives {stream.size} pre-training tokens, "
+                        f"too few for seq_len {pre.seq_len}: raise corpus_mb")
+    log.info("tokenizer: %d tokens, trained on %d texts in %.1fs; encoded %d + %d held-out tokens in %.1fs",
+             len(tokenizer), len(sample), times["tokenizer"], stream.size, held.size, times["encode"])
+    return tokenizer, sample, stream, held
+
+
+def _pretrain_record(pre: PretrainSection, device, done: dict, stream_size: int) -> dict:
+    """build.json's `pretrain`."""
+    import torch
+    train_s = done["seconds"] - done["first_step_seconds"]
+    return {"device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            "compile": pre.compile, "steps": done["steps"], "max_steps": pre.steps,
+            "batch_size": pre.batch_size, "seq_len": pre.seq_len, "lr": pre.lr,
+            "tokens_seen": done["tokens_seen"], "epochs": round(done["tokens_seen"] / stream_size, 3),
+            "seconds": round(done["seconds"], 3), "first_step_seconds": round(done["first_step_seconds"], 3),
+            "tokens_per_s": round((done["tokens_seen"] - pre.batch_size * pre.seq_len) / train_s, 1)
+            if done["steps"] > 1 and train_s > 0 else None,
+            "max_seconds": pre.max_seconds, "stopped_by": done["stopped_by"], **loss_summary(done["losses"])}
+
+
 def _build(target_cfg: TargetSection, out_dir: Path, seed: int, progress: bool) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
@@ -97,21 +131,7 @@ def _build(target_cfg: TargetSection, out_dir: Path, seed: int, progress: bool) 
     log.info("code corpus: %d files (%.1f MB), %d pre-training + %d held out, %d conversations, %.1fs",
              corpus["files"], corpus["bytes"] / 1e6, corpus["pretrain_files"], corpus["heldout_files"],
              corpus["chat_conversations"], times["corpus"])
-
-    t = time.perf_counter()
-    sample = tokenizer_sample(docs, pre.tokenizer_mb)
-    tokenizer = train_tokenizer(sample, arch.vocab_size)
-    times["tokenizer"] = time.perf_counter() - t
-    t = time.perf_counter()
-    stream = encode(tokenizer, [text for _, text in docs])
-    held = encode(tokenizer, held_texts)
-    times["encode"] = time.perf_counter() - t
-    corpus["tokens"] = {"pretrain": int(stream.size), "heldout": int(held.size)}
-    if stream.size <= pre.seq_len + 1:
-        raise UserError(f"target.pretrain.corpus_mb {pre.corpus_mb} gives {stream.size} pre-training tokens, "
-                        f"too few for seq_len {pre.seq_len}: raise corpus_mb")
-    log.info("tokenizer: %d tokens, trained on %d texts in %.1fs; encoded %d + %d held-out tokens in %.1fs",
-             len(tokenizer), len(sample), times["tokenizer"], stream.size, held.size, times["encode"])
+    tokenizer, sample, stream, held = _tokenised(pre, arch.vocab_size, docs, held_texts, corpus, times)
 
     device = torch.device(resolve_device(pre.device))
     torch.manual_seed(seed)
@@ -138,7 +158,6 @@ def _build(target_cfg: TargetSection, out_dir: Path, seed: int, progress: bool) 
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     times["save"] = time.perf_counter() - t
-    train_s = done["seconds"] - done["first_step_seconds"]
     text_bytes = sum(len(t.encode()) for _, t in docs)
     info = {
         "build": "code", "seed": seed, "corpus": corpus,
@@ -146,15 +165,7 @@ def _build(target_cfg: TargetSection, out_dir: Path, seed: int, progress: bool) 
                       "trained_on_chars": sum(len(x) for x in sample),
                       "bytes_per_token": round(text_bytes / max(1, stream.size - len(docs)), 3)},   # EOS left out
         "params": sum(p.numel() for p in model.parameters()),
-        "pretrain": {"device": str(device),
-                     "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-                     "compile": pre.compile, "steps": done["steps"], "max_steps": pre.steps,
-                     "batch_size": pre.batch_size, "seq_len": pre.seq_len, "lr": pre.lr,
-                     "tokens_seen": done["tokens_seen"], "epochs": round(done["tokens_seen"] / stream.size, 3),
-                     "seconds": round(done["seconds"], 3), "first_step_seconds": round(done["first_step_seconds"], 3),
-                     "tokens_per_s": round((done["tokens_seen"] - pre.batch_size * pre.seq_len) / train_s, 1)
-                     if done["steps"] > 1 and train_s > 0 else None,
-                     "max_seconds": pre.max_seconds, "stopped_by": done["stopped_by"], **loss_summary(done["losses"])},
+        "pretrain": _pretrain_record(pre, device, done, stream.size),
         "heldout": heldout, "pretrain_eval": seen,
         "seconds": round(time.perf_counter() - t0, 3), "phase_seconds": {k: round(v, 3) for k, v in times.items()},
     }

@@ -1,9 +1,11 @@
-"""The gather of the data stage: parts (one per data shard) -> length buckets, holdout.jsonl and manifest.json.
+"""The gather of the data stage, where the parallel parts of the chain meet: parts (one per data shard) -> step
+`shard` (length buckets in a seeded order), holdout.jsonl and the manifest.
 
 Public:
 - `read_part(part_dir)` -> part: part.json's fields, "samples" (a memory-mapped datasets.Dataset), "holdout" (rows)
-- `finish(loaded, parts, out_dir)` -> manifest: merge the parts' counts, write the buckets, the holdout and the
-  manifest into `out_dir`. The content (and its hash) is the same for any number of parts.
+- `gathered(loaded, parts, out_dir)` -> manifest (unsealed): merge the parts' counts, write the buckets and the holdout
+  into `out_dir`; `write_manifest(out_dir, manifest)` seals and writes it; `finish` is both. The content (and its
+  hash) is the same for any number of parts.
 """
 from __future__ import annotations
 
@@ -19,18 +21,20 @@ from dflash.config_model import DflashConfig
 from dflash.data import shards
 from dflash.data.manifest import Manifest
 from dflash.data.rows import min_supervised_tokens, rank, reasons
+from dflash.data.tokenise import target_tokenizer
 from dflash.errors import UserError
 
 log = logging.getLogger("dflash.data")
+PART = "part.json"      # a part's record, beside its samples/ and holdout.jsonl
 
 
 def read_part(folder) -> dict:
     """A part folder: part.json's fields, "samples" (a memory-mapped datasets.Dataset) and "holdout" (rows)."""
     from datasets import load_from_disk
     folder = Path(folder)
-    if not (folder / "part.json").is_file():
+    if not (folder / PART).is_file():
         raise UserError(f"{folder}: not a data part (no part.json): run `python -m dflash data --shard I/N` first")
-    part = json.loads((folder / "part.json").read_text())
+    part = json.loads((folder / PART).read_text())
     part["samples"] = load_from_disk(str(folder / "samples"))
     part["holdout"] = shards.read_holdout(folder)
     return part
@@ -134,20 +138,26 @@ def _write_samples(cfg: DflashConfig, parts, holdout, out_dir: Path) -> dict:
 
 
 def _tokenizer_facts(cfg: DflashConfig) -> dict:
-    from transformers import AutoConfig
-
-    from dflash.target import load_tokenizer, mask_token_id
-    tokenizer = load_tokenizer(cfg.target)
-    tconf = AutoConfig.from_pretrained(str(cfg.target.path), trust_remote_code=cfg.target.trust_remote_code)
-    vocab_size = int(getattr(tconf, "vocab_size", len(tokenizer)))
+    from dflash.target import mask_token_id
+    tokenizer, vocab_size = target_tokenizer(cfg)
     return {"size": len(tokenizer), "vocab_size": vocab_size, "pad_token_id": tokenizer.pad_token_id,
             "eos_token_id": tokenizer.eos_token_id, "mask_token_id": mask_token_id(tokenizer, vocab_size)}
 
 
 def finish(loaded: Loaded, parts: list[dict], out_dir) -> dict:
-    """The gather: merge the parts' counts, write the length buckets, holdout.jsonl and the manifest into `out_dir`.
-    The content (and its hash) is the same for any number of parts: samples are ordered by a seeded hash of their
-    id and every per-row decision is a function of the row."""
+    """`gathered`, then the manifest written (`write_manifest`); returns what was written."""
+    return write_manifest(out_dir, gathered(loaded, parts, out_dir))
+
+
+def write_manifest(out_dir, manifest: dict) -> dict:
+    """manifest.json into `out_dir`, with the file hashes and its own hash, checked by the manifest's model."""
+    return shards.write_manifest(out_dir, manifest, Manifest)
+
+
+def gathered(loaded: Loaded, parts: list[dict], out_dir) -> dict:
+    """The gather: merge the parts' counts, write the length buckets and holdout.jsonl into `out_dir`; returns the
+    manifest (not written). The content (and its hash) is the same for any number of parts: samples are ordered by a
+    seeded hash of their id and every per-row decision is a function of the row."""
     t_start = time.time()
     cfg = loaded.cfg
     d = cfg.data
@@ -193,4 +203,4 @@ def finish(loaded: Loaded, parts: list[dict], out_dir) -> dict:
         "seconds": round(max(p["seconds"] for p in parts) + time.time() - t_start, 3),
         "created_at": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
-    return shards.write_manifest(out_dir, manifest, Manifest)   # + the file hashes and its own hash, checked
+    return manifest

@@ -2,6 +2,9 @@
 OpenAI-compatible server: vLLM, SGLang, `transformers serve`), and a cache of finished chunks keyed by conversation.
 
 Public:
+- `regenerated(cfg, convs, n, tokenizer, spill, cache_dir, tally, stats)`: the data chain's step `regenerate` (the
+  conversations to train on, regenerated or as they are, into a spill); `default_cache_dir(cfg)`: where finished
+  chunks are kept
 - `regenerate_stream(convs, total, tokenizer, cfg, cache_dir, stats, progress=True)` -> yields (conv, messages | reason)
   for an iterable of {"hash", "messages", ...}, in order. Every turn is generated from the locally rendered chat template (the same text
   for both engines); the responses come back as text and the caller re-tokenises the whole conversation, so
@@ -20,6 +23,7 @@ or a damaged disk) is set aside as `<name>.torn` with one warning line, and its 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -31,6 +35,8 @@ from pathlib import Path
 from dflash.atomic import atomic_write_text
 from dflash.config_model import DflashConfig, RegenerateSection
 from dflash.data.generate import regenerate
+from dflash.data.spill import Spill
+from dflash.data.tally import Tally
 from dflash.data.tokenise import prompt_ids, render
 from dflash.errors import UserError, io_error
 
@@ -298,71 +304,129 @@ def load_cache_file(path) -> dict[str, dict]:
                                                      f"delete it and rerun") from None
 
 
+def _chunked(items, n: int):
+    chunk = []
+    for c in items:
+        chunk.append(c)
+        if len(chunk) == n:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+class _Chunks:
+    """The chunks of one regeneration: each one's conversations from the cache, or regenerated (the engine made at the
+    first miss) and the chunk written before anything of it is yielded; `stats` and the progress (a bar, or a log line
+    every 30 s) kept up to date."""
+
+    def __init__(self, cfg: DflashConfig, tokenizer, cache_dir: Path, stats: dict, total: int, progress, engine,
+                 shard: int):
+        from tqdm import tqdm
+        r = cfg.data.regenerate
+        self.cfg, self.tokenizer, self.cache_dir, self.stats, self.total = cfg, tokenizer, cache_dir, stats, total
+        self.progress, self.engine, self.shard = progress, engine, shard
+        self.index = CacheIndex(cache_dir)
+        stats.update({"enabled": True, "engine": r.engine, "max_new_tokens": r.max_new_tokens,
+                      "temperature": r.temperature, "conversations": 0, "cached": 0, "tokens": 0, "seconds": 0.0,
+                      "tokens_per_s": 0.0, "cache": str(cache_dir)})
+        log.info("regeneration (%s): %d conversations, %d finished ones in %s", r.engine, total,
+                 len(self.index.where), cache_dir)
+        self.bar = tqdm(total=total, desc=f"regenerate ({r.engine})", unit="conv", disable=not progress,
+                        mininterval=2.0)
+        self.t_gen, self.last_log = 0.0, time.time()
+
+    def process(self, chunk: list[dict]):
+        """Yield (conversation, messages or reject reason) for each of `chunk`."""
+        todo = [c for c in chunk if c["hash"] not in self.index]
+        self.stats["conversations"] += len(chunk)
+        self.stats["cached"] += len(chunk) - len(todo)
+        fresh = self._generate(todo) if todo else {}
+        self._report(len(chunk))
+        for c in chunk:
+            e = fresh.get(c["hash"]) or self.index.get(c["hash"])
+            yield c, (e["reject"] if "reject" in e else e["messages"])
+
+    def _generate(self, todo: list[dict]) -> dict[str, dict]:
+        """Regenerate `todo`, write its chunk; {hash: entry}."""
+        cfg, r = self.cfg, self.cfg.data.regenerate
+        if self.engine is None:
+            self.engine = make_engine(cfg, self.shard)
+            if r.engine == "hf":
+                self.stats["device"] = str(next(self.engine.model.parameters()).device)
+        t0 = time.time()
+        seed = cfg.seed + int(todo[0]["hash"][:8], 16) if r.temperature > 0 else cfg.seed
+        prompt_text = lambda m: render(self.tokenizer, m, add_generation_prompt=True)    # noqa: E731
+        entries, n = _regenerate_chunk(self.engine, self.tokenizer, todo, cfg.data.max_length, seed, prompt_text)
+        self.index.add(write_chunk(self.cache_dir, entries).name, entries)
+        self.stats["tokens"] += n
+        self.t_gen += time.time() - t0
+        return {e["hash"]: e for e in entries}
+
+    def _report(self, n: int):
+        st, rate = self.stats, self.stats["tokens"] / max(self.t_gen, 1e-9)
+        self.bar.update(n)
+        self.bar.set_postfix(tok_s=f"{rate:.0f}")
+        if not self.progress and time.time() - self.last_log > 30:
+            self.last_log = time.time()
+            log.info("regenerated %d/%d conversations (%d from the cache), %d tokens, %.0f tok/s",
+                     st["conversations"], self.total, st["cached"], st["tokens"], rate)
+
+    def close(self):
+        self.bar.close()
+        if isinstance(self.engine, HFEngine):
+            from dflash.data.decode import release
+            release(self.engine.model)                           # its static decoder's KV cache
+        self.stats["seconds"] = round(self.t_gen, 3)
+        self.stats["tokens_per_s"] = round(self.stats["tokens"] / max(self.t_gen, 1e-9), 1)
+
+
 def regenerate_stream(convs, total: int, tokenizer, cfg: DflashConfig, cache_dir, stats: dict, progress=True,
                       engine=None, shard: int = 0):
     """Yield (conversation, messages list or reject reason str) for an iterable of {"hash", "messages", ...},
     `chunk_size` at a time: a chunk's conversations found in the cache come from it, the others are regenerated
     (the engine starts at the first miss) and the chunk is written before anything of it is yielded. `stats` is
     filled in place (tokens, seconds, cached...)."""
-    from tqdm import tqdm
-
-    r = cfg.data.regenerate
     cache_dir = Path(cache_dir)
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise io_error(e, cache_dir) or e
-    index = CacheIndex(cache_dir)
-    stats.update({"enabled": True, "engine": r.engine, "max_new_tokens": r.max_new_tokens,
-                  "temperature": r.temperature, "conversations": 0, "cached": 0, "tokens": 0, "seconds": 0.0,
-                  "tokens_per_s": 0.0, "cache": str(cache_dir)})
-    log.info("regeneration (%s): %d conversations, %d finished ones in %s", r.engine, total, len(index.where),
-             cache_dir)
-    prompt_text = lambda m: render(tokenizer, m, add_generation_prompt=True)    # noqa: E731
-    bar = tqdm(total=total, desc=f"regenerate ({r.engine})", unit="conv", disable=not progress, mininterval=2.0)
-    t_gen = 0.0
-    last_log = time.time()
+    chunks = _Chunks(cfg, tokenizer, cache_dir, stats, total, progress, engine, shard)
+    for chunk in _chunked(convs, cfg.data.regenerate.chunk_size):
+        yield from chunks.process(chunk)
+    chunks.close()
 
-    def process(chunk):
-        nonlocal engine, t_gen, last_log
-        todo = [c for c in chunk if c["hash"] not in index]
-        stats["conversations"] += len(chunk)
-        stats["cached"] += len(chunk) - len(todo)
-        fresh = {}
-        if todo:
-            if engine is None:
-                engine = make_engine(cfg, shard)
-                if r.engine == "hf":
-                    stats["device"] = str(next(engine.model.parameters()).device)
-            t0 = time.time()
-            seed = cfg.seed + int(todo[0]["hash"][:8], 16) if r.temperature > 0 else cfg.seed
-            entries, n = _regenerate_chunk(engine, tokenizer, todo, cfg.data.max_length, seed, prompt_text)
-            name = write_chunk(cache_dir, entries).name
-            index.add(name, entries)
-            fresh = {e["hash"]: e for e in entries}
-            stats["tokens"] += n
-            t_gen += time.time() - t0
-        bar.update(len(chunk))
-        bar.set_postfix(tok_s=f"{stats['tokens'] / max(t_gen, 1e-9):.0f}")
-        if not progress and time.time() - last_log > 30:
-            last_log = time.time()
-            log.info("regenerated %d/%d conversations (%d from the cache), %d tokens, %.0f tok/s",
-                     stats["conversations"], total, stats["cached"], stats["tokens"], stats["tokens"] / max(t_gen, 1e-9))
-        for c in chunk:
-            e = fresh.get(c["hash"]) or index.get(c["hash"])
-            yield c, (e["reject"] if "reject" in e else e["messages"])
 
-    chunk = []
-    for c in convs:
-        chunk.append(c)
-        if len(chunk) == r.chunk_size:
-            yield from process(chunk)
-            chunk = []
-    if chunk:
-        yield from process(chunk)
-    bar.close()
-    if isinstance(engine, HFEngine):
-        from dflash.data.decode import release
-        release(engine.model)                           # its static decoder's KV cache
-    stats["seconds"] = round(t_gen, 3)
-    stats["tokens_per_s"] = round(stats["tokens"] / max(t_gen, 1e-9), 1)
+# ---- the step ---------------------------------------------------------------------------------------------------
+
+def default_cache_dir(cfg: DflashConfig) -> Path:
+    """Where finished regeneration chunks are kept across runs: <results_dir>/data/<dataset>.regen/<key>. A cache made
+    under the key of before (the target by its files' mtimes) is taken over, renamed: its responses are kept."""
+    from dflash import paths
+    root = Path(f"{paths.dataset(cfg.results_dir, cfg.dataset_name)}.regen")
+    folder, legacy = root / cache_key(cfg), root / cache_key(cfg, legacy=True)
+    if not folder.exists() and legacy.is_dir():
+        with contextlib.suppress(OSError):   # another shard's job took it over first
+            legacy.rename(folder)
+    return folder
+
+
+def regenerated(cfg: DflashConfig, convs, n: int, tokenizer, spill: Spill, cache_dir, tally: Tally, stats: dict,
+                progress=True, shard: int = 0) -> Spill:
+    """Step `regenerate`: the `n` conversations `convs` to train on, into `spill` as {id, source, messages (JSON)}:
+    regenerated by the target when data.regenerate.enabled (resumable: finished chunks kept in `cache_dir`, default
+    `default_cache_dir`; a conversation that could not be is a counted reject), else as they are. `stats`: the
+    regeneration's figures (manifest.json `regeneration`), filled in place."""
+    if cfg.data.regenerate.enabled:
+        cache_dir = Path(cache_dir) if cache_dir else default_cache_dir(cfg)
+        for c, r in regenerate_stream(convs, n, tokenizer, cfg, cache_dir, stats, progress=progress, shard=shard):
+            if isinstance(r, str):
+                tally.reject(c["source"], r)
+            else:
+                spill.add({"id": c["id"], "source": c["source"], "messages": json.dumps(r, ensure_ascii=False)})
+    else:
+        for c in convs:
+            spill.add({"id": c["id"], "source": c["source"], "messages": json.dumps(c["messages"], ensure_ascii=False)})
+    spill.close()
+    return spill

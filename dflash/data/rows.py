@@ -4,7 +4,8 @@ so the dataset is the same however the rows are split into shards.
 Public:
 - `conv_hash(messages)`: a conversation's identity; `shard_of(conv_hash, nshards)`: the shard it belongs to
 - `rank(seed, sid)`: a sample's seeded place (holdout choice, weighting, shard order)
-- `min_supervised_tokens(cfg)`: the fewest supervised tokens a row may have
+- `min_supervised_tokens(cfg)`: the fewest supervised tokens a row may have; `num_proc(data_cfg)`: processes that
+  tokenise
 - `tokenise_batch(batch, ...)`: datasets.map function: tokenise, truncate or drop, reject too few supervised tokens
 - `weighted(rows, weight, seed)`, `weight_batch(batch, weights, seed)`: a source's weight as row copies
 - `REMEDY`, `reasons(counts)`: reject reasons with their counts and what to change
@@ -15,7 +16,7 @@ import hashlib
 import json
 from collections import Counter
 
-from dflash.config_model import DflashConfig
+from dflash.config_model import DataSection, DflashConfig
 from dflash.data.tokenise import conversation_ids
 
 
@@ -35,6 +36,12 @@ def rank(seed, sid: str) -> str:
 
 def min_supervised_tokens(cfg: DflashConfig) -> int:
     return max(1, int(-(-cfg.data.min_supervised_blocks * cfg.drafter.block_size // 1)))
+
+
+def num_proc(d: DataSection) -> int:
+    """data.num_proc, 0 being every core."""
+    import os
+    return d.num_proc or os.cpu_count() or 1
 
 
 def tokenise_batch(batch, tokenizer, stop_strings, max_length, truncation, min_sup):

@@ -1,4 +1,10 @@
-"""Reading sources and normalising rows into conversations; malformed rows become counted rejects.
+"""The first two steps of the data chain: read (the configured sources: files, datasets, the hub, the built-in
+corpora) and normalise (rows into conversations); malformed rows become counted rejects.
+
+Steps (each records into a read `Tally`: `rows`, and the reject reasons of the rows it drops):
+- `source_specs(data_cfg)` -> [SourceSpec]: data.sources plus the enabled built-in sources
+- `read(spec, cfg, tally)` -> Row iterator; `normalised(rows, spec, tally)` -> conversations
+  {id, source, file, evaluable, messages}
 
 A source yields `Row(source, index, value, reject, file, evaluable)`; `normalise(row)` turns a row in ShareGPT
 (`conversations`: `from`/`value`) or OpenAI (`messages`: `role`/`content`) form into `[{"role", "content"}]` with
@@ -12,7 +18,8 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
-from dflash.config_model import SourceSection
+from dflash.config_model import DataSection, DflashConfig, SourceSection
+from dflash.data.tally import Tally
 from dflash.errors import UserError
 
 ROLE_ALIASES = {
@@ -235,6 +242,62 @@ def read_rows(spec: SourceSpec) -> Iterator[Row]:
             break
         n += 1
         yield row
+
+
+BUILTIN_SOURCES = {"stdlib": "builtin_corpus", "code": "code_completion"}   # source name: the data section enabling it
+
+
+def source_specs(dcfg: DataSection) -> list[SourceSpec]:
+    """data.sources, then the enabled built-in sources (a name once)."""
+    specs = [SourceSpec.of(s) for s in dcfg.sources]
+    names = [s.name for s in specs]
+    for name, section in BUILTIN_SOURCES.items():
+        if getattr(dcfg, section).enabled:
+            if name in names:
+                raise UserError(f"data.sources: the name '{name}' is taken by the built-in source data.{section}")
+            specs.append(SourceSpec(name=name, path="<builtin>", kind="builtin", format="openai"))
+            names.append(name)
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise UserError(f"data.sources: duplicate source name(s) {', '.join(dup)}")
+    return specs
+
+
+def _source_rows(spec: SourceSpec, cfg: DflashConfig) -> Iterator[Row]:
+    if spec.kind == "builtin" and spec.name == "code":
+        from dflash.data import code_corpus
+        from dflash.data.rows import num_proc
+        convs = code_corpus.completion_source(cfg.target.pretrain, cfg.data.code_completion,
+                                              processes=num_proc(cfg.data))
+        return (Row("code", i, c, file=c["file"], evaluable=c["heldout"]) for i, c in enumerate(convs))
+    if spec.kind == "builtin":
+        from dflash.data import corpus
+        convs = corpus.conversations(cfg.data.builtin_corpus.max_conversations, seed=0)
+        return (Row("stdlib", i, c) for i, c in enumerate(convs))
+    return read_rows(spec)
+
+
+def read(spec: SourceSpec, cfg: DflashConfig, tally: Tally) -> Iterator[Row]:
+    """Step `read`: the rows of one source (counted: `rows`); a row that could not be parsed is a counted reject."""
+    for row in _source_rows(spec, cfg):
+        tally.counts[spec.name]["rows"] += 1
+        if row.reject:
+            tally.reject(spec.name, row.reject)
+            continue
+        yield row
+
+
+def normalised(rows: Iterator[Row], spec: SourceSpec, tally: Tally) -> Iterator[dict]:
+    """Step `normalise`: rows -> conversations {id, source, file, evaluable, messages}; a row that is no conversation
+    is a counted reject (`normalise`'s reason). A built-in source's rows keep their own id."""
+    for row in rows:
+        msgs = normalise(row.value, spec.format)
+        if isinstance(msgs, str):
+            tally.reject(spec.name, msgs)
+            continue
+        rid = row.value.get("id") if spec.kind == "builtin" else None
+        yield {"id": rid or f"{spec.name}-{row.index}", "source": spec.name, "file": row.file,
+               "evaluable": row.evaluable, "messages": msgs}
 
 
 # ---- normalisation -------------------------------------------------------------------------------------------

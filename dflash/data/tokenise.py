@@ -1,12 +1,23 @@
 """Conversations through the target's chat template: token ids, the loss mask of the assistant turns, prompts.
 
 Public:
+- `target_tokenizer(cfg)` -> (the target's tokenizer, its vocab_size: the target config's, else len(tokenizer))
 - `render(tokenizer, messages, add_generation_prompt=False)` -> the chat template's text
 - `end_of_turn_strings(tokenizer)` -> the end-of-turn strings that close an assistant turn (and belong to its loss mask)
 - `prompt_ids(tokenizer, messages)` -> ids of the chat template up to and including the assistant generation prompt
 - `conversation_ids(tokenizer, messages, stop_strings=None)` -> (input_ids, loss_mask) or a reject reason (str)
 """
 from __future__ import annotations
+
+
+def target_tokenizer(cfg):
+    """(the target's tokenizer, its vocab_size: the target config's, else len(tokenizer))."""
+    from transformers import AutoConfig
+
+    from dflash.target import load_tokenizer
+    tokenizer = load_tokenizer(cfg.target)
+    tconf = AutoConfig.from_pretrained(str(cfg.target.path), trust_remote_code=cfg.target.trust_remote_code)
+    return tokenizer, int(getattr(tconf, "vocab_size", len(tokenizer)))
 
 
 def render(tokenizer, messages, add_generation_prompt=False) -> str:

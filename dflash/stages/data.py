@@ -48,35 +48,45 @@ def _shard(text):
 
 
 def run(loaded: Loaded, args) -> int:
-    from dflash import paths
     from dflash.atomic import atomic_dir
-    from dflash.config import REPO, inside
-    from dflash.data import expand as E
-    from dflash.data import gather
+    from dflash.data import expand, gather
     from dflash.data.shards import MANIFEST
     from dflash.data.tiny_target import cpu_threads
-    from dflash.errors import UserError
 
+    shard, out = _where(loaded, args)
+    record_file, layout, write = ((gather.PART, PART_LAYOUT, expand.write_part) if shard else
+                                  (MANIFEST, DATASET_LAYOUT, gather.write_manifest))
+    with cpu_threads(args.threads), atomic_dir(out, record_file, layout, REMEDY) as tmp:
+        record = expand.build(loaded, tmp, shard=shard, parts=args.gather, cache_dir=args.cache,
+                              progress=not args.no_progress)
+        record = write(tmp, record)
+    (_log_part if shard else _log_dataset)(record, out)
+    return 0
+
+
+def _where(loaded: Loaded, args):
+    """((I, N) for a part, else None; the folder it goes to, inside the results or the repository)."""
+    from dflash import paths
+    from dflash.config import REPO, inside
+    from dflash.errors import UserError
     if args.shard and args.gather:
         raise UserError("--shard and --gather: give one of them")
-    if args.shard:
-        i, n = _shard(args.shard)
-        if not args.out:
-            raise UserError("--shard needs --out (the part folder)")
-        inside(args.out, loaded.cfg.results_dir, REPO)
-        with cpu_threads(args.threads), atomic_dir(args.out, "part.json", PART_LAYOUT, REMEDY) as tmp:
-            part = E.expand_part(loaded, i, n, tmp, cache_dir=args.cache, progress=not args.no_progress)
-        log.info("data part %d/%d: %d samples, %d holdout, regenerated %d tokens (%d conversations cached) -> %s",
-                 i, n, len(part["samples"]), len(part["holdout"]), part["regeneration"].get("tokens", 0),
-                 part["regeneration"].get("cached", 0), args.out)
-        return 0
+    shard = _shard(args.shard) if args.shard else None
+    if shard and not args.out:
+        raise UserError("--shard needs --out (the part folder)")
     out = args.out or paths.dataset(loaded.cfg.results_dir, loaded.cfg.dataset_name)
     inside(out, loaded.cfg.results_dir, REPO)
-    with cpu_threads(args.threads), atomic_dir(out, MANIFEST, DATASET_LAYOUT, REMEDY) as tmp:
-        if args.gather:
-            m = gather.finish(loaded, [gather.read_part(p) for p in args.gather], tmp)
-        else:
-            m = E.expand(loaded, tmp, progress=not args.no_progress, cache_dir=args.cache)
+    return shard, out
+
+
+def _log_part(part: dict, out):
+    regen, st = part["regeneration"], part["stats"].values()
+    log.info("data part %d/%d: %d samples, %d holdout, regenerated %d tokens (%d conversations cached) -> %s",
+             part["shard"], part["shards"], sum(s["samples"] for s in st), sum(s["holdout"] for s in st),
+             regen.get("tokens", 0), regen.get("cached", 0), out)
+
+
+def _log_dataset(m: dict, out):
     regen = m["regeneration"]
     log.info("dataset %s: %d samples, %d tokens (%d supervised), buckets %s, holdout %d, content %s%s, %.1fs -> %s",
              m["dataset"], m["num_samples"], m["total_tokens"], m["supervised_tokens"], m["buckets"], m["holdout"],
@@ -90,4 +100,3 @@ def run(loaded: Loaded, args) -> int:
     if few["rejected"]:
         log.info("  too_few_supervised: fewer than %d supervised tokens (%s)", few["min_supervised_tokens"],
                  ", ".join(f"{k} {v}" for k, v in few["keys"].items()))
-    return 0
