@@ -1,7 +1,7 @@
 """README.md model card of an exported drafter."""
 from __future__ import annotations
 
-from dflash.acceptance_model import AcceptanceCore, engines
+from dflash.records.acceptance import AcceptanceCore, engines
 from dflash.config_model import DflashConfig
 
 
@@ -18,8 +18,7 @@ def _tau(acc: AcceptanceCore | None) -> str:
     setting = f"{acc.num_prompts} held-out prompts, {acc.max_new_tokens} new tokens, lossless {acc.lossless}"
     if t == 0:
         return f"{_fmt(acc.tau)} (temperature 0, greedy: the same under every engine; {setting})"
-    by = {k: b.tau for k, b in acc.by_proposal.items()} if acc.by_proposal else {acc.proposal or "sample": acc.tau}
-    taus = "; ".join(f"{_fmt(tau)} with {k} drafts ({engines(k)})" for k, tau in by.items())
+    taus = "; ".join(f"{_fmt(tau)} with {k} drafts ({engines(k)})" for k, tau in acc.policy_taus().items())
     return f"{taus} (temperature {t:g}; {setting})"
 
 

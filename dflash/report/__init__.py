@@ -31,7 +31,7 @@ def build(runs_dir: str | Path, out: str | Path, settings: ReportSection) -> Res
     the plots, report.md. `settings`: the config's `report` section."""
     from dflash.atomic import atomic_write_json, atomic_write_text
     from dflash.report import history, markdown, placement, plots, regress
-    from dflash.report.regressions_model import Regressions
+    from dflash.records.regressions import Regressions
 
     out = Path(out)
     found, skipped = history.scan_runs(runs_dir)
@@ -52,7 +52,7 @@ def build(runs_dir: str | Path, out: str | Path, settings: ReportSection) -> Res
         "skipped": skipped,
         "runs": records,
     }
-    Regressions.model_validate_json(json.dumps(doc, default=str))   # the file's record, exactly (regressions_model.py)
+    Regressions.model_validate_json(json.dumps(doc, default=str))   # the file's record, exactly (records/regressions.py)
     atomic_write_json(out / "regressions.json", doc)
     pngs = plots.make_all(runs, records, settings, out)
     atomic_write_text(out / "report.md", markdown.render(runs, records, pngs, out, settings, skipped, split))

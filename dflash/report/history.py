@@ -8,7 +8,7 @@ overwritten by the next run of the same name. A snapshot's summary is never rewr
 acceptance.json: a re-evaluation becomes `acceptance` and the one it replaces moves to `earlier_evaluations` (oldest
 first), so the report shows the figure on disk and the earlier one stays visible. The history's `tau` is the
 temperature-0 tau (quality is judged there); `tau_by_proposal` is that of an evaluation at temperature > 0, by draft
-policy (who drafts each way: acceptance_model.ENGINES): `T=0.7: argmax 2.960; sample 1.160`.
+policy (who drafts each way: records.acceptance.ENGINES): `T=0.7: argmax 2.960; sample 1.160`.
 
 The history is never rewritten smaller than what any of its sources holds: a run that history.csv holds but whose
 snapshot is gone (deleted, damaged) gets its snapshot back from its row (`{"run_id", "restored_from", "row"}`: the
@@ -29,11 +29,11 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from dflash.acceptance_model import AcceptanceCore
+from dflash.records.acceptance import AcceptanceCore
 from dflash.atomic import atomic_write_json, atomic_write_text
 from dflash.device_names import normalize
 from dflash.records import problem
-from dflash.run_summary import SummaryCore
+from dflash.records.summary import SummaryCore
 
 log = logging.getLogger("dflash.report")
 
@@ -99,7 +99,7 @@ def parse_time(text) -> datetime | None:
 
 # ---- reading run folders -----------------------------------------------------------------------------------
 def validate_summary(data, path: Path) -> dict:
-    """`data` when it holds what the report needs of a summary (dflash/run_summary.py: SummaryCore; everything else
+    """`data` when it holds what the report needs of a summary (dflash/records/summary.py: SummaryCore; everything else
     is optional), else BadSummary naming the file and the key."""
     if not isinstance(data, dict):
         raise BadSummary(f"{path}: expected a JSON object, got {type(data).__name__}")
@@ -114,7 +114,7 @@ def validate_summary(data, path: Path) -> dict:
 
 def evaluation(data) -> AcceptanceCore | None:
     """An evaluation (an acceptance.json's content, as a run folder or a snapshot holds it) through its reader view,
-    dflash/acceptance_model.py's AcceptanceCore; None for none, or for one whose keys have other types
+    dflash/records/acceptance.py's AcceptanceCore; None for none, or for one whose keys have other types
     (`read_acceptance` names those and keeps them out of the history)."""
     try:
         return AcceptanceCore.model_validate(data) if isinstance(data, dict) else None
@@ -138,8 +138,7 @@ def proposal_taus(data) -> tuple[float, dict[str, float]] | None:
     t = to_float(a.temperature) if a is not None else None
     if not t:
         return None
-    by = a.by_proposal if a.by_proposal is not None else {a.proposal or "sample": a}
-    taus = {k: to_float(v.tau) for k, v in by.items()}
+    taus = {k: to_float(tau) for k, tau in a.policy_taus().items()}
     taus = {k: v for k, v in taus.items() if v is not None}
     return (t, taus) if taus else None
 

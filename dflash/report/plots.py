@@ -12,7 +12,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from dflash.acceptance_model import engines  # noqa: E402
+from dflash.records.acceptance import engines  # noqa: E402
 from dflash.config_model import ReportSection  # noqa: E402
 from dflash.report.history import TIME_KEYS, Run, proposal_taus, to_float  # noqa: E402
 

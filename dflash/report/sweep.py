@@ -1,6 +1,6 @@
 """The sweep table (`python -m dflash report --sweep`): every run of a config's sweep (dflash/sweep.py) read from its
 run folder, its seed group's mean and spread, which groups beat the baseline's spread, and tau against training time:
-sweep.json (the record, report/sweep_model.py), sweep.md and sweep_tau_gpu_seconds.png, each written atomically.
+sweep.json (the record, records/sweep.py), sweep.md and sweep_tau_gpu_seconds.png, each written atomically.
 
 A run's tau at temperature 0 is its acceptance.json's when the evaluate stage decoded it there, else its last
 in-training evaluation when that is the stage's measure (made at the last step of a finished run, on
@@ -17,9 +17,9 @@ import logging
 from pathlib import Path
 
 from dflash import paths
-from dflash.acceptance_model import AcceptanceCore
+from dflash.records.acceptance import AcceptanceCore
 from dflash.config import roles
-from dflash.report.sweep_model import Group, Point, SweepRecord, SweepRun
+from dflash.records.sweep import Group, Point, SweepRecord, SweepRun
 from dflash.sweep import Run, Sweep
 
 log = logging.getLogger("dflash.report")
@@ -63,8 +63,7 @@ def _row(run: Run, runs_dir: Path, results: str, group: str) -> tuple[SweepRun, 
         if a.temperature == 0:
             tau, by, lossless = a.tau, "evaluate", a.lossless
         elif a.temperature is not None:
-            hot[f"{a.temperature:g}"] = {p: fig.tau for p, fig in (a.by_proposal or {}).items()} or \
-                {a.proposal or "sample": a.tau}
+            hot[f"{a.temperature:g}"] = a.policy_taus()
     if tau is None and s and (replay := _replayed(run, s)) is not None:
         tau, by = replay, "in-training replay"
     rows = read_metrics(folder / "metrics.jsonl") if (folder / "metrics.jsonl").is_file() else []

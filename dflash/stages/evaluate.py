@@ -46,7 +46,7 @@ def run(loaded: Loaded, args) -> int:
     from dflash.families import embed_scale
     from dflash.evaluate import acceptance as A
     from dflash.evaluate import loading as L
-    from dflash.acceptance_model import Acceptance
+    from dflash.records.acceptance import Acceptance, policies
     from dflash.stages import check_run_config
     from dflash.target import load_target, load_tokenizer, resolve_device, stop_token_ids, target_files
     from dflash.train.checkpoint import ended_with, load_drafter
@@ -93,7 +93,7 @@ def run(loaded: Loaded, args) -> int:
             name += "_"
         sets[name] = L.read_prompt_file(path, tok, int(target.config.vocab_size))
     total = sum(len(v) for v in sets.values())
-    proposals = A.policies(ev.proposal, ev.temperature)
+    proposals = policies(ev.proposal, ev.temperature)
     log.info("evaluating drafter %s (block %d) on %d prompt(s) in %d set(s), %d new tokens each, temperature %s "
              "(drafts: %s), %s", source, bsz, total, len(sets), ev.max_new_tokens, ev.temperature,
              " and ".join(proposals), device)
@@ -134,7 +134,7 @@ def run(loaded: Loaded, args) -> int:
         **overall,
         "sets": results,
     }
-    Acceptance.model_validate_json(json.dumps(doc))   # the file's record, exactly (dflash/acceptance_model.py)
+    Acceptance.model_validate_json(json.dumps(doc))   # the file's record, exactly (dflash/records/acceptance.py)
     if not doc["lossless"] and dtype == torch.float32:
         atomic_write_json(failed, doc)
         raise UserError(f"greedy speculative decoding differs from plain greedy decoding on "

@@ -113,12 +113,12 @@ def _read(path, remedy: str):
 
 
 def _acceptance(path):
-    """The run's evaluation through its reader view (dflash/acceptance_model.py: AcceptanceCore), for the card; None
+    """The run's evaluation through its reader view (dflash/records/acceptance.py: AcceptanceCore), for the card; None
     without one (no file); a damaged one, or one whose keys have other types, is refused, naming the file (and the
     key)."""
     from pydantic import ValidationError
 
-    from dflash.acceptance_model import AcceptanceCore
+    from dflash.records.acceptance import AcceptanceCore
     from dflash.errors import UserError
     from dflash.records import problem
     data = _read(path, "rerun evaluate (snakemake -R evaluate)")

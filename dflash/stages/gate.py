@@ -6,7 +6,8 @@ import sys
 from pathlib import Path
 
 from dflash.config import Loaded
-from dflash.report.regressions_model import RegressionsCore, RunCore, read
+from dflash.records import read
+from dflash.records.regressions import RegressionsCore, RunCore
 
 log = logging.getLogger("dflash.report")
 
@@ -40,7 +41,7 @@ def run(loaded: Loaded, args) -> int:
 
     out = check_file_ours(args.out or paths.report(loaded.cfg.results_dir) / "gate.json", ("passed",), "gate")
     path = Path(args.regressions or paths.report(loaded.cfg.results_dir) / "regressions.json")
-    latest = latest_of(read(path), loaded.cfg.run_name)
+    latest = latest_of(read(path, RegressionsCore, "rerun the report stage"), loaded.cfg.run_name)
     kinds = regressed(latest)
     fail = bool(loaded.cfg.report.fail_on_regression)
     if fail and kinds:

@@ -5,7 +5,7 @@ results/compile/<device>.json."""
 import json
 import logging
 
-from dflash.compile_record import CompileRecord, CompileRecordCore
+from dflash.records.compile import CompileRecord, CompileRecordCore
 from dflash.config import Loaded
 from dflash.config_model import TrainSection
 
@@ -88,7 +88,7 @@ def run(loaded: Loaded, args) -> int:
     total = {k: sum(r[k] for r in records) for k in ("graphs", "cache_hits", "cache_misses", "seconds")}
     record = {"device": str(device), **total, "seconds": round(total["seconds"], 3), "per_role": records,
               "env_hash": ctx.env["hash"], "cache_dir": str(cache)}
-    CompileRecord.model_validate_json(json.dumps(record))   # the file's record, exactly (dflash/compile_record.py)
+    CompileRecord.model_validate_json(json.dumps(record))   # the file's record, exactly (dflash/records/compile.py)
     atomic_write_json(out, record)
     for r in records:
         log.info("warm-up %s (%s): %d shape(s), %d graph(s), %d cache hit(s), %.1f s", device, r["role"],

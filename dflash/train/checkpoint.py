@@ -1,6 +1,6 @@
 """Checkpoints: `checkpoints/<identity>/step-000050/` holds the drafter in the reference format (config.json +
 model.safetensors, loadable as is by `DFlashDraftModel`, SGLang, vLLM), the optimizer and RNG state (torch.save, read
-back with weights_only=True), trainer.json (the trainer's state: checkpoint_records.TrainerState), and last
+back with weights_only=True), trainer.json (the trainer's state: records.checkpoint.TrainerState), and last
 manifest.json (size and xxh3-128 hash of every file). Which identity folder a run uses, resumes or restores is
 train/run_folder.py's.
 
@@ -28,7 +28,7 @@ from dflash import paths
 from dflash.atomic import atomic_dir, atomic_write_json, read_json
 from dflash.errors import UserError, disk_full, io_error
 from dflash.records import problem
-from dflash.train.checkpoint_records import TrainerCore, TrainerState
+from dflash.records.checkpoint import TrainerCore, TrainerState
 
 log = logging.getLogger("dflash.train")
 
@@ -104,7 +104,7 @@ def _describe(path: Path) -> dict:
 # ---- finding and verifying -----------------------------------------------------------------------------------
 def verify(path, names=FILES) -> str | None:
     """None if the files `names` of checkpoint `path` match its manifest (and trainer.json, when among them, fits
-    checkpoint_records.TrainerCore), else why not (one phrase)."""
+    records.checkpoint.TrainerCore), else why not (one phrase)."""
     path = Path(path)
     try:
         files = read_json(path / MANIFEST)["files"]
@@ -133,7 +133,7 @@ def verify(path, names=FILES) -> str | None:
 
 
 def trainer_state(path) -> TrainerCore:
-    """Checkpoint `path`'s trainer.json through its reader view (checkpoint_records.TrainerCore); UserError naming the
+    """Checkpoint `path`'s trainer.json through its reader view (records.checkpoint.TrainerCore); UserError naming the
     file and the key otherwise."""
     f = Path(path, TRAINER)
     try:

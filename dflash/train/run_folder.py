@@ -33,7 +33,7 @@ from dflash.errors import UserError
 from dflash.records import problem
 from dflash.train.checkpoint import (MANIFEST, candidates, describe, latest, manifest_hash, newest_intact, step_of,
                                      trainer_state)
-from dflash.train.checkpoint_records import Finished, FinishedCore, TrainerCore
+from dflash.records.checkpoint import Finished, FinishedCore, TrainerCore
 
 log = logging.getLogger("dflash.train")
 
@@ -129,7 +129,7 @@ def set_aside(folder: Path, why: str) -> Path:
 # ---- a finished run's outputs --------------------------------------------------------------------------------
 def record_finished(run_dir, final: dict, outputs: dict[str, str] | None = None) -> None:
     """Keep a finished run's outputs (OUTPUTS, as written; or `outputs`) in its identity's folder, beside the
-    checkpoint `final` (summary.json's `checkpoint`) it ended with: the record checkpoint_records.Finished describes,
+    checkpoint `final` (summary.json's `checkpoint`) it ended with: the record records.checkpoint.Finished describes,
     checked first."""
     record = {"checkpoint": final, "outputs": outputs or {n: Path(run_dir, n).read_text() for n in OUTPUTS}}
     Finished.model_validate(record)
@@ -224,7 +224,7 @@ def _outputs_on_disk(run_dir: Path, ref: dict) -> dict[str, str] | None:
 def _outputs_of(final: Path, ref: dict) -> dict[str, str] | None:
     """summary.json and metrics.jsonl rebuilt from the final checkpoint's trainer.json: the summary as it stood at
     that step (naming the checkpoint), the metrics rows byte for byte as the run wrote them."""
-    from dflash.run_summary import RunSummary
+    from dflash.records.summary import RunSummary
     from dflash.train.metrics import SMOOTHED
     saved = trainer_state(final)
     if saved.summary is None or saved.metrics is None:

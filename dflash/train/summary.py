@@ -5,7 +5,7 @@ import logging
 from datetime import datetime, timezone
 
 from dflash.atomic import atomic_write_json
-from dflash.run_summary import RunSummary
+from dflash.records.summary import RunSummary
 from dflash.target import target_record
 from dflash.train import checkpoint, compile_guard, run_folder
 from dflash.train.context import data_summary, git_state, read_manifest
@@ -21,7 +21,7 @@ def write(ctx, metrics, workers: list[dict], status: str, devices: list[dict], c
     summary = build(ctx, metrics, workers, status, devices, checksums, failure)
     folder = run_folder.home(ctx.run_dir, run_folder.identity(ctx))
     summary["checkpoint"] = checkpoint.describe(ctx.run_dir, checkpoint.step_dir(folder, metrics.step))
-    RunSummary.model_validate(summary)   # exactly the keys and types dflash/run_summary.py describes
+    RunSummary.model_validate(summary)   # exactly the keys and types dflash/records/summary.py describes
     atomic_write_json(ctx.run_dir / "summary.json", summary)
     if status == "completed" and summary["checkpoint"]:   # a rerun of this finished run restores these outputs
         run_folder.record_finished(ctx.run_dir, summary["checkpoint"])

@@ -119,7 +119,7 @@ class Replica:
         self.base_s = self.elapsed = 0.0   # training seconds before this process (resume); at the last step, agreed
         self.finished_by = None         # "steps" | "time_budget" once the run reached its end
         self.live = None                # dflash.evaluate.live.LiveEval: tau measured every train.eval_every steps
-        self.resumed = None             # the trainer state it resumed from (checkpoint_records.TrainerCore)
+        self.resumed = None             # the trainer state it resumed from (records.checkpoint.TrainerCore)
 
     # the clock of the training time (time.perf_counter); a class attribute so that tests can run on a fake one
     clock = staticmethod(time.perf_counter)

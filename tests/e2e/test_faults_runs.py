@@ -232,7 +232,7 @@ def test_a_finished_run_is_restored_from_its_final_checkpoint_alone(tmp_path, ca
         {k: v for k, v in was.items() if k not in ("workers", "devices", "replica_checksums", "replicas_identical",
                                                    "finished_at", "target_files")}
     assert now["workers"] == now["devices"] == [] and now["checkpoint"]["path"].endswith("/step-000004")
-    from dflash.run_summary import RunSummary
+    from dflash.records.summary import RunSummary
     from dflash.train.checkpoint import ended_with
     RunSummary.model_validate(now)
     assert ended_with(run_dir(cfg)) == ckpt(cfg, 4)                           # what evaluate and export read

@@ -16,17 +16,27 @@ from pydantic import BaseModel, Field, field_validator
 
 from dflash.records import WRITTEN, Read, key_table as records_table
 
-# Who decodes with each draft policy at temperature > 0, today (one source: acceptance.json's `engines`, the model
-# card, the report's tables and plots). vLLM drafts argmax by default; its `draft_sample_method: probabilistic` samples
-# each DFlash position independently (the `sample` policy), lossless only from vLLM PR #54282 on.
+# The draft policies at temperature > 0 and who decodes with each, today (the one source: acceptance.json's `engines`,
+# the model card, the report's tables and plots). vLLM drafts argmax by default; its `draft_sample_method:
+# probabilistic` samples each DFlash position independently (the `sample` policy), lossless only from vLLM PR #54282 on.
 ENGINES = {"argmax": ["vLLM (default)", "SGLang", "TensorRT-LLM"],
            "sample": ["DeepSpec", "dflash 0.1.0 (reference package)",
                       "vLLM draft_sample_method: probabilistic (lossless from vLLM PR #54282)"]}
+OLDEST = "sample"   # the policy of a file written before `proposal` was (the first evaluations sampled their drafts)
 
 
 def engines(policy: str) -> str:
     """The engines of a draft policy, as one phrase ("vLLM (default), SGLang, TensorRT-LLM")."""
     return ", ".join(ENGINES.get(policy, []))
+
+
+def policies(proposal: str, temperature: float) -> list[str]:
+    """The draft policies to decode with (evaluate.proposal), the top-level one first: at temperature 0 only argmax
+    (greedy acceptance is one rule for both); above it argmax and sample for `auto` and `both`, else the one named."""
+    if temperature <= 0:
+        return ["argmax"]
+    return {"auto": ["argmax", "sample"], "both": ["argmax", "sample"], "argmax": ["argmax"],
+            "sample": ["sample"]}[proposal]
 
 
 class Decoding(BaseModel):
@@ -160,6 +170,12 @@ class AcceptanceCore(Read):
             raise ValueError("a prompt set's tau is not a number")
         taus = [t for t in taus if t is not None and not math.isnan(t)]
         return sum(taus) / len(taus) if taus else None
+
+    def policy_taus(self) -> dict[str, float | None]:
+        """{draft policy: tau}: `by_proposal`'s, else (a file without it) its one tau under its policy (`OLDEST`)."""
+        if self.by_proposal:
+            return {k: b.tau for k, b in self.by_proposal.items()}
+        return {self.proposal or OLDEST: self.tau}
 
 
 def key_table() -> str:

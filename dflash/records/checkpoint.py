@@ -12,7 +12,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from dflash.records import WRITTEN, Read, key_table as records_table
-from dflash.run_summary import CheckpointCore, CheckpointRef
+from dflash.records.summary import CheckpointCore, CheckpointRef
 
 
 class TrainerCore(Read):

@@ -1,5 +1,5 @@
 """regressions.json, the report stage's verdicts: one typed description for its writer (report/__init__.py `build`,
-from the records of report/regress.py and report/placement.py), its reader (stages/gate.py, through `read`) and the
+from the records of report/regress.py and report/placement.py), its reader (stages/gate.py, through `dflash.records.read`) and the
 docs (docs/architecture.md, checked against it by a test).
 
 `Regressions` is every key the writer writes, with its meaning (it validates the file, as JSON, before writing);
@@ -8,13 +8,10 @@ quality was judged lacks `regressed` and `quality`: its Ktok/s verdict alone).
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field
 
-from dflash.errors import UserError
 from dflash.records import WRITTEN, Read, key_table as records_table
 
 Verdict = Literal["regression", "improvement", "ok", "not measured", "baseline", "first run", "no baseline"]
@@ -227,23 +224,6 @@ class Regressions(RegressionsCore):
         "time split, or ran on one GPU without co-locating."))
     skipped: list[Skipped] = Field(description="Inputs the report could not use, named (`Skipped`).")
     runs: list[RunVerdict] = Field(description=RegressionsCore.model_fields["runs"].description)
-
-
-def read(path: str | Path) -> RegressionsCore:
-    """The report's regressions.json through the reader's view, else a UserError naming the file and the key."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise UserError(f"{path}: cannot read the report's verdicts ({e}); run the report stage first") from None
-    if not isinstance(data, dict):
-        raise UserError(f"{path}: expected a JSON object; rerun the report stage")
-    try:
-        return RegressionsCore.model_validate(data)
-    except ValidationError as e:
-        err = e.errors()[0]
-        raise UserError(f"{path}: key '{'.'.join(map(str, err['loc']))}': {err['msg']}; rerun the report stage") \
-            from None
 
 
 def key_table() -> str:
