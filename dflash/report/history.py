@@ -29,10 +29,11 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from dflash.records.acceptance import AcceptanceCore
 from dflash.atomic import atomic_write_json, atomic_write_text
 from dflash.device_names import normalize
+from dflash.paths import RunFolder
 from dflash.records import problem
+from dflash.records.acceptance import AcceptanceCore
 from dflash.records.summary import SummaryCore
 
 log = logging.getLogger("dflash.report")
@@ -61,7 +62,7 @@ class Run:
     its history.csv row, whose details are gone: it is compared by its hashes)."""
     row: dict
     snapshot: dict = field(default_factory=dict)
-    folder: Path | None = None          # the run folder it was read from this time (None: history only)
+    folder: RunFolder | None = None     # the run folder it was read from this time (None: history only)
     restored_from: str | None = None    # "history.csv:N" when only its row survives
 
     @property
@@ -211,7 +212,7 @@ def scan_runs(runs_dir: str | Path) -> tuple[list[tuple[Path, dict]], list[dict]
         log.warning("%s: no runs folder; the report uses the history alone", runs_dir)
         return found, skipped
     for folder in sorted(p for p in runs_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        path = folder / "summary.json"
+        path = RunFolder(folder).summary
         try:
             if not path.is_file():
                 raise BadSummary(f"{path}: missing (run folder without a summary; did the run finish?)")
@@ -223,7 +224,7 @@ def scan_runs(runs_dir: str | Path) -> tuple[list[tuple[Path, dict]], list[dict]
         except (BadSummary, OSError) as e:
             skipped.append(_skip(path, str(e).removeprefix(f"{path}: ")))
             continue
-        acceptance, bad = read_acceptance(folder / "acceptance.json", summary)
+        acceptance, bad = read_acceptance(RunFolder(folder).acceptance(), summary)
         skipped += [bad] if bad else []
         found.append((folder, dict(summary, _acceptance=acceptance)))
     return found, skipped
@@ -443,6 +444,7 @@ class History:
 
     @staticmethod
     def _run(rel: str, snap: dict, folder: Path | None) -> Run:
+        folder = RunFolder(folder) if folder is not None else None
         if "restored_from" in snap:
             return Run(row=dict(snap["row"], snapshot=rel), folder=folder, restored_from=snap["restored_from"])
         return Run(row=to_row(snap, rel), snapshot=snap, folder=folder)

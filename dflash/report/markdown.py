@@ -52,7 +52,7 @@ def _where(run: Run) -> str:
     there."""
     if run.folder is None:
         return "its run folder is gone (the history keeps its figures only)"
-    out = run.folder / "drafter"
+    out = run.folder.drafter
     config = out / "config.json"
     if not config.is_file():
         return f"not exported yet: the export stage writes it to `{out}/`"
@@ -133,7 +133,7 @@ def answers(run: Run | None) -> list[str]:
 def tau_while_training(run: Run | None) -> list[str]:
     """The latest run's in-training tau against the training time it took (metrics.jsonl; `plots.time_key`): one
     line, what more training would buy; [] without a run folder or any such row."""
-    metrics = run.folder / "metrics.jsonl" if run is not None and run.folder is not None else None
+    metrics = run.folder.metrics if run is not None and run.folder is not None else None
     rows = read_metrics(metrics) if metrics is not None and metrics.is_file() else []
     key = time_key(rows)
     pts = tau_points(rows, key) if key else []

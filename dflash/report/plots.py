@@ -212,7 +212,7 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def training_latest(run: Run | None, path: Path) -> Path:
-    metrics = run.folder / "metrics.jsonl" if run is not None and run.folder is not None else None
+    metrics = run.folder.metrics if run is not None and run.folder is not None else None
     if metrics is None or not metrics.is_file():
         why = "its run folder is gone" if run is not None and run.folder is None else "no metrics.jsonl"
         return _placeholder(path, "Training curves of the latest run",

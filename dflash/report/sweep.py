@@ -17,8 +17,9 @@ import logging
 from pathlib import Path
 
 from dflash import paths
-from dflash.records.acceptance import AcceptanceCore
 from dflash.config import roles
+from dflash.paths import RunFolder
+from dflash.records.acceptance import AcceptanceCore
 from dflash.records.sweep import Group, Point, SweepRecord, SweepRun
 from dflash.sweep import Run, Sweep
 
@@ -51,13 +52,13 @@ def _replayed(run: Run, summary: dict) -> float | None:
 def _row(run: Run, runs_dir: Path, results: str, group: str) -> tuple[SweepRun, str | None, dict]:
     """The run's row, the time key of its metrics and its summary ({} when it has none)."""
     from dflash.report.plots import read_metrics, tau_points, time_key
-    folder = runs_dir / run.name
-    s = _json(folder / "summary.json") or {}
+    folder = RunFolder(runs_dir / run.name)
+    s = _json(folder.summary) or {}
     manifest = _json(paths.dataset(results, run.dataset) / "manifest.json") or {}
     tau = by = lossless = None
     hot: dict[str, dict[str, float | None]] = {}
-    for f in sorted(folder.glob("acceptance*.json")):
-        if f.name.endswith(".failed.json") or (a := _json(f)) is None:
+    for f in folder.evaluations():
+        if (a := _json(f)) is None:
             continue
         a = AcceptanceCore.model_validate(a)
         if a.temperature == 0:
@@ -66,7 +67,7 @@ def _row(run: Run, runs_dir: Path, results: str, group: str) -> tuple[SweepRun, 
             hot[f"{a.temperature:g}"] = a.policy_taus()
     if tau is None and s and (replay := _replayed(run, s)) is not None:
         tau, by = replay, "in-training replay"
-    rows = read_metrics(folder / "metrics.jsonl") if (folder / "metrics.jsonl").is_file() else []
+    rows = read_metrics(folder.metrics) if folder.metrics.is_file() else []
     key = time_key(rows)
     return SweepRun(run=run.name, own=run.own, overrides=run.overrides, group=group, seed=run.loaded.cfg.seed,
                     dataset=run.dataset, samples=manifest.get("num_samples"), status=s.get("status"),

@@ -53,7 +53,7 @@ def run(loaded: Loaded, args) -> int:
 
     cfg, ev = loaded.cfg, loaded.cfg.evaluate
     run_dir = Path(args.run_dir) if args.run_dir else paths.run(cfg.results_dir, cfg.run_name)
-    out = Path(args.out) if args.out else run_dir / "acceptance.json"
+    out = Path(args.out) if args.out else paths.RunFolder(run_dir).acceptance()
     failed = out.with_name(out.stem + ".failed.json")
     for f in (out, failed):   # before minutes of decoding: a folder, or a file that is not ours, is refused now
         check_file_ours(f, OURS, "evaluate")
@@ -155,11 +155,11 @@ def _trained_on(target_cfg, run_dir):
     """The fingerprint of the target the run was trained on (summary.json's `target_files`), checked against the
     target folder now: a target changed since is refused, naming the file. None when the summary records none."""
     import json
-    from pathlib import Path
 
     from dflash.errors import UserError
+    from dflash.paths import RunFolder
     from dflash.target import target_problem
-    summary = Path(run_dir, "summary.json")
+    summary = RunFolder(run_dir).summary
     try:
         files = json.loads(summary.read_text()).get("target_files")
     except (OSError, ValueError, AttributeError):

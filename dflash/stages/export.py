@@ -49,7 +49,8 @@ def run(loaded: Loaded, args) -> int:
 
     cfg = loaded.cfg
     run_dir = Path(args.run_dir) if args.run_dir else paths.run(cfg.results_dir, cfg.run_name)
-    out = Path(args.out) if args.out else run_dir / "drafter"
+    folder = paths.RunFolder(run_dir)
+    out = Path(args.out) if args.out else folder.drafter
     check_out(out)
     if args.same_config and not args.checkpoint:
         check_run_config(loaded, run_dir)
@@ -70,11 +71,11 @@ def run(loaded: Loaded, args) -> int:
     # the mask token's text, which SGLang checks against the target's tokenizer (docs/serving.md)
     mask_token = load_tokenizer(cfg.target).convert_ids_to_tokens(dcfg.mask_token_id)
 
-    summary = _read(run_dir / "summary.json", "retrain the run (snakemake -R train)")
-    acceptance = _acceptance(run_dir / "acceptance.json")
+    summary = _read(folder.summary, "retrain the run (snakemake -R train)")
+    acceptance = _acceptance(folder.acceptance())
     # the card states its tau: of this very drafter
     if acceptance is not None and Path(str(acceptance.drafter)).resolve() != ckpt.resolve():
-        raise UserError(f"{run_dir / 'acceptance.json'} evaluated {acceptance.drafter}, not {ckpt}: evaluate "
+        raise UserError(f"{folder.acceptance()} evaluated {acceptance.drafter}, not {ckpt}: evaluate "
                         f"this drafter first (snakemake -R evaluate)")
     manifest = _read(Path(args.data or paths.dataset(cfg.results_dir, cfg.dataset_name)) / "manifest.json",
                      "rerun the data stage (snakemake -R data)")

@@ -58,7 +58,7 @@ def start(loaded: Loaded, ctx, args) -> int:
 
     if ctx.placement.runtime == "distributed":
         return distributed.launch(ctx, args)
-    atomic_write_text(ctx.run_dir / "config.yaml", yaml.safe_dump(loaded.raw, sort_keys=False))
+    atomic_write_text(ctx.folder.config, yaml.safe_dump(loaded.raw, sort_keys=False))
     log.info("run %s: %s runtime, targets %s, drafters %s, attention %s", loaded.cfg.run_name, ctx.placement.runtime,
              [str(d) for d in ctx.placement.targets], [str(d) for d in ctx.placement.drafters], ctx.backend)
     return train(ctx, threads.Threads(), progress=not args.no_progress)

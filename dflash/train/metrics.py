@@ -134,7 +134,7 @@ class RunMetrics:
     def __init__(self, ctx, progress: bool = True):
         self.ctx = ctx
         self.cfg: DflashConfig = ctx.cfg
-        self.path = ctx.run_dir / "metrics.jsonl"
+        self.path = ctx.folder.metrics
         self.lock = threading.Lock()
         self.pending: list[tuple] = []
         self.rows: list[dict] = []

@@ -22,7 +22,7 @@ def write(ctx, metrics, workers: list[dict], status: str, devices: list[dict], c
     folder = run_folder.home(ctx.run_dir, run_folder.identity(ctx))
     summary["checkpoint"] = checkpoint.describe(ctx.run_dir, checkpoint.step_dir(folder, metrics.step))
     RunSummary.model_validate(summary)   # exactly the keys and types dflash/records/summary.py describes
-    atomic_write_json(ctx.run_dir / "summary.json", summary)
+    atomic_write_json(ctx.folder.summary, summary)
     if status == "completed" and summary["checkpoint"]:   # a rerun of this finished run restores these outputs
         run_folder.record_finished(ctx.run_dir, summary["checkpoint"])
         run_folder.prune(ctx.run_dir, ctx.cfg.train.keep_runs, folder)

@@ -159,9 +159,10 @@ def launch(ctx, args) -> int:
 
 def local_rank_pids(run_dir) -> list[int]:
     import json
-    from pathlib import Path
+
+    from dflash.paths import RunFolder
     pids = []
-    for f in Path(run_dir, "ranks").glob("rank-*.json"):
+    for f in RunFolder(run_dir).ranks.glob("rank-*.json"):
         try:
             info = json.loads(f.read_text())
         except (OSError, ValueError):
@@ -235,7 +236,7 @@ class Ranks:
         self.is_target, r = rank < self.T, rank - self.T
         self.name = f"target-{rank}" if self.is_target else f"drafter-{r}"
         logging.getLogger().name = self.name
-        atomic_write_json(ctx.run_dir / "ranks" / f"rank-{rank}.json",
+        atomic_write_json(ctx.folder.ranks / f"rank-{rank}.json",
                           {"rank": rank, "name": self.name, "device": str(device), "pid": os.getpid(),
                            "backend": backend, "host": os.uname().nodename})
         self.stop = False
