@@ -54,8 +54,9 @@ M = TypeVar("M", bound=BaseModel)
 
 
 def write(path: str | Path, model: BaseModel) -> Path:
-    """`model` as its file, atomically: JSON, indented 2, its keys in the model's order (its extra keys last)."""
-    return atomic_write_json(path, model.model_dump())
+    """`model` as its file, atomically: JSON, indented 2, the keys it was given in the model's order (a key it was
+    not given, with a default, is left out: e.g. a warm-up part's `modules`, the target's alone)."""
+    return atomic_write_json(path, model.model_dump(exclude_unset=True))
 
 
 def read(path: str | Path, view: type[M], remedy: str) -> M:

@@ -90,18 +90,37 @@ class Mismatch(BaseModel):
     plain: list[int] = Field(description="Up to 8 plain tokens from there.")
 
 
-class PromptSet(SetFigures):
+def _like(model: type[BaseModel], name: str):
+    """A field with the meaning of `model`'s field `name` (a record that lays its keys out in another order)."""
+    return Field(description=model.model_fields[name].description)
+
+
+class PromptSet(BaseModel):
+    """One prompt set's figures (`sets.<name>`), its keys in the order the file holds them: the policy, the prompts,
+    that policy's figures (`SetFigures`) with plain decoding beside the speculative, every policy's."""
     model_config = WRITTEN
 
-    prompts: int = Field(description="Prompts in the set.")
-    plain: Decoding = Field(description="Plain decoding, once per prompt for every policy (`Decoding`).")
     proposal: str = Field(description="The policy of this set's figures (as the top level's).")
+    prompts: int = Field(description="Prompts in the set.")
+    tau: float | None = _like(SetFigures, "tau")
+    tau_prompt_mean: float | None = _like(SetFigures, "tau_prompt_mean")
+    tau_uncapped: float | None = _like(SetFigures, "tau_uncapped")
+    verify_steps: int = _like(SetFigures, "verify_steps")
+    tokens: int = _like(SetFigures, "tokens")
+    acceptance_histogram: dict[str, int] = _like(SetFigures, "acceptance_histogram")
+    acceptance_distribution: dict[str, float] = _like(SetFigures, "acceptance_distribution")
+    acceptance_per_position: list[float | None] = _like(SetFigures, "acceptance_per_position")
+    drafted_per_position: list[int] = _like(SetFigures, "drafted_per_position")
+    speculative: Decoding = _like(SetFigures, "speculative")
+    plain: Decoding = Field(description="Plain decoding, once per prompt for every policy (`Decoding`).")
+    speedup: float | None = _like(SetFigures, "speedup")
     by_proposal: dict[str, SetFigures] = Field(description="{policy: its figures on this set} (`SetFigures`).")
     lossless: bool = Field(description="Greedy speculative output token-identical to plain greedy on every prompt.")
     mismatches: list[Mismatch] = Field(description="Where they differ (`Mismatch`).")
 
 
-class Acceptance(Figures):
+class Evaluated(BaseModel):
+    """What was evaluated and how: the head of acceptance.json (`Acceptance`), before the figures."""
     model_config = WRITTEN
 
     run_name: str = Field(description="The config's run_name.")
@@ -120,6 +139,13 @@ class Acceptance(Figures):
     stop_token_ids: list[int] = Field(description="Tokens that end a generation.")
     proposal: str = Field(description=(
         "The draft policy of the top-level figures: argmax (when decoded; always at temperature 0) or sample."))
+
+
+class Acceptance(Figures, Evaluated):
+    """acceptance.json: the head (`Evaluated`), the top-level policy's pooled figures (`Figures`), every policy's,
+    every prompt set's (the order of its keys in the file: the classes' in reverse)."""
+    model_config = WRITTEN
+
     by_proposal: dict[str, Figures] = Field(description="{policy: its pooled figures} (`Figures`).")
     engines: dict[str, list[str]] = Field(description="{policy: serving engines that run it}.")
     lossless: bool = Field(description="Every set lossless.")

@@ -34,7 +34,7 @@ def test_the_warmup_stage_writes_exactly_the_compile_record_model(tmp_path, monk
     is exactly dflash/records/compile.py's; a part with a key the model does not describe is refused unwritten."""
     from dflash.cli import main
     from dflash.records.compile import CompileRecord
-    from dflash.stages import warmup
+    from dflash.train import warmup
 
     cfg = prepared(tmp_path, drafters=["cpu"])
     out = tmp_path / "results" / "compile" / "cpu.json"

@@ -14,7 +14,7 @@ from dflash.records import acceptance as acceptance_rec, checkpoint as checkpoin
 from dflash.records import read, regressions
 from dflash.report import build, history, regress
 from dflash.stages import gate
-from dflash.stages.export import _acceptance
+from dflash.evaluate.modelcard import read_evaluation as _acceptance
 from support.report_factory import acceptance, settings, summary, with_pkg, write_run
 
 

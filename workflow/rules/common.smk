@@ -124,9 +124,8 @@ def data_of(wildcards):
 def evaluations(run):
     """The evaluate stage's outputs of a run: acceptance.json and one per other temperature (none when the sweep
     takes its tau from its training, sweep.evaluate own)."""
-    r = SWEEP.runs[run]
-    return [run_file(run, "acceptance.json")] * r.decoded + [run_file(run, f"acceptance-t{t:g}.json")
-                                                              for t in r.temperatures]
+    r, folder = SWEEP.runs[run], paths.RunFolder(paths.run(RESULTS, run))
+    return [str(folder.acceptance())] * r.decoded + [str(folder.acceptance(t)) for t in r.temperatures]
 TARGET_DIR = CFG.target.path
 # the target folder the target rule builds (its output, so a rebuild reruns what reads it); with build none the folder
 # is the user's, an input each rule that reads it names (reads) and its stamp holds by content
