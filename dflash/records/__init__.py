@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dflash.atomic import atomic_write_json
 from dflash.errors import UserError
@@ -26,6 +26,12 @@ class Read(BaseModel):
 
 # The writer's record: exactly these keys.
 WRITTEN = ConfigDict(strict=True, extra="forbid")
+
+
+def like(model: type[BaseModel], name: str, *default):
+    """A field with the meaning of `model`'s field `name` (`default`: where a file lacks it): a reader's view of a
+    writer's key, or a record that lays out another's keys in its own order."""
+    return Field(*default, description=model.model_fields[name].description)
 
 
 def problem(e: ValidationError) -> str:

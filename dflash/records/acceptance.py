@@ -14,7 +14,7 @@ import math
 
 from pydantic import BaseModel, Field, field_validator
 
-from dflash.records import WRITTEN, Read, key_table as records_table
+from dflash.records import WRITTEN, Read, key_table as records_table, like
 
 # The draft policies at temperature > 0 and who decodes with each, today (the one source: acceptance.json's `engines`,
 # the model card, the report's tables and plots). vLLM drafts argmax by default; its `draft_sample_method:
@@ -90,11 +90,6 @@ class Mismatch(BaseModel):
     plain: list[int] = Field(description="Up to 8 plain tokens from there.")
 
 
-def _like(model: type[BaseModel], name: str):
-    """A field with the meaning of `model`'s field `name` (a record that lays its keys out in another order)."""
-    return Field(description=model.model_fields[name].description)
-
-
 class PromptSet(BaseModel):
     """One prompt set's figures (`sets.<name>`), its keys in the order the file holds them: the policy, the prompts,
     that policy's figures (`SetFigures`) with plain decoding beside the speculative, every policy's."""
@@ -102,18 +97,18 @@ class PromptSet(BaseModel):
 
     proposal: str = Field(description="The policy of this set's figures (as the top level's).")
     prompts: int = Field(description="Prompts in the set.")
-    tau: float | None = _like(SetFigures, "tau")
-    tau_prompt_mean: float | None = _like(SetFigures, "tau_prompt_mean")
-    tau_uncapped: float | None = _like(SetFigures, "tau_uncapped")
-    verify_steps: int = _like(SetFigures, "verify_steps")
-    tokens: int = _like(SetFigures, "tokens")
-    acceptance_histogram: dict[str, int] = _like(SetFigures, "acceptance_histogram")
-    acceptance_distribution: dict[str, float] = _like(SetFigures, "acceptance_distribution")
-    acceptance_per_position: list[float | None] = _like(SetFigures, "acceptance_per_position")
-    drafted_per_position: list[int] = _like(SetFigures, "drafted_per_position")
-    speculative: Decoding = _like(SetFigures, "speculative")
+    tau: float | None = like(SetFigures, "tau")
+    tau_prompt_mean: float | None = like(SetFigures, "tau_prompt_mean")
+    tau_uncapped: float | None = like(SetFigures, "tau_uncapped")
+    verify_steps: int = like(SetFigures, "verify_steps")
+    tokens: int = like(SetFigures, "tokens")
+    acceptance_histogram: dict[str, int] = like(SetFigures, "acceptance_histogram")
+    acceptance_distribution: dict[str, float] = like(SetFigures, "acceptance_distribution")
+    acceptance_per_position: list[float | None] = like(SetFigures, "acceptance_per_position")
+    drafted_per_position: list[int] = like(SetFigures, "drafted_per_position")
+    speculative: Decoding = like(SetFigures, "speculative")
     plain: Decoding = Field(description="Plain decoding, once per prompt for every policy (`Decoding`).")
-    speedup: float | None = _like(SetFigures, "speedup")
+    speedup: float | None = like(SetFigures, "speedup")
     by_proposal: dict[str, SetFigures] = Field(description="{policy: its figures on this set} (`SetFigures`).")
     lossless: bool = Field(description="Greedy speculative output token-identical to plain greedy on every prompt.")
     mismatches: list[Mismatch] = Field(description="Where they differ (`Mismatch`).")
@@ -153,9 +148,9 @@ class Acceptance(Figures, Evaluated):
         "{name: figures per prompt set}: `holdout`, then one per evaluate.prompt_files stem (`PromptSet`)."))
 
 
-def _as(name: str, default=None):
-    """A reader's field: `default` where a file lacks the key, the writer's meaning."""
-    return Field(default, description=Acceptance.model_fields[name].description)
+def _as(name: str):
+    """A reader's field with the writer's meaning: None where a file lacks the key."""
+    return like(Acceptance, name, None)
 
 
 class TauCore(Read):

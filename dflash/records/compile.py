@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from dflash.records import WRITTEN, Read, key_table as records_table
+from dflash.records import WRITTEN, Read, key_table as records_table, like
 
 
 class Shape(BaseModel):
@@ -64,8 +64,8 @@ class CompileRecord(BaseModel):
 
 class CompileRecordCore(Read):
     """What makes a file the warm-up's own (checked before a rerun replaces it)."""
-    device: str = Field(description=CompileRecord.model_fields["device"].description)
-    env_hash: str = Field(description=CompileRecord.model_fields["env_hash"].description)
+    device: str = like(CompileRecord, "device")
+    env_hash: str = like(CompileRecord, "env_hash")
 
 
 def key_table() -> str:

@@ -14,7 +14,6 @@ the drafter's shape comes from the folder's config.json, never from the YAML.
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import random
@@ -28,7 +27,7 @@ from dflash import paths
 from dflash.paths import RunFolder
 from dflash.atomic import atomic_dir, atomic_write_json, read_json
 from dflash.errors import UserError, disk_full, io_error
-from dflash.records import problem
+from dflash.records import problem, write
 from dflash.records.checkpoint import TrainerCore, TrainerState
 
 log = logging.getLogger("dflash.train")
@@ -53,10 +52,9 @@ def save(folder, step: int, data_index: int, drafter, optimizer, scheduler, iden
     nothing behind."""
     from dflash.model.export import save_drafter
     out = step_dir(folder, step)
-    state = {"step": step, "data_index": data_index, "scheduler": scheduler.state_dict(), "python_random": _py_state(),
-             **identity, "metrics": list(metrics), "finished": finished_by is not None, "finished_by": finished_by,
-             "summary": summary}
-    TrainerState.model_validate_json(json.dumps(state, default=str))   # the file's record, exactly
+    state = TrainerState(step=step, data_index=data_index, scheduler=scheduler.state_dict(), python_random=_py_state(),
+                         **identity, metrics=list(metrics), finished=finished_by is not None, finished_by=finished_by,
+                         summary=summary)
     try:
         with atomic_dir(out) as tmp:
             save_drafter(drafter, tmp / "drafter")           # the reference format, exactly as `export` writes it
@@ -66,7 +64,7 @@ def save(folder, step: int, data_index: int, drafter, optimizer, scheduler, iden
             _torch_save(optimizer.state_dict(), tmp / OPTIMIZER)
             _torch_save({"torch": torch.get_rng_state(),
                          "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}, tmp / RNG)
-            atomic_write_json(tmp / TRAINER, state)
+            write(tmp / TRAINER, state)
             atomic_write_json(tmp / MANIFEST, {"step": step, "hash": HASH,
                                                "files": {n: _describe(tmp / n) for n in FILES}})
     except Exception as e:
@@ -90,7 +88,7 @@ def _torch_save(obj, path: Path):
 
 def _py_state():
     version, state, gauss = random.getstate()
-    return [version, list(state), gauss]
+    return version, list(state), gauss
 
 
 def _describe(path: Path) -> dict:

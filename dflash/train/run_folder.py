@@ -31,7 +31,7 @@ from dflash import paths
 from dflash.paths import RunFolder
 from dflash.atomic import atomic_write_json, atomic_write_text
 from dflash.errors import UserError
-from dflash.records import problem
+from dflash.records import problem, write
 from dflash.train.checkpoint import (MANIFEST, candidates, describe, latest, manifest_hash, newest_intact, step_of,
                                      trainer_state)
 from dflash.records.checkpoint import Finished, FinishedCore, TrainerCore
@@ -131,11 +131,9 @@ def set_aside(folder: Path, why: str) -> Path:
 # ---- a finished run's outputs --------------------------------------------------------------------------------
 def record_finished(run_dir, final: dict, outputs: dict[str, str] | None = None) -> None:
     """Keep a finished run's outputs (OUTPUTS, as written; or `outputs`) in its identity's folder, beside the
-    checkpoint `final` (summary.json's `checkpoint`) it ended with: the record records.checkpoint.Finished describes,
-    checked first."""
-    record = {"checkpoint": final, "outputs": outputs or {n: Path(run_dir, n).read_text() for n in OUTPUTS}}
-    Finished.model_validate(record)
-    atomic_write_json(Path(run_dir, final["path"]).parent / FINISHED, record)
+    checkpoint `final` (summary.json's `checkpoint`) it ended with: finished.json (records.checkpoint.Finished)."""
+    record = Finished(checkpoint=final, outputs=outputs or {n: Path(run_dir, n).read_text() for n in OUTPUTS})
+    write(Path(run_dir, final["path"]).parent / FINISHED, record)
 
 
 def restore(setup, retrain: bool = False) -> FinishedCore | None:

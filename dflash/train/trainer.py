@@ -290,7 +290,7 @@ class Replica:
         self.metrics.flush()
         self.schedule.elapsed_s = self.elapsed
         with self.metrics.paused():   # writing a checkpoint is no training: out of Ktok/s and the utilisation
-            kept = summary.build(self.ctx, self.metrics, [], "completed", []) if self.finished_by else None
+            kept = summary.build(self.ctx, self.metrics, [], "completed", []).model_dump() if self.finished_by else None
             checkpoint.save(run_folder.home(self.ctx.run_dir, self.identity), step, self.index(step, 0) - self.rank,
                             self.drafter, self.optimizer, self.schedule, self.identity, self.metrics.rows_upto(step),
                             self.finished_by, kept)
