@@ -1,6 +1,7 @@
 """The evaluate stage's work: the target and a drafter loaded, every prompt set (the held-out prompts, then
 evaluate.prompt_files) decoded speculatively and plainly with each draft policy (evaluate/acceptance.py), and
-acceptance.json's record returned (`Acceptance`, dflash/records/acceptance.py). The stage checks its paths and writes."""
+acceptance.json's record returned (`Acceptance`, dflash/records/acceptance.py); the stage checks its paths and
+writes it."""
 from __future__ import annotations
 
 import datetime

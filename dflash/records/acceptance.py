@@ -1,7 +1,8 @@
-"""acceptance.json, the evaluate stage's record: one typed description for its writer (stages/evaluate.py, from the
-figures of evaluate/acceptance.py), its readers (report/history.py, report/markdown.py, stages/export.py and the model
-card it writes) and the docs (docs/architecture.md, checked against it by a test). Beside summary.json's model, below
-both `evaluate` and `report`: the report reads it without importing the evaluation (torch).
+"""acceptance.json, the evaluate stage's record: one typed description for its writer (evaluate/run.py builds it from
+the figures of evaluate/acceptance.py, stages/evaluate.py writes it), its readers (report/history.py,
+report/markdown.py, the export's model card: evaluate/modelcard.py) and the docs (docs/architecture.md, checked
+against it by a test). Beside summary.json's model, below both `evaluate` and `report`: the report reads it without
+importing the evaluation (torch); the draft policies and who runs them live here too.
 
 `Acceptance` is every key the writer writes, with its meaning. `AcceptanceCore` is what its readers use, of a file of
 any age: every key optional (the first files held only `tau`, some as {prompt set: tau}, read as their mean; later

@@ -1,4 +1,4 @@
-"""results/compile/<device>.json, the warm-up stage's record: one typed description for its writer (stages/warmup.py,
+"""results/compile/<device>.json, the warm-up stage's record: one typed description for its writer (train/warmup.py,
 from the parts that train/step.py `warm_up` and train/features.py `LayerCapture.warm_up` return), its reader and the
 docs (docs/architecture.md, checked against it by a test).
 

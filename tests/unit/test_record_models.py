@@ -130,7 +130,8 @@ def test_the_report_writes_exactly_the_regressions_model_and_the_gate_reads_it(t
     assert next(a for a in last.anomalies if a.kind == "memory_imbalance").device == "cuda:5"
     assert reg.placement.current.model_dump() == {"targets": 5, "drafters": 3} and reg.placement.colocated is False
     assert [s.file for s in reg.skipped] == [str(tmp_path / "runs" / "broken" / "summary.json")]
-    core = read(out / "regressions.json", regressions.RegressionsCore, "rerun the report stage")   # the gate's view: what it uses, typed
+    # the gate's view: what it uses, typed
+    core = read(out / "regressions.json", regressions.RegressionsCore, "rerun the report stage")
     latest = gate.latest_of(core, "demo")
     assert (latest.run_id, latest.verdict, latest.quality.verdict) == (summary(3)["run_id"], "regression", "regression")
     assert gate.regressed(latest) == ["throughput", "quality"] and latest.sentence == doc["runs"][-1]["sentence"]
