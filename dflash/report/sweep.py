@@ -176,10 +176,11 @@ def plot(rec: SweepRecord, path: Path) -> Path:
 
 def build(sweep: Sweep, runs_dir, out, config: str) -> SweepRecord:
     """sweep.json, sweep.md and the plot into `out`."""
-    from dflash.atomic import atomic_write_json, atomic_write_text
+    from dflash.atomic import atomic_write_text
+    from dflash.records import write
     rec = table(sweep, runs_dir, config)
     out = Path(out)
-    atomic_write_json(out / "sweep.json", rec.model_dump())
+    write(out / "sweep.json", rec)
     atomic_write_text(out / "sweep.md", markdown(rec))
     plot(rec, out / "sweep_tau_gpu_seconds.png")
     judged = [f"{g.group} {g.vs_baseline:+.3f} ({'beats' if g.beats_spread else 'within'} the spread)"
