@@ -1,5 +1,6 @@
-"""A run folder keeps every identity it trained: `checkpoints/<result hash>-<data hash>/` holds that identity's
-`step-N/` checkpoints (train/checkpoint.py) and, once its run finished, `finished.json` (the run's outputs as written).
+"""A run folder (its layout: dflash.paths.RunFolder) keeps every identity it trained: `checkpoints/<result hash>-<data
+hash>/` holds that identity's `step-N/` checkpoints (train/checkpoint.py) and, once its run finished, `finished.json`
+(the run's outputs as written).
 The identity is what the trained drafter depends on (`identity`: the config's result hash and the data's content hash),
 so a config tried by hand in the run folder trains into a folder of its own, and going back restores the first. Nothing
 the pipeline does itself deletes or retrains a finished run:
