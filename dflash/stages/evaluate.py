@@ -8,8 +8,15 @@ draft policy (evaluate.proposal): each policy decoded has its figures under `by_
 logic is in dflash/evaluate/.
 """
 import logging
+from functools import partial
+from pathlib import Path
 
+from dflash import paths
+from dflash.atomic import check_file_ours
 from dflash.config import Loaded
+from dflash.errors import UserError
+from dflash.records import write
+from dflash.stages import check_run_config
 
 log = logging.getLogger("dflash.evaluate")
 
@@ -31,16 +38,8 @@ def add_arguments(p):
 
 
 def run(loaded: Loaded, args) -> int:
-    from functools import partial
-    from pathlib import Path
-
-    from dflash import paths
-    from dflash.atomic import check_file_ours
     from dflash.data.shards import HOLDOUT
-    from dflash.errors import UserError
     from dflash.evaluate.run import check_holdout, evaluate, trained_on
-    from dflash.records import write
-    from dflash.stages import check_run_config
     from dflash.train.checkpoint import ended_with, load_drafter
     from dflash.train.placement import resolve
 

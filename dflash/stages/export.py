@@ -4,8 +4,13 @@ results/runs/<run>/drafter/ (written in one rename, its files' modes as the umas
 another account) and export.json, the stage's record (the checkpoint, every file's size and sha256). A folder without
 export.json, or holding a file the stage did not write, is never replaced: it is refused, naming them."""
 import logging
+from pathlib import Path
 
+from dflash import paths
+from dflash.atomic import atomic_dir, atomic_write_json, check_ours, describe_files, read_json
 from dflash.config import Loaded
+from dflash.errors import UserError
+from dflash.stages import check_run_config
 
 log = logging.getLogger("dflash.export")
 
@@ -15,7 +20,6 @@ RECORD = "export.json"
 def check_out(out) -> None:
     """Where export may write its folder: nowhere that holds what it did not write (`dflash.atomic.check_ours`).
     Checked before anything loads; the Snakefile can call it when it is read, before Snakemake removes the output."""
-    from dflash.atomic import check_ours
     check_ours(out, RECORD, "give --out a new folder, or the run's drafter folder")
 
 
@@ -32,18 +36,12 @@ def add_arguments(p):
 
 
 def run(loaded: Loaded, args) -> int:
-    from pathlib import Path
-
     import torch
     from transformers import AutoConfig
 
-    from dflash import paths
-    from dflash.atomic import atomic_dir, atomic_write_json, describe_files, read_json
-    from dflash.errors import UserError
     from dflash.evaluate.modelcard import model_card, stated
     from dflash.model import serving_problems
     from dflash.model.export import write_drafter
-    from dflash.stages import check_run_config
     from dflash.target import check_target, load_tokenizer
     from dflash.train.checkpoint import ended_with, load_drafter
 

@@ -5,6 +5,8 @@ import logging
 import sys
 from pathlib import Path
 
+from dflash import paths
+from dflash.atomic import atomic_write_json, check_file_ours
 from dflash.config import Loaded
 from dflash.records import read
 from dflash.records.regressions import RegressionsCore, RunCore
@@ -36,9 +38,6 @@ def regressed(record: RunCore | None) -> list[str]:
 
 
 def run(loaded: Loaded, args) -> int:
-    from dflash.atomic import atomic_write_json, check_file_ours
-    from dflash import paths
-
     out = check_file_ours(args.out or paths.report(loaded.cfg.results_dir) / "gate.json", ("passed",), "gate")
     path = Path(args.regressions or paths.report(loaded.cfg.results_dir) / "regressions.json")
     latest = latest_of(read(path, RegressionsCore, "rerun the report stage"), loaded.cfg.run_name)

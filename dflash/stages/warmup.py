@@ -4,9 +4,12 @@ train.compile_target, the target's captured layers for every bucket (a device ru
 results/compile/<device>.json."""
 import logging
 
-from dflash.records.compile import CompileRecordCore
+from dflash import paths
+from dflash.atomic import check_file_ours
 from dflash.config import Loaded
 from dflash.config_model import TrainSection
+from dflash.records import write
+from dflash.records.compile import CompileRecordCore
 
 log = logging.getLogger("dflash.warmup")
 
@@ -55,10 +58,7 @@ def warmup_device(spec: str, train_cfg: TrainSection):
 
 
 def run(loaded: Loaded, args) -> int:
-    from dflash import paths
-    from dflash.atomic import check_file_ours
     from dflash.fingerprint import compile_cache_dir
-    from dflash.records import write
     from dflash.train import compile_guard
     from dflash.train.context import prepare, set_shapes
     from dflash.train.warmup import warm_up_device
