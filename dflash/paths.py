@@ -51,6 +51,8 @@ class RunFolder:
     METRICS = "metrics.jsonl"
     OUTPUTS = (SUMMARY, METRICS)   # the train stage's outputs (its rule's), which a finished run's record keeps
     ACCEPTANCE = "acceptance.json"
+    ACCEPTANCE_AT = "acceptance-t{temp}.json"   # at another temperature T (written `{T:g}`)
+    DRAFTER = "drafter"
 
     def __post_init__(self):
         object.__setattr__(self, "root", Path(self.root))
@@ -89,12 +91,14 @@ class RunFolder:
     @property
     def drafter(self) -> Path:
         """The exported drafter (the export stage's folder)."""
-        return self.root / "drafter"
+        return self.root / self.DRAFTER
 
     def acceptance(self, temperature: float | None = None) -> Path:
         """The evaluation at evaluate.temperature (None: acceptance.json, the one the report, export and the gate
         read), or at another temperature of a sweep: acceptance-t<T>.json."""
-        return self.root / (self.ACCEPTANCE if temperature is None else f"acceptance-t{temperature:g}.json")
+        if temperature is None:
+            return self.root / self.ACCEPTANCE
+        return self.root / self.ACCEPTANCE_AT.format(temp=f"{temperature:g}")
 
     def evaluations(self) -> list[Path]:
         """Every evaluation in the folder (acceptance*.json, a failed one's record left out), sorted by name."""
