@@ -57,7 +57,10 @@ class RunFolder:
     def __post_init__(self):
         object.__setattr__(self, "root", Path(self.root))
 
-    def __fspath__(self) -> str:
+    def __fspath__(self) -> str:   # a path wherever one is taken: Path(folder), open(), os.*
+        return str(self.root)
+
+    def __str__(self) -> str:
         return str(self.root)
 
     @property

@@ -10,11 +10,11 @@ from pydantic import ValidationError
 from dflash.cli import main
 from dflash.data import shards
 from dflash.errors import UserError
+from dflash.evaluate.modelcard import read_evaluation as _acceptance
 from dflash.records import acceptance as acceptance_rec, checkpoint as checkpoint_rec, compile as compile_rec, manifest
-from dflash.records import read, regressions
+from dflash.records import read, regressions, write
 from dflash.report import build, history, regress
 from dflash.stages import gate
-from dflash.evaluate.modelcard import read_evaluation as _acceptance
 from support.report_factory import acceptance, settings, summary, with_pkg, write_run
 
 
@@ -213,3 +213,19 @@ def test_a_malformed_acceptance_file_is_named_by_its_key(tmp_path):
         _acceptance(path)
     path.write_text(json.dumps(ACCEPTANCE))
     assert history.read_acceptance(path, summary) == (ACCEPTANCE, None) and _acceptance(path).drafter == "ckpt"
+
+
+def test_the_one_door_writes_a_models_keys_in_its_order_and_reads_through_a_view(tmp_path):
+    """records.write: the keys given, in the model's order (a defaulted key not given is left out, as the target-only
+    `modules` of a drafter's warm-up part); records.read: the view's model, else one line naming file, key and remedy."""
+    part = compile_rec.WarmupPart(device="cpu", role="drafter", backend="sdpa", compiled=False,
+                                  shapes=[{"batch": 2, "length": 64, "seconds": 0.5}], graphs=0, cache_hits=0,
+                                  cache_misses=0, seconds=0.5)
+    path = write(tmp_path / "part.json", part)
+    assert list(json.loads(path.read_text())) == ["device", "role", "backend", "compiled", "shapes", "graphs",
+                                                  "cache_hits", "cache_misses", "seconds"]
+    assert read(path, compile_rec.WarmupPart, "rerun it") == part
+    path.write_text(path.read_text().replace('"graphs": 0', '"graphs": "0"'))
+    why = f"{path}: key 'graphs': Input should be a valid integer; rerun it"
+    with pytest.raises(UserError, match=re.escape(why)):
+        read(path, compile_rec.WarmupPart, "rerun it")
