@@ -18,7 +18,6 @@ from pathlib import Path
 
 from dflash import paths
 from dflash.config import roles
-from dflash.paths import RunFolder
 from dflash.records.acceptance import AcceptanceCore
 from dflash.records.sweep import Group, Point, SweepRecord, SweepRun
 from dflash.sweep import Run, Sweep
@@ -52,7 +51,7 @@ def _replayed(run: Run, summary: dict) -> float | None:
 def _row(run: Run, runs_dir: Path, results: str, group: str) -> tuple[SweepRun, str | None, dict]:
     """The run's row, the time key of its metrics and its summary ({} when it has none)."""
     from dflash.report.plots import read_metrics, tau_points, time_key
-    folder = RunFolder(runs_dir / run.name)
+    folder = paths.RunFolder(runs_dir / run.name)
     s = _json(folder.summary) or {}
     manifest = _json(paths.dataset(results, run.dataset) / "manifest.json") or {}
     tau = by = lossless = None

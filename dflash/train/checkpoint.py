@@ -24,7 +24,6 @@ import torch
 from pydantic import ValidationError
 
 from dflash import paths
-from dflash.paths import RunFolder
 from dflash.atomic import atomic_dir, atomic_write_json, read_json
 from dflash.errors import UserError, disk_full, io_error
 from dflash.records import problem, write
@@ -186,7 +185,7 @@ def ended_with(run_dir) -> Path:
     """The checkpoint a run ended with, exactly as its summary.json names it (`describe`): that very folder (its
     manifest.json's hash) with its drafter intact. What evaluate and export read; anything missing or changed is a
     UserError naming it, never another checkpoint in its place."""
-    summary = RunFolder(run_dir).summary
+    summary = paths.RunFolder(run_dir).summary
     again = "retrain the run (snakemake -R train), or give a drafter folder by hand"
     try:
         final = read_json(summary).get("checkpoint")

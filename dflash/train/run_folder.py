@@ -29,7 +29,6 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from dflash import paths
-from dflash.paths import RunFolder
 from dflash.atomic import atomic_write_json, atomic_write_text
 from dflash.errors import UserError
 from dflash.records import problem, write
@@ -40,7 +39,7 @@ from dflash.records.checkpoint import Finished, FinishedCore, TrainerCore
 log = logging.getLogger("dflash.train")
 
 FINISHED = "finished.json"   # in an identity's folder: its final checkpoint's name and the run's outputs, byte for byte
-OUTPUTS = RunFolder.OUTPUTS   # the train stage's outputs (the rule's), kept there and restored
+OUTPUTS = paths.RunFolder.OUTPUTS   # the train stage's outputs (the rule's), kept there and restored
 SUMMARY, METRICS = OUTPUTS
 LEGACY = ("checkpoints", "checkpoints.previous")   # where checkpoints were before issue 47 (`migrate`)
 
@@ -80,7 +79,7 @@ def inputs_hash(cfg) -> str | None:
 def home(run_dir, ident: dict) -> Path:
     """The folder of identity `ident` in the run folder: `checkpoints/<result hash>-<data hash>[-<inputs hash>]/`."""
     tail = f"-{ident['inputs_hash']}" if ident.get("inputs_hash") else ""
-    return RunFolder(run_dir).checkpoints / f"{ident['result_hash']}-{ident['data_hash'] or 'none'}{tail}"
+    return paths.RunFolder(run_dir).checkpoints / f"{ident['result_hash']}-{ident['data_hash'] or 'none'}{tail}"
 
 
 def _identity(saved: TrainerCore) -> dict:
@@ -177,7 +176,7 @@ def restore(setup, retrain: bool = False) -> FinishedCore | None:
 def _current(run_dir: Path) -> Path | None:
     """The identity folder whose run the run folder's outputs are: the one last trained or restored (`_written`); set
     aside folders (`<identity>.N`) are none."""
-    root = RunFolder(run_dir).checkpoints
+    root = paths.RunFolder(run_dir).checkpoints
     folders = [d for d in root.iterdir() if d.is_dir() and "." not in d.name] if root.is_dir() else []
     return max(folders, key=_written, default=None)
 
@@ -202,7 +201,7 @@ def _record(run_dir: Path, final: Path) -> tuple[FinishedCore, str | None] | Non
     outputs = _outputs_on_disk(run_dir, ref)
     if outputs is not None:
         return FinishedCore.model_validate({"checkpoint": ref, "outputs": outputs}), \
-            f"{why}: written again from {RunFolder(run_dir).summary} and the checkpoint it names"
+            f"{why}: written again from {paths.RunFolder(run_dir).summary} and the checkpoint it names"
     outputs = _outputs_of(final, ref)
     if outputs is not None:
         return FinishedCore.model_validate({"checkpoint": ref, "outputs": outputs}), \
@@ -245,7 +244,7 @@ def _outputs_of(final: Path, ref: dict) -> dict[str, str] | None:
 def prune(run_dir, keep: int | None, current: Path) -> None:
     """train.keep_runs: keep the `keep` most recently written identity folders besides `current` (other configs' runs,
     runs set aside), delete the others, each named in one log line. None keeps every one."""
-    root = RunFolder(run_dir).checkpoints
+    root = paths.RunFolder(run_dir).checkpoints
     if keep is None or not root.is_dir():
         return
     others = sorted((d for d in root.iterdir() if d.is_dir() and d != current and not d.name.startswith(".")),
@@ -304,7 +303,7 @@ def _legacy_identity(run_dir: Path, old: Path, steps: list[Path]) -> dict:
         ident = _identity(saved)
     except UserError:
         ident = {"result_hash": "unknown", "data_hash": None, "inputs_hash": None}
-    for summary in (_old_record_summary(old), _json(RunFolder(run_dir).summary)):
+    for summary in (_old_record_summary(old), _json(paths.RunFolder(run_dir).summary)):
         ref = (summary or {}).get("checkpoint") or {}
         step = old / Path(str(ref.get("path", ""))).name
         if isinstance(summary.get("config") if summary else None, dict) and step in steps and \
@@ -347,7 +346,7 @@ def _repoint(run_dir: Path, dest: Path) -> None:
         if (inner := moved(_json_text(outputs.get(SUMMARY)))) is not None:
             outputs[SUMMARY] = dumped(inner)
         atomic_write_json(dest / FINISHED, {**ref, "outputs": outputs})
-    top = RunFolder(run_dir).summary
+    top = paths.RunFolder(run_dir).summary
     if (fixed := moved(_json(top))) is not None:
         atomic_write_text(top, dumped(fixed))
 
