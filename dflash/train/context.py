@@ -43,11 +43,6 @@ class RunContext:
         return self.loaded.cfg
 
     @property
-    def folder(self) -> paths.RunFolder:
-        """The run folder's layout."""
-        return paths.RunFolder(self.run_dir)
-
-    @property
     def compiled_workers(self) -> int:
         """Compiled workers in one process of this run (dynamo's entries are per shape and per device, and a process
         holds them for all its workers; compile_guard.recompile_limit): Placement.compiled_workers; 1 without one."""

@@ -22,6 +22,7 @@ import torch
 
 from dflash.atomic import atomic_write_text
 from dflash.config_model import DflashConfig, TrainSection
+from dflash.paths import RunFolder
 from dflash.train import compile_guard
 from dflash.train.failures import check_finite
 
@@ -134,7 +135,7 @@ class RunMetrics:
     def __init__(self, ctx, progress: bool = True):
         self.ctx = ctx
         self.cfg: DflashConfig = ctx.cfg
-        self.path = ctx.folder.metrics
+        self.path = RunFolder(ctx.run_dir).metrics
         self.lock = threading.Lock()
         self.pending: list[tuple] = []
         self.rows: list[dict] = []

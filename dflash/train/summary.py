@@ -6,6 +6,7 @@ import logging
 from datetime import datetime, timezone
 
 from dflash import records
+from dflash.paths import RunFolder
 from dflash.records.summary import RunSummary
 from dflash.target import target_record
 from dflash.train import checkpoint, compile_guard, run_folder
@@ -22,7 +23,7 @@ def write(ctx, metrics, workers: list[dict], status: str, devices: list[dict], c
     folder = run_folder.home(ctx.run_dir, run_folder.identity(ctx))
     final = checkpoint.describe(ctx.run_dir, checkpoint.step_dir(folder, metrics.step))
     summary = build(ctx, metrics, workers, status, devices, checksums, failure, final)
-    records.write(ctx.folder.summary, summary)
+    records.write(RunFolder(ctx.run_dir).summary, summary)
     if status == "completed" and final:   # a rerun of this finished run restores these outputs
         run_folder.record_finished(ctx.run_dir, final)
         run_folder.prune(ctx.run_dir, ctx.cfg.train.keep_runs, folder)
