@@ -37,9 +37,9 @@ rule all:
     input:
         rules.env.output,
         [manifest(d) for d in DATASETS],
-        [run_file(r, "summary.json") for r in RUNS],
+        [run_file(r, RUN_FOLDER.SUMMARY) for r in RUNS],
         [e for r in RUNS for e in evaluations(r)],
-        run_file(RUN, "drafter"),
+        run_file(RUN, RUN_FOLDER.DRAFTER),
         rules.report.output,
         rules.gate.output,
         rules.sweep_table.output if SWEEP.declared else [],

@@ -34,6 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from bench.common import find_commits, git  # noqa: E402
+from dflash.paths import RunFolder  # noqa: E402
 
 SHORT = re.compile(r"-([0-9a-f]{7,40})$")
 
@@ -73,7 +74,7 @@ def code_of(summary: dict, source: Path) -> dict:
 
 def acceptance_t0(files: dict[str, dict]) -> dict | None:
     """The run's temperature-0 evaluation among {file name: content}: acceptance.json, else acceptance-t0.json."""
-    for name in ("acceptance.json", "acceptance-t0.json"):
+    for name in (RunFolder.ACCEPTANCE, RunFolder("").acceptance(0).name):
         a = files.get(name)
         if isinstance(a, dict) and (a.get("temperature") in (0, 0.0, None)):
             return a
@@ -88,7 +89,7 @@ def from_archive(path: Path) -> list[tuple[dict, dict | None]]:
             parts = m.name.split("/")
             if m.isfile() and len(parts) == 3 and parts[0] == "runs" and parts[2].endswith(".json"):
                 runs.setdefault(parts[1], {})[parts[2]] = json.load(tar.extractfile(m))
-    return [(f["summary.json"], acceptance_t0(f)) for _, f in sorted(runs.items()) if "summary.json" in f]
+    return [(f[RunFolder.SUMMARY], acceptance_t0(f)) for _, f in sorted(runs.items()) if RunFolder.SUMMARY in f]
 
 
 def collect(results: Path) -> list[tuple[Path, dict]]:

@@ -40,6 +40,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from bench.common import Budget, Record, Stopwatch, add_portable  # noqa: E402
+from dflash.paths import RunFolder  # noqa: E402
 ONE_GPU = REPO / "bench/results/2026-11-29-h200-r3/summary-1t1d-7bbc115.json"   # 1 target + 1 drafter, one H200
 FX_ERROR = "symbolically trace a dynamo-optimized function"
 CRITERION = ("Ktok/s per GPU against the one-GPU figure (1 target + 1 drafter on one H200, {k:.2f} Ktok/s): in a "
@@ -123,7 +124,7 @@ class Driver:
         """One run through snakemake: the part named by --full runs `all` (env, target, data, warm-up, train,
         evaluate, export, then the report over every run so far, and the gate), the others up to their summary."""
         run = f"{self.prefix}-{name}"
-        targets = [] if name == self.args.full else [str(Path(self.results) / "runs" / run / "summary.json")]
+        targets = [] if name == self.args.full else [str(RunFolder(Path(self.results) / "runs" / run).summary)]
         cmd = self.snakemake(run, self.train_keys(runtime, self.args.steps, **train), targets, extra=["-R", "train"])
         log = self.logs / f"snakemake-{name}.log"
         wall = Stopwatch()
@@ -137,7 +138,7 @@ class Driver:
         run, every = f"{self.prefix}-kill", self.args.kill_every
         victim = len(self.targets) + len(self.drafters) - 1
         rd = self.run_dir(run)
-        target = str(Path(self.results) / "runs" / run / "summary.json")
+        target = str(RunFolder(Path(self.results) / "runs" / run).summary)
         keys = self.train_keys("distributed", self.args.kill_steps, checkpoint_every=every)
         log = self.logs / "snakemake-kill.log"
         res: dict = {"run": run, "victim_rank": victim, "checkpoint_every": every, "steps": self.args.kill_steps}
@@ -197,7 +198,7 @@ class Driver:
         if stage_log.exists():
             texts.append(stage_log.read_text(errors="replace"))
         out = {"fx_tracing_error": any(FX_ERROR in t for t in texts)}
-        p = rd / "summary.json"
+        p = RunFolder(rd).summary
         if not p.exists():
             return {**out, "summary": None, "log_tail": "\n".join(t[-3000:] for t in texts)}
         s = json.loads(p.read_text())

@@ -22,6 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from bench.common import tree_label  # noqa: E402
+from dflash.paths import RunFolder  # noqa: E402
 
 SHORT = re.compile(r"-([0-9a-f]{7,40})$")
 NUMBER = re.compile(r"-?\d+(\.\d+)?")
@@ -426,7 +427,7 @@ def archived_metrics(path: Path) -> dict[str, list[dict]]:
     with tarfile.open(path) as tar:
         for m in tar.getmembers():
             parts = m.name.split("/")
-            if m.isfile() and len(parts) == 3 and parts[0] == "runs" and parts[2] == "metrics.jsonl":
+            if m.isfile() and len(parts) == 3 and parts[0] == "runs" and parts[2] == RunFolder.METRICS:
                 out[parts[1]] = [json.loads(x) for x in tar.extractfile(m).read().decode().splitlines() if x.strip()]
     return out
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from dflash.config import Loaded
 from dflash.config_model import DflashConfig
 from dflash.data import shards
-from dflash.data.manifest import Manifest
+from dflash.records.manifest import Manifest
 from dflash.data.rows import min_supervised_tokens, rank, reasons
 from dflash.data.tokenise import target_tokenizer
 from dflash.errors import UserError

@@ -114,7 +114,7 @@ def read_manifest(root) -> dict:
                         f"{': ' + '; '.join(found) if found else ''}); rerun the data stage")
     from pydantic import ValidationError
 
-    from dflash.data.manifest import ManifestCore
+    from dflash.records.manifest import ManifestCore
     try:
         ManifestCore.model_validate(m)
     except ValidationError as e:

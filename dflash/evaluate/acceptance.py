@@ -12,21 +12,11 @@ from typing import Sequence
 
 import torch
 
-from dflash.acceptance_model import ENGINES
+from dflash.records.acceptance import ENGINES
 
 from .specdec import Draft, Generation, speculative_generate, target_generate
 
 log = logging.getLogger("dflash.evaluate")
-
-
-
-def policies(proposal: str, temperature: float) -> list[str]:
-    """The draft policies to decode with (evaluate.proposal), the top-level one first: at temperature 0 only argmax
-    (greedy acceptance is one rule for both); above it argmax and sample for `auto` and `both`, else the one named."""
-    if temperature <= 0:
-        return ["argmax"]
-    return {"auto": ["argmax", "sample"], "both": ["argmax", "sample"], "argmax": ["argmax"],
-            "sample": ["sample"]}[proposal]
 
 
 def summarize(spec: Sequence[Generation], plain: Sequence[Generation], block_size: int) -> dict:

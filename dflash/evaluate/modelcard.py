@@ -1,8 +1,18 @@
-"""README.md model card of an exported drafter."""
+"""README.md model card of an exported drafter, and what it states of the run: its summary, its evaluation (of that
+very drafter) and its dataset's manifest, read (`stated`), a damaged one refused in one line."""
 from __future__ import annotations
 
-from dflash.acceptance_model import AcceptanceCore, engines
+import json
+from pathlib import Path
+
+from pydantic import ValidationError
+
 from dflash.config_model import DflashConfig
+from dflash.data.shards import MANIFEST
+from dflash.errors import UserError, io_error
+from dflash.paths import RunFolder
+from dflash.records import problem
+from dflash.records.acceptance import AcceptanceCore, engines
 
 
 def _fmt(x, spec=".3f"):
@@ -18,8 +28,7 @@ def _tau(acc: AcceptanceCore | None) -> str:
     setting = f"{acc.num_prompts} held-out prompts, {acc.max_new_tokens} new tokens, lossless {acc.lossless}"
     if t == 0:
         return f"{_fmt(acc.tau)} (temperature 0, greedy: the same under every engine; {setting})"
-    by = {k: b.tau for k, b in acc.by_proposal.items()} if acc.by_proposal else {acc.proposal or "sample": acc.tau}
-    taus = "; ".join(f"{_fmt(tau)} with {k} drafts ({engines(k)})" for k, tau in by.items())
+    taus = "; ".join(f"{_fmt(tau)} with {k} drafts ({engines(k)})" for k, tau in acc.policy_taus().items())
     return f"{taus} (temperature {t:g}; {setting})"
 
 
@@ -71,3 +80,45 @@ def model_card(cfg: DflashConfig, target_config, dcfg, checkpoint, summary, acce
         "",
     ]
     return "\n".join(lines)
+
+
+def stated(folder: RunFolder, checkpoint: Path, data: Path) -> tuple[dict | None, AcceptanceCore | None, dict | None]:
+    """(summary, evaluation, dataset manifest) the card states of the run in `folder`, exported from `checkpoint`,
+    trained on the dataset folder `data`; each None where there is none. The evaluation must be of `checkpoint`."""
+    summary = _read(folder.summary, "retrain the run (snakemake -R train)")
+    acceptance = read_evaluation(folder.acceptance())
+    if acceptance is not None and Path(str(acceptance.drafter)).resolve() != checkpoint.resolve():
+        raise UserError(f"{folder.acceptance()} evaluated {acceptance.drafter}, not {checkpoint}: evaluate "
+                        f"this drafter first (snakemake -R evaluate)")
+    return summary, acceptance, _read(data / MANIFEST, "rerun the data stage (snakemake -R data)")
+
+
+def _read(path, remedy: str):
+    """The JSON record at `path` that the model card states (the run's summary, evaluation, dataset manifest); None
+    where there is none. One that cannot be read or is not JSON is refused in one line: a card saying "not
+    evaluated" beside a damaged acceptance.json would be wrong without a word."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise io_error(e, path, "read") or UserError(f"{path}: cannot read it ({e.strerror})") from None
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise UserError(f"{path}: damaged (not JSON), so the model card cannot state it: {remedy}, or move it "
+                        f"away to export without it") from None
+
+
+def read_evaluation(path) -> AcceptanceCore | None:
+    """The run's evaluation through its reader view (dflash/records/acceptance.py: AcceptanceCore), for the card; None
+    without one (no file); a damaged one, or one whose keys have other types, is refused, naming the file (and the
+    key)."""
+    data = _read(path, "rerun evaluate (snakemake -R evaluate)")
+    if data is None:
+        return None
+    try:
+        return AcceptanceCore.model_validate(data)
+    except ValidationError as e:
+        raise UserError(f"{path}: {problem(e)}: not an evaluation the model card can state; rerun evaluate "
+                        f"(snakemake -R evaluate)") from None

@@ -2,7 +2,6 @@
 anomalies, plots, report.md."""
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,9 +28,10 @@ class Result:
 def build(runs_dir: str | Path, out: str | Path, settings: ReportSection) -> Result:
     """Read run folders, record new runs and re-evaluations in the history, and write history.csv, regressions.json,
     the plots, report.md. `settings`: the config's `report` section."""
-    from dflash.atomic import atomic_write_json, atomic_write_text
+    from dflash.atomic import atomic_write_text
+    from dflash.records import write
+    from dflash.records.regressions import Regressions
     from dflash.report import history, markdown, placement, plots, regress
-    from dflash.report.regressions_model import Regressions
 
     out = Path(out)
     found, skipped = history.scan_runs(runs_dir)
@@ -40,20 +40,18 @@ def build(runs_dir: str | Path, out: str | Path, settings: ReportSection) -> Res
     records = regress.evaluate(runs, settings)
     split = placement.suggest(runs[-1].snapshot) if runs else None
     latest = records[-1] if records else {}
-    doc = {
-        "settings": settings.model_dump(),
-        "latest": latest.get("run_id"),
-        "latest_run_name": latest.get("run_name"),
-        "latest_verdict": latest.get("verdict"),
-        "latest_quality_verdict": (latest.get("quality") or {}).get("verdict"),
-        "latest_regressed": latest.get("regressed"),
-        "latest_sentence": latest.get("sentence"),
-        "placement": split,
-        "skipped": skipped,
-        "runs": records,
-    }
-    Regressions.model_validate_json(json.dumps(doc, default=str))   # the file's record, exactly (regressions_model.py)
-    atomic_write_json(out / "regressions.json", doc)
+    write(out / "regressions.json", Regressions(
+        settings=settings.model_dump(),
+        latest=latest.get("run_id"),
+        latest_run_name=latest.get("run_name"),
+        latest_verdict=latest.get("verdict"),
+        latest_quality_verdict=(latest.get("quality") or {}).get("verdict"),
+        latest_regressed=latest.get("regressed"),
+        latest_sentence=latest.get("sentence"),
+        placement=split,
+        skipped=skipped,
+        runs=records,
+    ))
     pngs = plots.make_all(runs, records, settings, out)
     atomic_write_text(out / "report.md", markdown.render(runs, records, pngs, out, settings, skipped, split))
     log.info("report: %d run(s) in the history (%d new, %d skipped) -> %s", len(runs), len(appended), len(skipped), out)

@@ -8,7 +8,7 @@ overwritten by the next run of the same name. A snapshot's summary is never rewr
 acceptance.json: a re-evaluation becomes `acceptance` and the one it replaces moves to `earlier_evaluations` (oldest
 first), so the report shows the figure on disk and the earlier one stays visible. The history's `tau` is the
 temperature-0 tau (quality is judged there); `tau_by_proposal` is that of an evaluation at temperature > 0, by draft
-policy (who drafts each way: acceptance_model.ENGINES): `T=0.7: argmax 2.960; sample 1.160`.
+policy (who drafts each way: records.acceptance.ENGINES): `T=0.7: argmax 2.960; sample 1.160`.
 
 The history is never rewritten smaller than what any of its sources holds: a run that history.csv holds but whose
 snapshot is gone (deleted, damaged) gets its snapshot back from its row (`{"run_id", "restored_from", "row"}`: the
@@ -29,11 +29,12 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from dflash.acceptance_model import AcceptanceCore
 from dflash.atomic import atomic_write_json, atomic_write_text
 from dflash.device_names import normalize
+from dflash.paths import RunFolder
 from dflash.records import problem
-from dflash.run_summary import SummaryCore
+from dflash.records.acceptance import AcceptanceCore
+from dflash.records.summary import SummaryCore
 
 log = logging.getLogger("dflash.report")
 
@@ -61,7 +62,7 @@ class Run:
     its history.csv row, whose details are gone: it is compared by its hashes)."""
     row: dict
     snapshot: dict = field(default_factory=dict)
-    folder: Path | None = None          # the run folder it was read from this time (None: history only)
+    folder: RunFolder | None = None     # the run folder it was read from this time (None: history only)
     restored_from: str | None = None    # "history.csv:N" when only its row survives
 
     @property
@@ -99,7 +100,7 @@ def parse_time(text) -> datetime | None:
 
 # ---- reading run folders -----------------------------------------------------------------------------------
 def validate_summary(data, path: Path) -> dict:
-    """`data` when it holds what the report needs of a summary (dflash/run_summary.py: SummaryCore; everything else
+    """`data` when it holds what the report needs of a summary (dflash/records/summary.py: SummaryCore; everything else
     is optional), else BadSummary naming the file and the key."""
     if not isinstance(data, dict):
         raise BadSummary(f"{path}: expected a JSON object, got {type(data).__name__}")
@@ -114,7 +115,7 @@ def validate_summary(data, path: Path) -> dict:
 
 def evaluation(data) -> AcceptanceCore | None:
     """An evaluation (an acceptance.json's content, as a run folder or a snapshot holds it) through its reader view,
-    dflash/acceptance_model.py's AcceptanceCore; None for none, or for one whose keys have other types
+    dflash/records/acceptance.py's AcceptanceCore; None for none, or for one whose keys have other types
     (`read_acceptance` names those and keeps them out of the history)."""
     try:
         return AcceptanceCore.model_validate(data) if isinstance(data, dict) else None
@@ -138,8 +139,7 @@ def proposal_taus(data) -> tuple[float, dict[str, float]] | None:
     t = to_float(a.temperature) if a is not None else None
     if not t:
         return None
-    by = a.by_proposal if a.by_proposal is not None else {a.proposal or "sample": a}
-    taus = {k: to_float(v.tau) for k, v in by.items()}
+    taus = {k: to_float(tau) for k, tau in a.policy_taus().items()}
     taus = {k: v for k, v in taus.items() if v is not None}
     return (t, taus) if taus else None
 
@@ -212,7 +212,7 @@ def scan_runs(runs_dir: str | Path) -> tuple[list[tuple[Path, dict]], list[dict]
         log.warning("%s: no runs folder; the report uses the history alone", runs_dir)
         return found, skipped
     for folder in sorted(p for p in runs_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        path = folder / "summary.json"
+        path = RunFolder(folder).summary
         try:
             if not path.is_file():
                 raise BadSummary(f"{path}: missing (run folder without a summary; did the run finish?)")
@@ -224,7 +224,7 @@ def scan_runs(runs_dir: str | Path) -> tuple[list[tuple[Path, dict]], list[dict]
         except (BadSummary, OSError) as e:
             skipped.append(_skip(path, str(e).removeprefix(f"{path}: ")))
             continue
-        acceptance, bad = read_acceptance(folder / "acceptance.json", summary)
+        acceptance, bad = read_acceptance(RunFolder(folder).acceptance(), summary)
         skipped += [bad] if bad else []
         found.append((folder, dict(summary, _acceptance=acceptance)))
     return found, skipped
@@ -444,6 +444,7 @@ class History:
 
     @staticmethod
     def _run(rel: str, snap: dict, folder: Path | None) -> Run:
+        folder = RunFolder(folder) if folder is not None else None
         if "restored_from" in snap:
             return Run(row=dict(snap["row"], snapshot=rel), folder=folder, restored_from=snap["restored_from"])
         return Run(row=to_row(snap, rel), snapshot=snap, folder=folder)

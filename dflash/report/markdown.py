@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import datetime
 from pathlib import Path
 
-from dflash.acceptance_model import engines
+from dflash.records.acceptance import engines
 from dflash.config_model import ReportSection
 from dflash.report.history import Run, evaluation, hardware_of, parse_time, proposal_text, tau_of, to_float
 from dflash.report.placement import gpu_roles
@@ -52,7 +52,7 @@ def _where(run: Run) -> str:
     there."""
     if run.folder is None:
         return "its run folder is gone (the history keeps its figures only)"
-    out = run.folder / "drafter"
+    out = run.folder.drafter
     config = out / "config.json"
     if not config.is_file():
         return f"not exported yet: the export stage writes it to `{out}/`"
@@ -133,7 +133,7 @@ def answers(run: Run | None) -> list[str]:
 def tau_while_training(run: Run | None) -> list[str]:
     """The latest run's in-training tau against the training time it took (metrics.jsonl; `plots.time_key`): one
     line, what more training would buy; [] without a run folder or any such row."""
-    metrics = run.folder / "metrics.jsonl" if run is not None and run.folder is not None else None
+    metrics = run.folder.metrics if run is not None and run.folder is not None else None
     rows = read_metrics(metrics) if metrics is not None and metrics.is_file() else []
     key = time_key(rows)
     pts = tau_points(rows, key) if key else []
@@ -193,6 +193,50 @@ def _quality(records: list[dict], settings: ReportSection, sampled: dict[str, st
     return lines + [""]
 
 
+def _runs_table(records: list[dict], sampled: dict[str, str]) -> list[str]:
+    """The Runs section: one row per run, newest first, with its baseline, verdicts and what changed."""
+    lines = ["## Runs", "",
+             "| run | date | Ktok/s | tau | loss | MFU | status | baseline | vs baseline | verdict | quality | "
+             "what changed |",
+             "|---|---|---:|---:|---:|---:|---|---|---:|---|---|---|"]
+    for rec in reversed(records):
+        if rec["baseline"]:
+            vs, what = f"{rec['ratio']:.2f}x ({rec['change']:+.0%})", rec["what_changed"] or "nothing recorded"
+            n = len(rec["baseline"].get("runs") or [])
+            base_id = f"median of {n} up to {rec['baseline']['run_id']}" if n > 1 else rec["baseline"]["run_id"]
+        else:
+            vs, base_id = "", ""
+            prev = rec.get("previous")
+            what = f"vs previous {prev['run_id']}: {changed_text(prev['changed']) or 'nothing recorded'}" if prev else ""
+        mfu = rec["mfu"]
+        lines.append("| " + " | ".join(_cell(c) for c in (
+            rec["run_id"], (rec["started_at"] or "")[:16].replace("T", " "), _num(rec["ktok_per_s"]),
+            _tau_cell(rec, sampled.get(rec["run_id"], "")), _num(rec["loss"], "{:.3f}"),
+            "" if mfu is None else f"{mfu:.1%}", rec["status"],
+            base_id, vs, rec["verdict"] + (" (outlier)" if rec["outlier"] else ""), _quality_cell(rec), what,
+        )) + " |")
+    lines.append("")
+    restored = [r for r in records if r["restored_from"]]
+    if restored:
+        lines += [f"Restored from `history.csv` (their snapshots were missing; flat figures only, attribution by "
+                  f"hash): {', '.join(_cell(r['run_id']) for r in restored)}.", ""]
+    return lines
+
+
+def _anomalies(records: list[dict]) -> list[str]:
+    """The Anomalies section: what looks wrong in each run itself, newest first."""
+    lines = ["## Anomalies", ""]
+    flagged = [r for r in reversed(records) if r["anomalies"]]
+    if not flagged:
+        lines.append("None: every run completed, no diverged replicas, no recompiles after warm-up, no eager "
+                     "fallbacks, no memory imbalance, no idle GPU, no silent worker.")
+    for rec in flagged:
+        lines.append(f"- **{_cell(rec['run_id'])}**")
+        lines += [f"  - {a['kind']}: {a['message']}" for a in rec["anomalies"]]
+    lines.append("")
+    return lines
+
+
 def render(runs: list[Run], records: list[dict], plots: dict[str, Path], out: Path, settings: ReportSection,
            skipped: list[dict], placement: dict | None = None) -> str:
     lines = ["# dflash report: throughput and quality", ""] + answers(runs[-1] if runs else None)
@@ -209,42 +253,10 @@ def render(runs: list[Run], records: list[dict], plots: dict[str, Path], out: Pa
         lines += [f"Baseline: {base}. A Ktok/s change below {settings.threshold:+.0%}, or below "
                   f"{settings.noise_sigmas:g}x the run-to-run spread of identical runs when that is wider (never beyond "
                   f"{settings.threshold_cap:+.0%}), is a regression; a drop of 50% or more always is.", ""]
-        lines += ["## Runs", "",
-                  "| run | date | Ktok/s | tau | loss | MFU | status | baseline | vs baseline | verdict | quality | "
-                  "what changed |",
-                  "|---|---|---:|---:|---:|---:|---|---|---:|---|---|---|"]
-        for rec in reversed(records):
-            if rec["baseline"]:
-                vs, what = f"{rec['ratio']:.2f}x ({rec['change']:+.0%})", rec["what_changed"] or "nothing recorded"
-                n = len(rec["baseline"].get("runs") or [])
-                base_id = f"median of {n} up to {rec['baseline']['run_id']}" if n > 1 else rec["baseline"]["run_id"]
-            else:
-                vs, base_id = "", ""
-                prev = rec.get("previous")
-                what = f"vs previous {prev['run_id']}: {changed_text(prev['changed']) or 'nothing recorded'}" if prev else ""
-            mfu = rec["mfu"]
-            lines.append("| " + " | ".join(_cell(c) for c in (
-                rec["run_id"], (rec["started_at"] or "")[:16].replace("T", " "), _num(rec["ktok_per_s"]),
-                _tau_cell(rec, sampled.get(rec["run_id"], "")), _num(rec["loss"], "{:.3f}"),
-                "" if mfu is None else f"{mfu:.1%}", rec["status"],
-                base_id, vs, rec["verdict"] + (" (outlier)" if rec["outlier"] else ""), _quality_cell(rec), what,
-            )) + " |")
-        lines.append("")
-        restored = [r for r in records if r["restored_from"]]
-        if restored:
-            lines += [f"Restored from `history.csv` (their snapshots were missing; flat figures only, attribution by "
-                      f"hash): {', '.join(_cell(r['run_id']) for r in restored)}.", ""]
+        lines += _runs_table(records, sampled)
         lines += _quality(records, settings, sampled)
         lines += tau_while_training(runs[-1] if runs else None)
-        lines += ["## Anomalies", ""]
-        flagged = [r for r in reversed(records) if r["anomalies"]]
-        if not flagged:
-            lines.append("None: every run completed, no diverged replicas, no recompiles after warm-up, no eager "
-                         "fallbacks, no memory imbalance, no idle GPU, no silent worker.")
-        for rec in flagged:
-            lines.append(f"- **{_cell(rec['run_id'])}**")
-            lines += [f"  - {a['kind']}: {a['message']}" for a in rec["anomalies"]]
-        lines.append("")
+        lines += _anomalies(records)
         lines += _placement(runs[-1] if runs else None, placement)
     if skipped:
         lines += ["## Skipped inputs", ""] + [f"- `{s['file']}`: {s['reason']}" for s in skipped] + [""]

@@ -12,7 +12,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from dflash.acceptance_model import engines  # noqa: E402
+from dflash.records.acceptance import engines  # noqa: E402
 from dflash.config_model import ReportSection  # noqa: E402
 from dflash.report.history import TIME_KEYS, Run, proposal_taus, to_float  # noqa: E402
 
@@ -212,7 +212,7 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def training_latest(run: Run | None, path: Path) -> Path:
-    metrics = run.folder / "metrics.jsonl" if run is not None and run.folder is not None else None
+    metrics = run.folder.metrics if run is not None and run.folder is not None else None
     if metrics is None or not metrics.is_file():
         why = "its run folder is gone" if run is not None and run.folder is None else "no metrics.jsonl"
         return _placeholder(path, "Training curves of the latest run",

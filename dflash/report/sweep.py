@@ -1,6 +1,6 @@
 """The sweep table (`python -m dflash report --sweep`): every run of a config's sweep (dflash/sweep.py) read from its
 run folder, its seed group's mean and spread, which groups beat the baseline's spread, and tau against training time:
-sweep.json (the record, report/sweep_model.py), sweep.md and sweep_tau_gpu_seconds.png, each written atomically.
+sweep.json (the record, records/sweep.py), sweep.md and sweep_tau_gpu_seconds.png, each written atomically.
 
 A run's tau at temperature 0 is its acceptance.json's when the evaluate stage decoded it there, else its last
 in-training evaluation when that is the stage's measure (made at the last step of a finished run, on
@@ -17,9 +17,9 @@ import logging
 from pathlib import Path
 
 from dflash import paths
-from dflash.acceptance_model import AcceptanceCore
 from dflash.config import roles
-from dflash.report.sweep_model import Group, Point, SweepRecord, SweepRun
+from dflash.records.acceptance import AcceptanceCore
+from dflash.records.sweep import Group, Point, SweepRecord, SweepRun
 from dflash.sweep import Run, Sweep
 
 log = logging.getLogger("dflash.report")
@@ -51,23 +51,22 @@ def _replayed(run: Run, summary: dict) -> float | None:
 def _row(run: Run, runs_dir: Path, results: str, group: str) -> tuple[SweepRun, str | None, dict]:
     """The run's row, the time key of its metrics and its summary ({} when it has none)."""
     from dflash.report.plots import read_metrics, tau_points, time_key
-    folder = runs_dir / run.name
-    s = _json(folder / "summary.json") or {}
+    folder = paths.RunFolder(runs_dir / run.name)
+    s = _json(folder.summary) or {}
     manifest = _json(paths.dataset(results, run.dataset) / "manifest.json") or {}
     tau = by = lossless = None
     hot: dict[str, dict[str, float | None]] = {}
-    for f in sorted(folder.glob("acceptance*.json")):
-        if f.name.endswith(".failed.json") or (a := _json(f)) is None:
+    for f in folder.evaluations():
+        if (a := _json(f)) is None:
             continue
         a = AcceptanceCore.model_validate(a)
         if a.temperature == 0:
             tau, by, lossless = a.tau, "evaluate", a.lossless
         elif a.temperature is not None:
-            hot[f"{a.temperature:g}"] = {p: fig.tau for p, fig in (a.by_proposal or {}).items()} or \
-                {a.proposal or "sample": a.tau}
+            hot[f"{a.temperature:g}"] = a.policy_taus()
     if tau is None and s and (replay := _replayed(run, s)) is not None:
         tau, by = replay, "in-training replay"
-    rows = read_metrics(folder / "metrics.jsonl") if (folder / "metrics.jsonl").is_file() else []
+    rows = read_metrics(folder.metrics) if folder.metrics.is_file() else []
     key = time_key(rows)
     return SweepRun(run=run.name, own=run.own, overrides=run.overrides, group=group, seed=run.loaded.cfg.seed,
                     dataset=run.dataset, samples=manifest.get("num_samples"), status=s.get("status"),
@@ -176,10 +175,11 @@ def plot(rec: SweepRecord, path: Path) -> Path:
 
 def build(sweep: Sweep, runs_dir, out, config: str) -> SweepRecord:
     """sweep.json, sweep.md and the plot into `out`."""
-    from dflash.atomic import atomic_write_json, atomic_write_text
+    from dflash.atomic import atomic_write_text
+    from dflash.records import write
     rec = table(sweep, runs_dir, config)
     out = Path(out)
-    atomic_write_json(out / "sweep.json", rec.model_dump())
+    write(out / "sweep.json", rec)
     atomic_write_text(out / "sweep.md", markdown(rec))
     plot(rec, out / "sweep_tau_gpu_seconds.png")
     judged = [f"{g.group} {g.vs_baseline:+.3f} ({'beats' if g.beats_spread else 'within'} the spread)"

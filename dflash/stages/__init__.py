@@ -12,11 +12,11 @@ def check_run_config(loaded: Loaded, run_dir) -> None:
     (dflash.config.result_hash): names, report and evaluate settings and the operational train keys never refuse
     (a finished run restored under a new train.log_every is the same run)."""
     import json
-    from pathlib import Path
 
     from dflash.errors import UserError
+    from dflash.paths import RunFolder
 
-    path = Path(run_dir, "summary.json")
+    path = RunFolder(run_dir).summary
     try:
         summary = json.loads(path.read_text())
         made, want = ((result_hash(summary["config"]), loaded.result_hash) if isinstance(summary.get("config"), dict)

@@ -4,8 +4,13 @@ results/runs/<run>/drafter/ (written in one rename, its files' modes as the umas
 another account) and export.json, the stage's record (the checkpoint, every file's size and sha256). A folder without
 export.json, or holding a file the stage did not write, is never replaced: it is refused, naming them."""
 import logging
+from pathlib import Path
 
+from dflash import paths
+from dflash.atomic import atomic_dir, atomic_write_json, check_ours, describe_files, read_json
 from dflash.config import Loaded
+from dflash.errors import UserError
+from dflash.stages import check_run_config
 
 log = logging.getLogger("dflash.export")
 
@@ -15,7 +20,6 @@ RECORD = "export.json"
 def check_out(out) -> None:
     """Where export may write its folder: nowhere that holds what it did not write (`dflash.atomic.check_ours`).
     Checked before anything loads; the Snakefile can call it when it is read, before Snakemake removes the output."""
-    from dflash.atomic import check_ours
     check_ours(out, RECORD, "give --out a new folder, or the run's drafter folder")
 
 
@@ -32,28 +36,22 @@ def add_arguments(p):
 
 
 def run(loaded: Loaded, args) -> int:
-    from pathlib import Path
-
     import torch
     from transformers import AutoConfig
 
-    from dflash import paths
-    from dflash.atomic import atomic_dir, atomic_write_json, describe_files, read_json
-    from dflash.errors import UserError
-    from dflash.evaluate.modelcard import model_card
+    from dflash.evaluate.modelcard import model_card, stated
     from dflash.model import serving_problems
     from dflash.model.export import write_drafter
-    from dflash.stages import check_run_config
     from dflash.target import check_target, load_tokenizer
     from dflash.train.checkpoint import ended_with, load_drafter
 
     cfg = loaded.cfg
-    run_dir = Path(args.run_dir) if args.run_dir else paths.run(cfg.results_dir, cfg.run_name)
-    out = Path(args.out) if args.out else run_dir / "drafter"
+    folder = paths.RunFolder(args.run_dir or paths.run(cfg.results_dir, cfg.run_name))
+    out = Path(args.out) if args.out else folder.drafter
     check_out(out)
     if args.same_config and not args.checkpoint:
-        check_run_config(loaded, run_dir)
-    ckpt = Path(args.checkpoint) if args.checkpoint else ended_with(run_dir)
+        check_run_config(loaded, folder)
+    ckpt = Path(args.checkpoint) if args.checkpoint else ended_with(folder)
     tpath = Path(cfg.target.path)
     check_target(cfg.target)
     if not (tpath / "config.json").is_file():
@@ -70,14 +68,8 @@ def run(loaded: Loaded, args) -> int:
     # the mask token's text, which SGLang checks against the target's tokenizer (docs/serving.md)
     mask_token = load_tokenizer(cfg.target).convert_ids_to_tokens(dcfg.mask_token_id)
 
-    summary = _read(run_dir / "summary.json", "retrain the run (snakemake -R train)")
-    acceptance = _acceptance(run_dir / "acceptance.json")
-    # the card states its tau: of this very drafter
-    if acceptance is not None and Path(str(acceptance.drafter)).resolve() != ckpt.resolve():
-        raise UserError(f"{run_dir / 'acceptance.json'} evaluated {acceptance.drafter}, not {ckpt}: evaluate "
-                        f"this drafter first (snakemake -R evaluate)")
-    manifest = _read(Path(args.data or paths.dataset(cfg.results_dir, cfg.dataset_name)) / "manifest.json",
-                     "rerun the data stage (snakemake -R data)")
+    data = Path(args.data or paths.dataset(cfg.results_dir, cfg.dataset_name))
+    summary, acceptance, manifest = stated(folder, ckpt, data)
     with atomic_dir(out, RECORD) as tmp:
         write_drafter(drafter, tmp, dtype=dtype, mask_token=mask_token)
         card = model_card(cfg, tconf, dcfg, ckpt, summary, acceptance, manifest, read_json(tmp / "config.json"))
@@ -89,43 +81,3 @@ def run(loaded: Loaded, args) -> int:
     log.info("drafter from %s (%d layers, block %d, target layers %s) -> %s", ckpt, dcfg.num_layers,
              dcfg.block_size, dcfg.target_layer_ids, out)
     return 0
-
-
-def _read(path, remedy: str):
-    """The JSON record at `path` that the model card states (the run's summary, evaluation, dataset manifest); None
-    where there is none. One that cannot be read or is not JSON is refused in one line: a card saying "not
-    evaluated" beside a damaged acceptance.json would be wrong without a word."""
-    import json
-    from pathlib import Path
-
-    from dflash.errors import UserError, io_error
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        raise io_error(e, path, "read") or UserError(f"{path}: cannot read it ({e.strerror})") from None
-    try:
-        return json.loads(text)
-    except ValueError:
-        raise UserError(f"{path}: damaged (not JSON), so the model card cannot state it: {remedy}, or move it "
-                        f"away to export without it") from None
-
-
-def _acceptance(path):
-    """The run's evaluation through its reader view (dflash/acceptance_model.py: AcceptanceCore), for the card; None
-    without one (no file); a damaged one, or one whose keys have other types, is refused, naming the file (and the
-    key)."""
-    from pydantic import ValidationError
-
-    from dflash.acceptance_model import AcceptanceCore
-    from dflash.errors import UserError
-    from dflash.records import problem
-    data = _read(path, "rerun evaluate (snakemake -R evaluate)")
-    if data is None:
-        return None
-    try:
-        return AcceptanceCore.model_validate(data)
-    except ValidationError as e:
-        raise UserError(f"{path}: {problem(e)}: not an evaluation the model card can state; rerun evaluate "
-                        f"(snakemake -R evaluate)") from None

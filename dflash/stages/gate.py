@@ -5,8 +5,11 @@ import logging
 import sys
 from pathlib import Path
 
+from dflash import paths
+from dflash.atomic import atomic_write_json, check_file_ours
 from dflash.config import Loaded
-from dflash.report.regressions_model import RegressionsCore, RunCore, read
+from dflash.records import read
+from dflash.records.regressions import RegressionsCore, RunCore
 
 log = logging.getLogger("dflash.report")
 
@@ -35,12 +38,9 @@ def regressed(record: RunCore | None) -> list[str]:
 
 
 def run(loaded: Loaded, args) -> int:
-    from dflash.atomic import atomic_write_json, check_file_ours
-    from dflash import paths
-
     out = check_file_ours(args.out or paths.report(loaded.cfg.results_dir) / "gate.json", ("passed",), "gate")
     path = Path(args.regressions or paths.report(loaded.cfg.results_dir) / "regressions.json")
-    latest = latest_of(read(path), loaded.cfg.run_name)
+    latest = latest_of(read(path, RegressionsCore, "rerun the report stage"), loaded.cfg.run_name)
     kinds = regressed(latest)
     fail = bool(loaded.cfg.report.fail_on_regression)
     if fail and kinds:

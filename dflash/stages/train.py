@@ -53,12 +53,13 @@ def start(loaded: Loaded, ctx, args) -> int:
     import yaml
 
     from dflash.atomic import atomic_write_text
+    from dflash.paths import RunFolder
     from dflash.train.run import train
     from dflash.train.runtime import distributed, threads
 
     if ctx.placement.runtime == "distributed":
         return distributed.launch(ctx, args)
-    atomic_write_text(ctx.run_dir / "config.yaml", yaml.safe_dump(loaded.raw, sort_keys=False))
+    atomic_write_text(RunFolder(ctx.run_dir).config, yaml.safe_dump(loaded.raw, sort_keys=False))
     log.info("run %s: %s runtime, targets %s, drafters %s, attention %s", loaded.cfg.run_name, ctx.placement.runtime,
              [str(d) for d in ctx.placement.targets], [str(d) for d in ctx.placement.drafters], ctx.backend)
     return train(ctx, threads.Threads(), progress=not args.no_progress)

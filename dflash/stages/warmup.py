@@ -2,12 +2,14 @@
 drafter's forward and backward for every length bucket (a device running a drafter replica) and, with
 train.compile_target, the target's captured layers for every bucket (a device running a target); write
 results/compile/<device>.json."""
-import json
 import logging
 
-from dflash.compile_record import CompileRecord, CompileRecordCore
+from dflash import paths
+from dflash.atomic import check_file_ours
 from dflash.config import Loaded
 from dflash.config_model import TrainSection
+from dflash.records import write
+from dflash.records.compile import CompileRecordCore
 
 log = logging.getLogger("dflash.warmup")
 
@@ -56,66 +58,20 @@ def warmup_device(spec: str, train_cfg: TrainSection):
 
 
 def run(loaded: Loaded, args) -> int:
-    import gc
-
-    import torch
-
-    from dflash import paths
-    from dflash.atomic import atomic_write_json, check_file_ours
     from dflash.fingerprint import compile_cache_dir
     from dflash.train import compile_guard
     from dflash.train.context import prepare, set_shapes
+    from dflash.train.warmup import warm_up_device
 
     device = warmup_device(args.device, loaded.cfg.train)
     out = check_file_ours(args.out or paths.compile_record(loaded.cfg.results_dir, args.device), OURS, "warmup")
     ctx = prepare(loaded, data_dir=args.data)
-    target = loaded.cfg.train.compile_target and device in ctx.placement.targets
-    drafter = device in ctx.placement.drafters
-    if not (drafter or target):
-        log.warning("%s runs no drafter (nor a compiled target) in this placement; warming the drafter up anyway",
-                    device)
     cache = compile_guard.use_compile_cache(compile_cache_dir(loaded.cfg.results_dir, ctx.env["hash"]))
-    reader = ctx.open_reader()
-    set_shapes(ctx, reader.shapes())
-    records = []   # in the train stage's order: the drafter replicas, then the compiled targets
-    if drafter or not target:
-        records.append(_drafter(ctx, device))
-    if target:
-        gc.collect()   # the warmed drafter (compiled methods hold it in a cycle) goes before the target loads
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        records.append(_target(ctx, device))
-    total = {k: sum(r[k] for r in records) for k in ("graphs", "cache_hits", "cache_misses", "seconds")}
-    record = {"device": str(device), **total, "seconds": round(total["seconds"], 3), "per_role": records,
-              "env_hash": ctx.env["hash"], "cache_dir": str(cache)}
-    CompileRecord.model_validate_json(json.dumps(record))   # the file's record, exactly (dflash/compile_record.py)
-    atomic_write_json(out, record)
-    for r in records:
-        log.info("warm-up %s (%s): %d shape(s), %d graph(s), %d cache hit(s), %.1f s", device, r["role"],
-                 len(r["shapes"]), r["graphs"], r["cache_hits"], r["seconds"])
+    set_shapes(ctx, ctx.open_reader().shapes())
+    record = warm_up_device(ctx, device, cache)
+    write(out, record)
+    for r in record.per_role:
+        log.info("warm-up %s (%s): %d shape(s), %d graph(s), %d cache hit(s), %.1f s", device, r.role,
+                 len(r.shapes), r.graphs, r.cache_hits, r.seconds)
     log.info("-> %s", out)
     return 0
-
-
-def _drafter(ctx, device) -> dict:
-    import torch
-
-    from dflash.train import optim, placement as P
-    from dflash.train.step import build_drafter, random_head, warm_up
-
-    dtype = P.autocast_dtype(ctx.cfg.train, device) or torch.float32
-    drafter = build_drafter(ctx, *random_head(ctx, device, dtype), device)
-    optimizer, _ = optim.build(drafter.named_parameters(), ctx.cfg.train, device,
-                               compiled=ctx.compile and device.type == "cuda")   # as train.trainer.Replica builds it
-    return warm_up(drafter, ctx, device, ctx.shapes, optimizer)
-
-
-def _target(ctx, device) -> dict:
-    """The target's captured layers compiled as the train stage compiles them (LayerCapture.compile / warm_up): the
-    same graphs, so its first start finds them in the cache. The record has role 'target'."""
-    from dflash.target import load_target
-    from dflash.train.features import run_capture
-
-    capture = run_capture(load_target(ctx.cfg.target, device=device, seed=ctx.cfg.seed), ctx)
-    capture.compile()
-    return capture.warm_up(device, ctx.shapes, ctx.drafter_config.vocab_size, ctx.compiled_workers)

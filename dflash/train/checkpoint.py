@@ -1,6 +1,6 @@
 """Checkpoints: `checkpoints/<identity>/step-000050/` holds the drafter in the reference format (config.json +
 model.safetensors, loadable as is by `DFlashDraftModel`, SGLang, vLLM), the optimizer and RNG state (torch.save, read
-back with weights_only=True), trainer.json (the trainer's state: checkpoint_records.TrainerState), and last
+back with weights_only=True), trainer.json (the trainer's state: records.checkpoint.TrainerState), and last
 manifest.json (size and xxh3-128 hash of every file). Which identity folder a run uses, resumes or restores is
 train/run_folder.py's.
 
@@ -14,7 +14,6 @@ the drafter's shape comes from the folder's config.json, never from the YAML.
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import random
@@ -27,8 +26,8 @@ from pydantic import ValidationError
 from dflash import paths
 from dflash.atomic import atomic_dir, atomic_write_json, read_json
 from dflash.errors import UserError, disk_full, io_error
-from dflash.records import problem
-from dflash.train.checkpoint_records import TrainerCore, TrainerState
+from dflash.records import problem, write
+from dflash.records.checkpoint import TrainerCore, TrainerState
 
 log = logging.getLogger("dflash.train")
 
@@ -52,10 +51,9 @@ def save(folder, step: int, data_index: int, drafter, optimizer, scheduler, iden
     nothing behind."""
     from dflash.model.export import save_drafter
     out = step_dir(folder, step)
-    state = {"step": step, "data_index": data_index, "scheduler": scheduler.state_dict(), "python_random": _py_state(),
-             **identity, "metrics": list(metrics), "finished": finished_by is not None, "finished_by": finished_by,
-             "summary": summary}
-    TrainerState.model_validate_json(json.dumps(state, default=str))   # the file's record, exactly
+    state = TrainerState(step=step, data_index=data_index, scheduler=scheduler.state_dict(), python_random=_py_state(),
+                         **identity, metrics=list(metrics), finished=finished_by is not None, finished_by=finished_by,
+                         summary=summary)
     try:
         with atomic_dir(out) as tmp:
             save_drafter(drafter, tmp / "drafter")           # the reference format, exactly as `export` writes it
@@ -65,7 +63,7 @@ def save(folder, step: int, data_index: int, drafter, optimizer, scheduler, iden
             _torch_save(optimizer.state_dict(), tmp / OPTIMIZER)
             _torch_save({"torch": torch.get_rng_state(),
                          "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}, tmp / RNG)
-            atomic_write_json(tmp / TRAINER, state)
+            write(tmp / TRAINER, state)
             atomic_write_json(tmp / MANIFEST, {"step": step, "hash": HASH,
                                                "files": {n: _describe(tmp / n) for n in FILES}})
     except Exception as e:
@@ -89,7 +87,7 @@ def _torch_save(obj, path: Path):
 
 def _py_state():
     version, state, gauss = random.getstate()
-    return [version, list(state), gauss]
+    return version, list(state), gauss
 
 
 def _describe(path: Path) -> dict:
@@ -104,7 +102,7 @@ def _describe(path: Path) -> dict:
 # ---- finding and verifying -----------------------------------------------------------------------------------
 def verify(path, names=FILES) -> str | None:
     """None if the files `names` of checkpoint `path` match its manifest (and trainer.json, when among them, fits
-    checkpoint_records.TrainerCore), else why not (one phrase)."""
+    records.checkpoint.TrainerCore), else why not (one phrase)."""
     path = Path(path)
     try:
         files = read_json(path / MANIFEST)["files"]
@@ -133,7 +131,7 @@ def verify(path, names=FILES) -> str | None:
 
 
 def trainer_state(path) -> TrainerCore:
-    """Checkpoint `path`'s trainer.json through its reader view (checkpoint_records.TrainerCore); UserError naming the
+    """Checkpoint `path`'s trainer.json through its reader view (records.checkpoint.TrainerCore); UserError naming the
     file and the key otherwise."""
     f = Path(path, TRAINER)
     try:
@@ -187,7 +185,7 @@ def ended_with(run_dir) -> Path:
     """The checkpoint a run ended with, exactly as its summary.json names it (`describe`): that very folder (its
     manifest.json's hash) with its drafter intact. What evaluate and export read; anything missing or changed is a
     UserError naming it, never another checkpoint in its place."""
-    summary = Path(run_dir, "summary.json")
+    summary = paths.RunFolder(run_dir).summary
     again = "retrain the run (snakemake -R train), or give a drafter folder by hand"
     try:
         final = read_json(summary).get("checkpoint")

@@ -6,6 +6,7 @@ import logging
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dflash import fingerprint
 from dflash import paths
@@ -13,6 +14,11 @@ from dflash.config import REPO, Loaded
 from dflash.config_model import DflashConfig, TrainSection
 from dflash.errors import UserError
 from dflash.train import placement as P, precision
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from dflash.model import DrafterConfig
 
 log = logging.getLogger("dflash.train")
 
@@ -24,8 +30,8 @@ class RunContext:
     backend: str                   # flex | sdpa | eager
     run_dir: Path
     data_dir: Path
-    target_config: object          # transformers config of the target
-    drafter_config: object         # dflash.model.DrafterConfig
+    target_config: PretrainedConfig   # the target's transformers config
+    drafter_config: DrafterConfig
     gamma: float                   # loss decay
     env: dict                      # environment fingerprint
     compile: bool                  # compiled drafter layers and loss kernel

@@ -22,6 +22,7 @@ import torch
 
 from dflash.atomic import atomic_write_text
 from dflash.config_model import DflashConfig, TrainSection
+from dflash.paths import RunFolder
 from dflash.train import compile_guard
 from dflash.train.failures import check_finite
 
@@ -134,7 +135,7 @@ class RunMetrics:
     def __init__(self, ctx, progress: bool = True):
         self.ctx = ctx
         self.cfg: DflashConfig = ctx.cfg
-        self.path = ctx.run_dir / "metrics.jsonl"
+        self.path = RunFolder(ctx.run_dir).metrics
         self.lock = threading.Lock()
         self.pending: list[tuple] = []
         self.rows: list[dict] = []
@@ -238,20 +239,10 @@ class RunMetrics:
             torch.cuda.synchronize(dev)
         now = time.perf_counter()
         st, loss = interval_loss(torch.stack([p[1] for p in pending]).sum(0).tolist())   # the one host sync
-        n_micro = len(self.ctx.placement.drafters) * self.cfg.train.grad_accum
         split = {k: sum(seconds(p[4][k]) for p in pending) for k in SPLIT}   # the interval's seconds of each part
         measured = self.t_measure is not None and pending[0][0] > self.exclude_until
         if measured:
-            self.eval_measured_s += eval_s
-            self.paused_measured_s += pause_s
-            self.totals["tokens"] += st["tokens"]
-            self.totals["positions"] += st["positions"]
-            self.totals["samples"] += len(pending) * n_micro * self.cfg.train.batch_size
-            self.totals["steps"] += len(pending)
-            self.totals["seconds"] = now - self.t_measure - self.eval_measured_s - self.paused_measured_s
-            for k in split:
-                self.split_total[k] += split[k]
-            self.split_steps += len(pending)
+            self._measure(len(pending), st, split, eval_s, pause_s, now)
         if step == self.exclude_until and self.t_measure is None:
             self.t_measure = now
         window = now - getattr(self, "_t_last", self.t_start) - eval_s - pause_s
@@ -276,17 +267,36 @@ class RunMetrics:
             "eval_s": round(eval_s, 4) if evals else None,
         }
         if self.bar is None:
-            acc1 = (row["acc_per_position"] or [None])[0]
-            log.info("step %d/%d loss %s  %.3f Ktok/s  acc1 %s  accept %.2f%s", step, self.cfg.train.steps,
-                     f"{loss:.4f}" if loss is not None else "n/a", row["ktok_per_s"] or 0.0,
-                     f"{acc1:.3f}" if acc1 is not None else "n/a", row["acceptance_estimate"] or 0.0,
-                     f"  tau {row['tau']:.3f}" if row["tau"] is not None else "")
+            self._log(row, loss)
         with self.lock:
             self.rows.append(row)
             self.last = row
             with open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")
         check_finite(step, loss, gnorm)
+
+    def _measure(self, steps: int, st: dict, split: dict, eval_s: float, pause_s: float, now: float) -> None:
+        """Count an interval of measured steps (after the warm-up) towards Ktok/s and the time split; the pauses for
+        evaluations and checkpoints left out of the measured seconds."""
+        self.eval_measured_s += eval_s
+        self.paused_measured_s += pause_s
+        self.totals["tokens"] += st["tokens"]
+        self.totals["positions"] += st["positions"]
+        self.totals["samples"] += steps * len(self.ctx.placement.drafters) * self.cfg.train.grad_accum * \
+            self.cfg.train.batch_size
+        self.totals["steps"] += steps
+        self.totals["seconds"] = now - self.t_measure - self.eval_measured_s - self.paused_measured_s
+        for k in split:
+            self.split_total[k] += split[k]
+        self.split_steps += steps
+
+    def _log(self, row: dict, loss: float | None) -> None:
+        """A row as one log line (without a progress bar)."""
+        acc1 = (row["acc_per_position"] or [None])[0]
+        log.info("step %d/%d loss %s  %.3f Ktok/s  acc1 %s  accept %.2f%s", row["step"], self.cfg.train.steps,
+                 f"{loss:.4f}" if loss is not None else "n/a", row["ktok_per_s"] or 0.0,
+                 f"{acc1:.3f}" if acc1 is not None else "n/a", row["acceptance_estimate"] or 0.0,
+                 f"  tau {row['tau']:.3f}" if row["tau"] is not None else "")
 
     def measured_window(self) -> tuple[float | None, float | None]:
         """(start, end) in perf_counter seconds of the measured steps (those Ktok/s counts); (None, None) before."""

@@ -1,5 +1,6 @@
-"""A run folder keeps every identity it trained: `checkpoints/<result hash>-<data hash>/` holds that identity's
-`step-N/` checkpoints (train/checkpoint.py) and, once its run finished, `finished.json` (the run's outputs as written).
+"""A run folder (its layout: dflash.paths.RunFolder) keeps every identity it trained: `checkpoints/<result hash>-<data
+hash>/` holds that identity's `step-N/` checkpoints (train/checkpoint.py) and, once its run finished, `finished.json`
+(the run's outputs as written).
 The identity is what the trained drafter depends on (`identity`: the config's result hash and the data's content hash),
 so a config tried by hand in the run folder trains into a folder of its own, and going back restores the first. Nothing
 the pipeline does itself deletes or retrains a finished run:
@@ -30,15 +31,16 @@ from pydantic import ValidationError
 from dflash import paths
 from dflash.atomic import atomic_write_json, atomic_write_text
 from dflash.errors import UserError
-from dflash.records import problem
+from dflash.records import problem, write
 from dflash.train.checkpoint import (MANIFEST, candidates, describe, latest, manifest_hash, newest_intact, step_of,
                                      trainer_state)
-from dflash.train.checkpoint_records import Finished, FinishedCore, TrainerCore
+from dflash.records.checkpoint import Finished, FinishedCore, TrainerCore
 
 log = logging.getLogger("dflash.train")
 
 FINISHED = "finished.json"   # in an identity's folder: its final checkpoint's name and the run's outputs, byte for byte
-OUTPUTS = ("summary.json", "metrics.jsonl")   # the train stage's outputs (the rule's), kept there and restored
+OUTPUTS = paths.RunFolder.OUTPUTS   # the train stage's outputs (the rule's), kept there and restored
+SUMMARY, METRICS = OUTPUTS
 LEGACY = ("checkpoints", "checkpoints.previous")   # where checkpoints were before issue 47 (`migrate`)
 
 
@@ -77,7 +79,7 @@ def inputs_hash(cfg) -> str | None:
 def home(run_dir, ident: dict) -> Path:
     """The folder of identity `ident` in the run folder: `checkpoints/<result hash>-<data hash>[-<inputs hash>]/`."""
     tail = f"-{ident['inputs_hash']}" if ident.get("inputs_hash") else ""
-    return paths.checkpoints(run_dir) / f"{ident['result_hash']}-{ident['data_hash'] or 'none'}{tail}"
+    return paths.RunFolder(run_dir).checkpoints / f"{ident['result_hash']}-{ident['data_hash'] or 'none'}{tail}"
 
 
 def _identity(saved: TrainerCore) -> dict:
@@ -129,11 +131,9 @@ def set_aside(folder: Path, why: str) -> Path:
 # ---- a finished run's outputs --------------------------------------------------------------------------------
 def record_finished(run_dir, final: dict, outputs: dict[str, str] | None = None) -> None:
     """Keep a finished run's outputs (OUTPUTS, as written; or `outputs`) in its identity's folder, beside the
-    checkpoint `final` (summary.json's `checkpoint`) it ended with: the record checkpoint_records.Finished describes,
-    checked first."""
-    record = {"checkpoint": final, "outputs": outputs or {n: Path(run_dir, n).read_text() for n in OUTPUTS}}
-    Finished.model_validate(record)
-    atomic_write_json(Path(run_dir, final["path"]).parent / FINISHED, record)
+    checkpoint `final` (summary.json's `checkpoint`) it ended with: finished.json (records.checkpoint.Finished)."""
+    record = Finished(checkpoint=final, outputs=outputs or {n: Path(run_dir, n).read_text() for n in OUTPUTS})
+    write(Path(run_dir, final["path"]).parent / FINISHED, record)
 
 
 def restore(setup, retrain: bool = False) -> FinishedCore | None:
@@ -176,7 +176,7 @@ def restore(setup, retrain: bool = False) -> FinishedCore | None:
 def _current(run_dir: Path) -> Path | None:
     """The identity folder whose run the run folder's outputs are: the one last trained or restored (`_written`); set
     aside folders (`<identity>.N`) are none."""
-    root = paths.checkpoints(run_dir)
+    root = paths.RunFolder(run_dir).checkpoints
     folders = [d for d in root.iterdir() if d.is_dir() and "." not in d.name] if root.is_dir() else []
     return max(folders, key=_written, default=None)
 
@@ -201,7 +201,7 @@ def _record(run_dir: Path, final: Path) -> tuple[FinishedCore, str | None] | Non
     outputs = _outputs_on_disk(run_dir, ref)
     if outputs is not None:
         return FinishedCore.model_validate({"checkpoint": ref, "outputs": outputs}), \
-            f"{why}: written again from {run_dir / 'summary.json'} and the checkpoint it names"
+            f"{why}: written again from {paths.RunFolder(run_dir).summary} and the checkpoint it names"
     outputs = _outputs_of(final, ref)
     if outputs is not None:
         return FinishedCore.model_validate({"checkpoint": ref, "outputs": outputs}), \
@@ -215,7 +215,7 @@ def _outputs_on_disk(run_dir: Path, ref: dict) -> dict[str, str] | None:
     """The run folder's outputs as they are, when summary.json is that of a completed run naming checkpoint `ref`."""
     try:
         outputs = {n: (run_dir / n).read_text() for n in OUTPUTS}
-        summary = json.loads(outputs["summary.json"])
+        summary = json.loads(outputs[SUMMARY])
         return outputs if summary["status"] == "completed" and summary["checkpoint"] == ref else None
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -224,7 +224,7 @@ def _outputs_on_disk(run_dir: Path, ref: dict) -> dict[str, str] | None:
 def _outputs_of(final: Path, ref: dict) -> dict[str, str] | None:
     """summary.json and metrics.jsonl rebuilt from the final checkpoint's trainer.json: the summary as it stood at
     that step (naming the checkpoint), the metrics rows byte for byte as the run wrote them."""
-    from dflash.run_summary import RunSummary
+    from dflash.records.summary import RunSummary
     from dflash.train.metrics import SMOOTHED
     saved = trainer_state(final)
     if saved.summary is None or saved.metrics is None:
@@ -236,15 +236,15 @@ def _outputs_of(final: Path, ref: dict) -> dict[str, str] | None:
         log.warning("%s: its summary is not one (%s)", final / "trainer.json", problem(e))
         return None
     rows = [{k: v for k, v in r.items() if k != SMOOTHED} for r in saved.metrics]
-    return {"summary.json": json.dumps(summary, indent=2, sort_keys=False, default=str) + "\n",
-            "metrics.jsonl": "".join(json.dumps(r) + "\n" for r in rows)}
+    return {SUMMARY: json.dumps(summary, indent=2, sort_keys=False, default=str) + "\n",
+            METRICS: "".join(json.dumps(r) + "\n" for r in rows)}
 
 
 # ---- pruning --------------------------------------------------------------------------------------------------
 def prune(run_dir, keep: int | None, current: Path) -> None:
     """train.keep_runs: keep the `keep` most recently written identity folders besides `current` (other configs' runs,
     runs set aside), delete the others, each named in one log line. None keeps every one."""
-    root = paths.checkpoints(run_dir)
+    root = paths.RunFolder(run_dir).checkpoints
     if keep is None or not root.is_dir():
         return
     others = sorted((d for d in root.iterdir() if d.is_dir() and d != current and not d.name.startswith(".")),
@@ -303,7 +303,7 @@ def _legacy_identity(run_dir: Path, old: Path, steps: list[Path]) -> dict:
         ident = _identity(saved)
     except UserError:
         ident = {"result_hash": "unknown", "data_hash": None, "inputs_hash": None}
-    for summary in (_old_record_summary(old), _json(run_dir / "summary.json")):
+    for summary in (_old_record_summary(old), _json(paths.RunFolder(run_dir).summary)):
         ref = (summary or {}).get("checkpoint") or {}
         step = old / Path(str(ref.get("path", ""))).name
         if isinstance(summary.get("config") if summary else None, dict) and step in steps and \
@@ -315,7 +315,7 @@ def _legacy_identity(run_dir: Path, old: Path, steps: list[Path]) -> dict:
 def _old_record_summary(old: Path) -> dict | None:
     record = _json(old / FINISHED)
     try:
-        return json.loads(record["outputs"]["summary.json"])
+        return json.loads(record["outputs"][SUMMARY])
     except (TypeError, KeyError, ValueError):
         return None
 
@@ -343,12 +343,12 @@ def _repoint(run_dir: Path, dest: Path) -> None:
     record = _json(dest / FINISHED)
     if isinstance(record, dict) and (ref := moved(record)) is not None:
         outputs = dict(record.get("outputs") or {})
-        if (inner := moved(_json_text(outputs.get("summary.json")))) is not None:
-            outputs["summary.json"] = dumped(inner)
+        if (inner := moved(_json_text(outputs.get(SUMMARY)))) is not None:
+            outputs[SUMMARY] = dumped(inner)
         atomic_write_json(dest / FINISHED, {**ref, "outputs": outputs})
-    top = _json(run_dir / "summary.json")
-    if (fixed := moved(top)) is not None:
-        atomic_write_text(run_dir / "summary.json", dumped(fixed))
+    top = paths.RunFolder(run_dir).summary
+    if (fixed := moved(_json(top))) is not None:
+        atomic_write_text(top, dumped(fixed))
 
 
 def _json_text(text) -> dict | None:

@@ -119,7 +119,7 @@ class Replica:
         self.base_s = self.elapsed = 0.0   # training seconds before this process (resume); at the last step, agreed
         self.finished_by = None         # "steps" | "time_budget" once the run reached its end
         self.live = None                # dflash.evaluate.live.LiveEval: tau measured every train.eval_every steps
-        self.resumed = None             # the trainer state it resumed from (checkpoint_records.TrainerCore)
+        self.resumed = None             # the trainer state it resumed from (records.checkpoint.TrainerCore)
 
     # the clock of the training time (time.perf_counter); a class attribute so that tests can run on a fake one
     clock = staticmethod(time.perf_counter)
@@ -290,7 +290,7 @@ class Replica:
         self.metrics.flush()
         self.schedule.elapsed_s = self.elapsed
         with self.metrics.paused():   # writing a checkpoint is no training: out of Ktok/s and the utilisation
-            kept = summary.build(self.ctx, self.metrics, [], "completed", []) if self.finished_by else None
+            kept = summary.build(self.ctx, self.metrics, [], "completed", []).model_dump() if self.finished_by else None
             checkpoint.save(run_folder.home(self.ctx.run_dir, self.identity), step, self.index(step, 0) - self.rank,
                             self.drafter, self.optimizer, self.schedule, self.identity, self.metrics.rows_upto(step),
                             self.finished_by, kept)

@@ -27,9 +27,9 @@ from datetime import datetime
 from pathlib import Path
 
 from dflash.errors import UserError
+from dflash.paths import RunFolder
 
 log = logging.getLogger("dflash.train")
-NAME = "train.lock"
 HELD = "DFLASH_TRAIN_LOCK"   # "<pid>:<run folder>" while that process holds the lock, inherited by what it starts
 _held: dict[str, int] = {}   # run folder -> this process's lock fd (closed, never unlocked, in a forked child)
 
@@ -44,7 +44,7 @@ def hold(run_dir, wait_s: float = 0):
         yield
         return
     run_dir.mkdir(parents=True, exist_ok=True)
-    fd = _acquire(run_dir / NAME, time.monotonic() + wait_s)
+    fd = _acquire(RunFolder(run_dir).lock, time.monotonic() + wait_s)
     before = os.environ.get(HELD)
     os.environ[HELD] = f"{os.getpid()}:{key}"
     if fd is not None:
@@ -129,16 +129,17 @@ def check_writable(run_dir) -> None:
     """Before anything is loaded or trained: the run folder and every folder train writes into or replaces there
     (checkpoints/, its identity folders, checkpoints.previous/ of the old layout, ranks/) take a new file, and the lock
     file opens for writing; else UserError naming the first that does not (a write-protected folder, a read-only file system)."""
-    run_dir = Path(run_dir)
+    run_dir, folder = Path(run_dir), RunFolder(run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        for d in [run_dir] + [d for sub in ("checkpoints", "checkpoints.previous", "ranks") if (run_dir / sub).is_dir()
-                              for d in (run_dir / sub, *sorted(p for p in (run_dir / sub).iterdir() if p.is_dir()))]:
+        subs = (folder.checkpoints, run_dir / "checkpoints.previous", folder.ranks)
+        for d in [run_dir] + [d for sub in subs if sub.is_dir()
+                              for d in (sub, *sorted(p for p in sub.iterdir() if p.is_dir()))]:
             fd, tmp = tempfile.mkstemp(prefix=".writable.", dir=d)
             os.close(fd)
             os.unlink(tmp)
-        if (run_dir / NAME).is_file():
-            open(run_dir / NAME, "a").close()
+        if folder.lock.is_file():
+            open(folder.lock, "a").close()
     except OSError as e:
         if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise

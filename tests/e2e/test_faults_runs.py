@@ -26,6 +26,7 @@ import torch
 
 from dflash.cli import main
 from dflash.errors import UserError
+from dflash.paths import RunFolder
 from dflash.train import writer
 from support.train import REPO, ckpt, home, prepared, run_dir, train_ok
 
@@ -46,13 +47,13 @@ def wait_for_rows(cfg, n: int, proc=None, timeout=300) -> None:
 
 
 def lock_record(cfg) -> dict:
-    return json.loads((run_dir(cfg) / writer.NAME).read_text())
+    return json.loads(RunFolder(run_dir(cfg)).lock.read_text())
 
 
 def wait_unlocked(cfg, timeout=120) -> None:
     """Until no process holds the run folder's lock (looked at, not taken: the record stays as it is)."""
     deadline = time.time() + timeout
-    with open(run_dir(cfg) / writer.NAME) as f:
+    with open(RunFolder(run_dir(cfg)).lock) as f:
         while time.time() < deadline:
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -128,11 +129,11 @@ def test_the_lock_is_the_live_process_not_a_file(tmp_path):
             pass
     proc.kill()
     proc.wait()
-    assert json.loads((run / writer.NAME).read_text())["pid"] == proc.pid
+    assert json.loads(RunFolder(run).lock.read_text())["pid"] == proc.pid
     child = [sys.executable, "-c", "import sys; from dflash.train import writer\nwith writer.hold(sys.argv[1]): pass",
              str(run)]
     with writer.hold(run):                         # the stale record blocks nothing
-        assert json.loads((run / writer.NAME).read_text())["pid"] == os.getpid()
+        assert json.loads(RunFolder(run).lock.read_text())["pid"] == os.getpid()
         ours = subprocess.run(child, cwd=REPO, capture_output=True, text=True)
         assert ours.returncode == 0, ours.stderr   # a process this one started (the launcher's ranks)
         other = subprocess.run(child, cwd=REPO, capture_output=True, text=True,
@@ -232,7 +233,7 @@ def test_a_finished_run_is_restored_from_its_final_checkpoint_alone(tmp_path, ca
         {k: v for k, v in was.items() if k not in ("workers", "devices", "replica_checksums", "replicas_identical",
                                                    "finished_at", "target_files")}
     assert now["workers"] == now["devices"] == [] and now["checkpoint"]["path"].endswith("/step-000004")
-    from dflash.run_summary import RunSummary
+    from dflash.records.summary import RunSummary
     from dflash.train.checkpoint import ended_with
     RunSummary.model_validate(now)
     assert ended_with(run_dir(cfg)) == ckpt(cfg, 4)                           # what evaluate and export read

@@ -15,8 +15,8 @@ import yaml
 from safetensors.torch import load_file
 
 from dflash.cli import main
-from dflash.run_summary import RunSummary
-from dflash.train.checkpoint_records import Finished, TrainerState
+from dflash.records.summary import RunSummary
+from dflash.records.checkpoint import Finished, TrainerState
 from support.train import REPO, ckpt, home, prepared, run_dir, stop_here, train_ok
 
 STOP_STEPS = 8   # steps a run may take from the signal to its stop: the logging interval (2), the step agreed on, slack
@@ -25,7 +25,7 @@ def test_two_replicas_train_in_lockstep(tmp_path):
     cfg = prepared(tmp_path)
     train_ok(cfg)
     s = json.loads((run_dir(cfg) / "summary.json").read_text())
-    RunSummary.model_validate(s)                                      # exactly dflash/run_summary.py's keys and types
+    RunSummary.model_validate(s)                                      # exactly dflash/records/summary.py's keys and types
     assert s["status"] == "completed" and s["steps"] == 12 and s["measured_steps"] == 10
     assert s["replicas_identical"] is True and len(s["replica_checksums"]) == 2
     assert s["throughput"]["ktok_per_s"] > 0 and s["compile"]["recompiles_after_warmup"] == 0
@@ -37,7 +37,7 @@ def test_two_replicas_train_in_lockstep(tmp_path):
     assert len(rows[-1]["acc_per_position"]) == 3  # block 4 -> positions 1..3
     assert sorted(p.name for p in home(cfg).iterdir()) == ["finished.json", "step-000004", "step-000008", "step-000012"]
     assert s["checkpoint"]["path"] == f"checkpoints/{home(cfg).name}/step-000012"   # what evaluate and export read
-    # the checkpoint's trainer state and the finished run's record: exactly their models (train/checkpoint_records.py)
+    # the checkpoint's trainer state and the finished run's record: exactly their models (records/checkpoint.py)
     state = TrainerState.model_validate_json((ckpt(cfg, 12) / "trainer.json").read_text())
     assert (state.step, state.finished_by, [r["step"] for r in state.metrics]) == (12, "steps", [2, 4, 6, 8, 10, 12])
     assert "smoothed_stats" in state.metrics[-1] and state.scheduler["elapsed_s"] > 0

@@ -8,7 +8,7 @@ import pytest
 import torch
 import yaml
 
-from dflash.compile_record import CompileRecord
+from dflash.records.compile import CompileRecord
 from dflash.config_model import TargetSection
 from dflash.target import load_target
 from dflash.train.features import LayerCapture
@@ -79,7 +79,7 @@ def test_warmup_stage_compiles_the_target_for_every_bucket(tmp_path):
     r = dflash("warmup", "--config", str(cfg), "--device", "cpu", timeout=600)   # a fresh process, as the rule runs it
     assert r.returncode == 0, r.stderr[-3000:]
     rec = json.loads((tmp_path / "results" / "compile" / "cpu.json").read_text())
-    CompileRecord.model_validate(rec)                                          # exactly dflash/compile_record.py's
+    CompileRecord.model_validate(rec)                                          # exactly dflash/records/compile.py's
     drafter, target = rec["per_role"]
     assert drafter["role"] == "drafter" and drafter["compiled"] is False       # train.compile off: eager drafter
     assert target["role"] == "target" and target["compiled"] is True and target["modules"] == 3

@@ -10,7 +10,7 @@ from support.data import good_rows, sharegpt, write_jsonl
 from support.train import prepared
 from dflash.data import shards
 from dflash.data.expand import expand
-from dflash.data.manifest import Manifest, ManifestCore
+from dflash.records.manifest import Manifest, ManifestCore
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -31,10 +31,10 @@ def test_the_data_stage_writes_exactly_the_manifest_model(tmp_path, data_cfg):
 
 def test_the_warmup_stage_writes_exactly_the_compile_record_model(tmp_path, monkeypatch):
     """`python -m dflash warmup` on the CPU (an eager drafter: nothing compiled, every bucket still run): its record
-    is exactly dflash/compile_record.py's; a part with a key the model does not describe is refused unwritten."""
+    is exactly dflash/records/compile.py's; a part with a key the model does not describe is refused unwritten."""
     from dflash.cli import main
-    from dflash.compile_record import CompileRecord
-    from dflash.stages import warmup
+    from dflash.records.compile import CompileRecord
+    from dflash.train import warmup
 
     cfg = prepared(tmp_path, drafters=["cpu"])
     out = tmp_path / "results" / "compile" / "cpu.json"

@@ -245,8 +245,8 @@ def test_rule_file_declares_every_plot_and_ends_all(repo):
     snakefile = (repo / "Snakefile").read_text()
     assert "rules.report.output," in snakefile and "rules.gate.output," in snakefile  # the report and its gate end `all`
     report = smk[smk.index("rule report:"):smk.index("rule gate:")]
-    for read in ('summary=run_file(RUN, "summary.json")', 'metrics=run_file(RUN, "metrics.jsonl")',
-                 'acceptance=run_file(RUN, "acceptance.json")'):
+    for read in ("summary=run_file(RUN, RUN_FOLDER.SUMMARY)", "metrics=run_file(RUN, RUN_FOLDER.METRICS)",
+                 "acceptance=run_file(RUN, RUN_FOLDER.ACCEPTANCE)"):
         assert read in report.split("output:")[0], read                   # what the report reads is its input
     gate = smk[smk.index("rule gate:"):]
     assert "regressions=rules.report.output.regressions" in gate and "dflash gate" in gate

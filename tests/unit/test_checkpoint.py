@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 from dflash.errors import UserError
 from dflash.model import save_drafter
 from dflash.train import checkpoint as C, run_folder as R
-from dflash.run_summary import CheckpointRef
-from dflash.train.checkpoint_records import Finished, TrainerCore, TrainerState
+from dflash.records.summary import CheckpointRef
+from dflash.records.checkpoint import Finished, TrainerCore, TrainerState
 from support.checkpoint import fake_setup, saved, trained
 from support.model import tiny_cfg
 
@@ -190,7 +190,7 @@ def _reseal(ck: Path, name: str):
 
 
 def test_trainer_json_is_exactly_the_model_and_the_bytes_it_always_was(tmp_path):
-    """trainer.json is the writer's record (checkpoint_records.TrainerState), its bytes as before the model (the
+    """trainer.json is the writer's record (records.checkpoint.TrainerState), its bytes as before the model (the
     manifest hashes them; a resume reads them); a key the model does not describe is refused before anything is
     written."""
     setup = fake_setup(tmp_path, steps=12)
@@ -238,7 +238,7 @@ def test_a_malformed_trainer_json_makes_its_checkpoint_not_intact(tmp_path, capl
 
 
 def test_finished_json_is_exactly_the_model_and_a_malformed_one_is_named(tmp_path, caplog):
-    """finished.json is the writer's record (checkpoint_records.Finished), in the identity's folder; restore reads it
+    """finished.json is the writer's record (records.checkpoint.Finished), in the identity's folder; restore reads it
     through FinishedCore: one whose outputs are not text is named in one line (file and key) and nothing is restored
     from it; where neither the run folder's outputs nor the final checkpoint (one without a summary: written before
     checkpoints kept it) can rebuild them, that is said too, and a new run trains, the finished one set aside."""

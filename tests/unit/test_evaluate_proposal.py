@@ -219,7 +219,7 @@ def _acceptance(temperature, by=None, tau=2.0):
 
 
 def test_policies_follow_evaluate_proposal():
-    from dflash.evaluate.acceptance import policies
+    from dflash.records.acceptance import policies
     assert policies("auto", 0.0) == policies("both", 0.0) == policies("sample", 0.0) == ["argmax"]
     assert policies("auto", 0.7) == policies("both", 0.7) == ["argmax", "sample"]
     assert policies("sample", 0.7) == ["sample"] and policies("argmax", 1.0) == ["argmax"]
@@ -227,7 +227,7 @@ def test_policies_follow_evaluate_proposal():
 
 def test_model_card_names_the_policy_of_each_tau():
     from dflash import config as C
-    from dflash.acceptance_model import AcceptanceCore
+    from dflash.records.acceptance import AcceptanceCore
     from dflash.evaluate.modelcard import model_card
     cfg = C.from_dict({}).cfg
     tconf = types.SimpleNamespace(architectures=["Qwen3ForCausalLM"], num_hidden_layers=2, hidden_size=8,

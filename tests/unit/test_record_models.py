@@ -7,30 +7,30 @@ import re
 import pytest
 from pydantic import ValidationError
 
-from dflash import acceptance_model, compile_record
 from dflash.cli import main
-from dflash.data import manifest, shards
+from dflash.data import shards
 from dflash.errors import UserError
-from dflash.report import build, history, regress, regressions_model
+from dflash.evaluate.modelcard import read_evaluation as _acceptance
+from dflash.records import acceptance as acceptance_rec, checkpoint as checkpoint_rec, compile as compile_rec, manifest
+from dflash.records import read, regressions, write
+from dflash.report import build, history, regress
 from dflash.stages import gate
-from dflash.stages.export import _acceptance
-from dflash.train import checkpoint_records
 from support.report_factory import acceptance, settings, summary, with_pkg, write_run
 
 
 @pytest.mark.parametrize("name, table, keys", [
     ("manifest-keys", manifest.key_table, ("content_hash", "manifest_hash", "sources.<name>.rejected",
                                            "regeneration.tokens_per_s", "tokenizer.mask_token_id")),
-    ("acceptance-keys", acceptance_model.key_table, ("tau", "by_proposal", "sets.<name>.tau_prompt_mean",
+    ("acceptance-keys", acceptance_rec.key_table, ("tau", "by_proposal", "sets.<name>.tau_prompt_mean",
                                                      "sets.<name>.plain.target_forwards", "stop_token_ids")),
-    ("compile-keys", compile_record.key_table, ("env_hash", "cache_dir", "per_role[].cache_misses",
+    ("compile-keys", compile_rec.key_table, ("env_hash", "cache_dir", "per_role[].cache_misses",
                                                 "per_role[].modules", "per_role[].shapes[].length")),
-    ("regressions-keys", regressions_model.key_table, ("latest_regressed", "runs[].quality.baseline.tau",
+    ("regressions-keys", regressions.key_table, ("latest_regressed", "runs[].quality.baseline.tau",
                                                        "runs[].changed.<category>[].old", "runs[].anomalies[].share",
                                                        "placement.colocated_speedup", "skipped[].reason")),
-    ("trainer-keys", checkpoint_records.trainer_key_table, ("step", "data_index", "scheduler", "python_random",
+    ("trainer-keys", checkpoint_rec.trainer_key_table, ("step", "data_index", "scheduler", "python_random",
                                                             "result_hash", "metrics", "finished_by")),
-    ("finished-keys", checkpoint_records.finished_key_table, ("outputs", "checkpoint.path", "checkpoint.manifest")),
+    ("finished-keys", checkpoint_rec.finished_key_table, ("outputs", "checkpoint.path", "checkpoint.manifest")),
 ])
 def test_docs_list_the_keys_of_the_model(repo, name, table, keys):
     text = (repo / "docs" / "architecture.md").read_text()
@@ -70,11 +70,11 @@ def test_acceptance_record_is_exactly_the_model():
     """The evaluate stage validates its record before writing (tests/stages/test_evaluate_stages.py runs it at
     temperature 0 and above): a key the model does not describe, or one left out, is refused."""
     doc, figures = ACCEPTANCE, FIGURES
-    assert acceptance_model.Acceptance.model_validate(doc).by_proposal["argmax"].tau == 2.5
+    assert acceptance_rec.Acceptance.model_validate(doc).by_proposal["argmax"].tau == 2.5
     with pytest.raises(ValidationError, match="surprise"):
-        acceptance_model.Acceptance.model_validate({**doc, "surprise": 1})
+        acceptance_rec.Acceptance.model_validate({**doc, "surprise": 1})
     with pytest.raises(ValidationError, match="by_proposal.argmax.speedup"):
-        acceptance_model.Acceptance.model_validate({**doc, "by_proposal": {"argmax": {**figures, "speedup": "2"}}})
+        acceptance_rec.Acceptance.model_validate({**doc, "by_proposal": {"argmax": {**figures, "speedup": "2"}}})
 
 
 # ---- the compile record (results/compile/<device>.json; tests/stages/test_record_writers.py runs its writer) -------
@@ -86,20 +86,20 @@ RECORD = {"device": "cpu", "graphs": 0, "cache_hits": 0, "cache_misses": 0, "sec
 
 
 def test_compile_record_is_exactly_the_model():
-    rec = compile_record.CompileRecord.model_validate_json(json.dumps(RECORD))
+    rec = compile_rec.CompileRecord.model_validate_json(json.dumps(RECORD))
     assert rec.per_role[0].shapes[0].length == 64 and rec.per_role[0].modules is None    # a drafter has no modules
     target = {**PART, "role": "target", "modules": 3, "compiled": True}
     del target["backend"]
-    assert compile_record.CompileRecord.model_validate({**RECORD, "per_role": [PART, target]}).per_role[1].modules == 3
+    assert compile_rec.CompileRecord.model_validate({**RECORD, "per_role": [PART, target]}).per_role[1].modules == 3
     for bad, where in (({**RECORD, "surprise": 1}, "surprise"),
                        ({**RECORD, "per_role": [{**PART, "role": "replica"}]}, "per_role.0.role"),
                        ({**RECORD, "per_role": [{**PART, "shapes": [{"batch": 2, "length": "64", "seconds": 1.0}]}]},
                         "per_role.0.shapes.0.length"),
                        ({k: v for k, v in RECORD.items() if k != "cache_dir"}, "cache_dir")):
         with pytest.raises(ValidationError, match=re.escape(where)):
-            compile_record.CompileRecord.model_validate_json(json.dumps(bad))
+            compile_rec.CompileRecord.model_validate_json(json.dumps(bad))
     from dflash.stages import warmup                     # an existing --out is the stage's own by the core's keys
-    assert warmup.OURS == tuple(compile_record.CompileRecordCore.model_fields) == ("device", "env_hash")
+    assert warmup.OURS == tuple(compile_rec.CompileRecordCore.model_fields) == ("device", "env_hash")
 
 
 # ---- regressions.json: written by the report, read by the gate ------------------------------------------------------
@@ -118,10 +118,10 @@ def test_the_report_writes_exactly_the_regressions_model_and_the_gate_reads_it(t
     out = tmp_path / "report"
     build(_history(tmp_path), out, settings())
     text = (out / "regressions.json").read_text()
-    reg = regressions_model.Regressions.model_validate_json(text)
+    reg = regressions.Regressions.model_validate_json(text)
     doc = json.loads(text)
-    assert set(doc) == set(regressions_model.Regressions.model_fields)
-    assert set(doc["runs"][-1]) == set(regressions_model.RunVerdict.model_fields)
+    assert set(doc) == set(regressions.Regressions.model_fields)
+    assert set(doc["runs"][-1]) == set(regressions.RunVerdict.model_fields)
     last = reg.runs[-1]
     assert last.verdict == "regression" and last.regressed == ["throughput", "quality"]
     assert last.baseline.runs == [summary(1)["run_id"], summary(2)["run_id"]] and last.quality.baseline.tau == 1.866
@@ -130,7 +130,8 @@ def test_the_report_writes_exactly_the_regressions_model_and_the_gate_reads_it(t
     assert next(a for a in last.anomalies if a.kind == "memory_imbalance").device == "cuda:5"
     assert reg.placement.current.model_dump() == {"targets": 5, "drafters": 3} and reg.placement.colocated is False
     assert [s.file for s in reg.skipped] == [str(tmp_path / "runs" / "broken" / "summary.json")]
-    core = regressions_model.read(out / "regressions.json")   # the gate's view: what it uses, typed
+    # the gate's view: what it uses, typed
+    core = read(out / "regressions.json", regressions.RegressionsCore, "rerun the report stage")
     latest = gate.latest_of(core, "demo")
     assert (latest.run_id, latest.verdict, latest.quality.verdict) == (summary(3)["run_id"], "regression", "regression")
     assert gate.regressed(latest) == ["throughput", "quality"] and latest.sentence == doc["runs"][-1]["sentence"]
@@ -179,8 +180,8 @@ def test_acceptance_readers_take_files_of_every_age_through_the_core():
     """AcceptanceCore, what the report, export and the model card read: the writer's record reads through it; the
     older files the report's tests keep (only `tau`; `tau` per prompt set; no `by_proposal`) read with the values the
     readers took from them by key before it, the evaluation hash included."""
-    core = acceptance_model.AcceptanceCore
-    assert set(core.model_fields) - {"run_id"} < set(acceptance_model.Acceptance.model_fields)   # run_id: by hand only
+    core = acceptance_rec.AcceptanceCore
+    assert set(core.model_fields) - {"run_id"} < set(acceptance_rec.Acceptance.model_fields)   # run_id: by hand only
     read = core.model_validate(ACCEPTANCE)
     assert (read.tau, read.by_proposal["argmax"].tau, read.lossless, read.model_extra["engines"]) == \
         (2.5, 2.5, True, {"argmax": ["vLLM"]})
@@ -212,3 +213,19 @@ def test_a_malformed_acceptance_file_is_named_by_its_key(tmp_path):
         _acceptance(path)
     path.write_text(json.dumps(ACCEPTANCE))
     assert history.read_acceptance(path, summary) == (ACCEPTANCE, None) and _acceptance(path).drafter == "ckpt"
+
+
+def test_the_one_door_writes_a_models_keys_in_its_order_and_reads_through_a_view(tmp_path):
+    """records.write: the keys given, in the model's order (a defaulted key not given is left out, as the target-only
+    `modules` of a drafter's warm-up part); records.read: the view's model, else one line naming file, key and remedy."""
+    part = compile_rec.WarmupPart(device="cpu", role="drafter", backend="sdpa", compiled=False,
+                                  shapes=[{"batch": 2, "length": 64, "seconds": 0.5}], graphs=0, cache_hits=0,
+                                  cache_misses=0, seconds=0.5)
+    path = write(tmp_path / "part.json", part)
+    assert list(json.loads(path.read_text())) == ["device", "role", "backend", "compiled", "shapes", "graphs",
+                                                  "cache_hits", "cache_misses", "seconds"]
+    assert read(path, compile_rec.WarmupPart, "rerun it") == part
+    path.write_text(path.read_text().replace('"graphs": 0', '"graphs": "0"'))
+    why = f"{path}: key 'graphs': Input should be a valid integer; rerun it"
+    with pytest.raises(UserError, match=re.escape(why)):
+        read(path, compile_rec.WarmupPart, "rerun it")

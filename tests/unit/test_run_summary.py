@@ -1,4 +1,4 @@
-"""summary.json's one typed description (dflash/run_summary.py): the docs' table is generated from it, the report's
+"""summary.json's one typed description (dflash/records/summary.py): the docs' table is generated from it, the report's
 reader takes what it needs from it, the writer's record is exactly it (tests/e2e/test_train.py validates a real one)."""
 import copy
 import re
@@ -6,13 +6,13 @@ import re
 import pytest
 
 from dflash.report.history import BadSummary, validate_summary
-from dflash.run_summary import RunSummary, SummaryCore, key_table
+from dflash.records.summary import RunSummary, SummaryCore, key_table
 
 
 def test_docs_list_the_keys_of_the_model(repo):
     text = (repo / "docs" / "architecture.md").read_text()
     block = re.search(r"<!-- summary-keys:begin -->\n(.*?)<!-- summary-keys:end -->", text, re.S)
-    assert block and block.group(1) == key_table(), "docs/architecture.md: paste dflash.run_summary.key_table()"
+    assert block and block.group(1) == key_table(), "docs/architecture.md: paste dflash.records.summary.key_table()"
     for key in ("config_hash", "throughput.ktok_per_s", "throughput.mfu_drafter", "checkpoint.manifest", "finished_by"):
         assert f"| `{key}` |" in block.group(1)
 

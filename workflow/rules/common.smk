@@ -103,8 +103,11 @@ DATASETS = list(SWEEP.datasets)
 DECODED = [r for r in RUNS if SWEEP.runs[r].decoded]
 
 
+RUN_FOLDER = paths.RunFolder   # a run folder's layout: its file names (RUN_FOLDER.SUMMARY, ...)
+
+
 def run_file(run, name):
-    """A file of a run's folder: results/runs/<run>/<name> (run may be the wildcard "{run}")."""
+    """A file of a run's folder: results/runs/<run>/<name> (run may be the wildcard "{run}"; name: RUN_FOLDER's)."""
     return str(paths.run(RESULTS, run) / name)
 
 
@@ -124,9 +127,8 @@ def data_of(wildcards):
 def evaluations(run):
     """The evaluate stage's outputs of a run: acceptance.json and one per other temperature (none when the sweep
     takes its tau from its training, sweep.evaluate own)."""
-    r = SWEEP.runs[run]
-    return [run_file(run, "acceptance.json")] * r.decoded + [run_file(run, f"acceptance-t{t:g}.json")
-                                                              for t in r.temperatures]
+    r, folder = SWEEP.runs[run], RUN_FOLDER(paths.run(RESULTS, run))
+    return [str(folder.acceptance())] * r.decoded + [str(folder.acceptance(t)) for t in r.temperatures]
 TARGET_DIR = CFG.target.path
 # the target folder the target rule builds (its output, so a rebuild reruns what reads it); with build none the folder
 # is the user's, an input each rule that reads it names (reads) and its stamp holds by content

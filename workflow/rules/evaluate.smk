@@ -7,7 +7,7 @@ EVAL_GPU = int(CFG.evaluate.device != "cpu" and (CFG.evaluate.device != "auto" o
 
 rule evaluate:
     input:
-        summary=run_file("{run}", "summary.json"),
+        summary=run_file("{run}", RUN_FOLDER.SUMMARY),
         target=TARGET_BUILT,
         named=reads("evaluate"),
         stamp=run_stamp("evaluate"),
@@ -15,7 +15,7 @@ rule evaluate:
         # hashed in the manifest; a changed file reruns evaluate, which refuses it
         holdout=lambda wildcards: holdout(SWEEP.runs[wildcards.run].dataset),
     output:
-        run_file("{run}", "acceptance.json"),
+        run_file("{run}", RUN_FOLDER.ACCEPTANCE),
     params:
         stage_config=config_args,
         run_dir=lambda wildcards, input: os.path.dirname(input.summary),
@@ -36,7 +36,7 @@ rule evaluate:
 # The same at another temperature (sweep.temperatures): the run's config with evaluate.temperature set to it.
 use rule evaluate as evaluate_at with:
     output:
-        run_file("{run}", "acceptance-t{temp}.json"),
+        run_file("{run}", RUN_FOLDER.ACCEPTANCE_AT),
     params:
         stage_config=lambda wildcards, input: config_args(wildcards, input)
         + ["--set", f"evaluate.temperature={float(wildcards.temp)}"],

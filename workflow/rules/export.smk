@@ -6,21 +6,21 @@ from dflash.stages.export import check_out as check_export_out
 # (a user's) is refused now, naming them, instead of being removed without a word.
 try:
     for _run in RUNS:
-        check_export_out(paths.run(RESULTS, _run) / "drafter")
+        check_export_out(RUN_FOLDER(paths.run(RESULTS, _run)).drafter)
 except (ConfigError, UserError) as e:
     raise WorkflowError(str(e)) from None
 
 
 rule export:
     input:
-        summary=run_file("{run}", "summary.json"),
-        acceptance=run_file("{run}", "acceptance.json"),  # the model card states tau
+        summary=run_file("{run}", RUN_FOLDER.SUMMARY),
+        acceptance=run_file("{run}", RUN_FOLDER.ACCEPTANCE),  # the model card states tau
         data=data_of,
         target=TARGET_BUILT,
         named=reads("export"),
         stamp=run_stamp("export"),
     output:
-        directory(run_file("{run}", "drafter")),
+        directory(run_file("{run}", RUN_FOLDER.DRAFTER)),
     params:
         stage_config=config_args,
         run_dir=lambda wildcards, input: os.path.dirname(input.summary),

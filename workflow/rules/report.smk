@@ -11,10 +11,10 @@ REPORT_DIR = f"{RESULTS}/report"
 # outputs always stay; the gate below fails on a regression of Ktok/s or tau.
 rule report:
     input:
-        summary=run_file(RUN, "summary.json"),
-        metrics=run_file(RUN, "metrics.jsonl"),  # the latest run's training curves
-        acceptance=run_file(RUN, "acceptance.json"),  # tau: a re-evaluation reruns the report
-        drafter=run_file(RUN, "drafter"),  # report.md says where the exported drafter is: after the export
+        summary=run_file(RUN, RUN_FOLDER.SUMMARY),
+        metrics=run_file(RUN, RUN_FOLDER.METRICS),  # the latest run's training curves
+        acceptance=run_file(RUN, RUN_FOLDER.ACCEPTANCE),  # tau: a re-evaluation reruns the report
+        drafter=run_file(RUN, RUN_FOLDER.DRAFTER),  # report.md says where the exported drafter is: after the export
         stamp=stamp("report"),
     output:
         md=report(f"{REPORT_DIR}/report.md", caption="../report/report_md.rst", category="Throughput"),
@@ -51,8 +51,8 @@ if SWEEP.declared:
 
     rule sweep_table:
         input:
-            summaries=[run_file(r, "summary.json") for r in RUNS],
-            metrics=[run_file(r, "metrics.jsonl") for r in RUNS],
+            summaries=[run_file(r, RUN_FOLDER.SUMMARY) for r in RUNS],
+            metrics=[run_file(r, RUN_FOLDER.METRICS) for r in RUNS],
             evaluations=[e for r in RUNS for e in evaluations(r)],
             stamp=stamp("sweep_table", extra={"sweep": SWEEP.record()}),
         output:

@@ -10,13 +10,13 @@ rule train:
         stamp=run_stamp("train"),
         warmup=expand(paths.compile_record(RESULTS, "{device}"), device=WARMUP_DEVICES),
     output:
-        summary=run_file("{run}", "summary.json"),
-        metrics=run_file("{run}", "metrics.jsonl"),
+        summary=run_file("{run}", RUN_FOLDER.SUMMARY),
+        metrics=run_file("{run}", RUN_FOLDER.METRICS),
     params:
         # a finished run is restored, not retrained, unless train itself is forced (a function of the input: no trigger)
         stage_config=lambda wildcards, input: config_args(wildcards, input)
-        + (["--retrain"] if forced("train", [run_file(wildcards.run, "summary.json"),
-                                             run_file(wildcards.run, "metrics.jsonl")]) else []),
+        + (["--retrain"] if forced("train", [run_file(wildcards.run, RUN_FOLDER.SUMMARY),
+                                             run_file(wildcards.run, RUN_FOLDER.METRICS)]) else []),
         data=lambda wildcards, input: os.path.dirname(input.data),
         run_dir=lambda wildcards, output: os.path.dirname(output.summary),
         config=rerun_by("train"),

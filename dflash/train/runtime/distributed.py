@@ -36,6 +36,7 @@ import torch.distributed as dist
 from dflash.atomic import atomic_write_json
 from dflash.config import Loaded
 from dflash.errors import UserError
+from dflash.paths import RunFolder
 from dflash.train import failures
 from dflash.train.features import feature_width
 from dflash.train.run import Local
@@ -159,9 +160,8 @@ def launch(ctx, args) -> int:
 
 def local_rank_pids(run_dir) -> list[int]:
     import json
-    from pathlib import Path
     pids = []
-    for f in Path(run_dir, "ranks").glob("rank-*.json"):
+    for f in RunFolder(run_dir).ranks.glob("rank-*.json"):
         try:
             info = json.loads(f.read_text())
         except (OSError, ValueError):
@@ -235,7 +235,7 @@ class Ranks:
         self.is_target, r = rank < self.T, rank - self.T
         self.name = f"target-{rank}" if self.is_target else f"drafter-{r}"
         logging.getLogger().name = self.name
-        atomic_write_json(ctx.run_dir / "ranks" / f"rank-{rank}.json",
+        atomic_write_json(RunFolder(ctx.run_dir).ranks / f"rank-{rank}.json",
                           {"rank": rank, "name": self.name, "device": str(device), "pid": os.getpid(),
                            "backend": backend, "host": os.uname().nodename})
         self.stop = False

@@ -1,7 +1,8 @@
-"""acceptance.json, the evaluate stage's record: one typed description for its writer (stages/evaluate.py, from the
-figures of evaluate/acceptance.py), its readers (report/history.py, report/markdown.py, stages/export.py and the model
-card it writes) and the docs (docs/architecture.md, checked against it by a test). Beside summary.json's model, below
-both `evaluate` and `report`: the report reads it without importing the evaluation (torch).
+"""acceptance.json, the evaluate stage's record: one typed description for its writer (evaluate/run.py builds it from
+the figures of evaluate/acceptance.py, stages/evaluate.py writes it), its readers (report/history.py,
+report/markdown.py, the export's model card: evaluate/modelcard.py) and the docs (docs/architecture.md, checked
+against it by a test). Beside summary.json's model, below both `evaluate` and `report`: the report reads it without
+importing the evaluation (torch); the draft policies and who runs them live here too.
 
 `Acceptance` is every key the writer writes, with its meaning. `AcceptanceCore` is what its readers use, of a file of
 any age: every key optional (the first files held only `tau`, some as {prompt set: tau}, read as their mean; later
@@ -14,19 +15,29 @@ import math
 
 from pydantic import BaseModel, Field, field_validator
 
-from dflash.records import WRITTEN, Read, key_table as records_table
+from dflash.records import WRITTEN, Read, key_table as records_table, like
 
-# Who decodes with each draft policy at temperature > 0, today (one source: acceptance.json's `engines`, the model
-# card, the report's tables and plots). vLLM drafts argmax by default; its `draft_sample_method: probabilistic` samples
-# each DFlash position independently (the `sample` policy), lossless only from vLLM PR #54282 on.
+# The draft policies at temperature > 0 and who decodes with each, today (the one source: acceptance.json's `engines`,
+# the model card, the report's tables and plots). vLLM drafts argmax by default; its `draft_sample_method:
+# probabilistic` samples each DFlash position independently (the `sample` policy), lossless only from vLLM PR #54282 on.
 ENGINES = {"argmax": ["vLLM (default)", "SGLang", "TensorRT-LLM"],
            "sample": ["DeepSpec", "dflash 0.1.0 (reference package)",
                       "vLLM draft_sample_method: probabilistic (lossless from vLLM PR #54282)"]}
+OLDEST = "sample"   # the policy of a file written before `proposal` was (the first evaluations sampled their drafts)
 
 
 def engines(policy: str) -> str:
     """The engines of a draft policy, as one phrase ("vLLM (default), SGLang, TensorRT-LLM")."""
     return ", ".join(ENGINES.get(policy, []))
+
+
+def policies(proposal: str, temperature: float) -> list[str]:
+    """The draft policies to decode with (evaluate.proposal), the top-level one first: at temperature 0 only argmax
+    (greedy acceptance is one rule for both); above it argmax and sample for `auto` and `both`, else the one named."""
+    if temperature <= 0:
+        return ["argmax"]
+    return {"auto": ["argmax", "sample"], "both": ["argmax", "sample"], "argmax": ["argmax"],
+            "sample": ["sample"]}[proposal]
 
 
 class Decoding(BaseModel):
@@ -80,18 +91,32 @@ class Mismatch(BaseModel):
     plain: list[int] = Field(description="Up to 8 plain tokens from there.")
 
 
-class PromptSet(SetFigures):
+class PromptSet(BaseModel):
+    """One prompt set's figures (`sets.<name>`), its keys in the order the file holds them: the policy, the prompts,
+    that policy's figures (`SetFigures`) with plain decoding beside the speculative, every policy's."""
     model_config = WRITTEN
 
-    prompts: int = Field(description="Prompts in the set.")
-    plain: Decoding = Field(description="Plain decoding, once per prompt for every policy (`Decoding`).")
     proposal: str = Field(description="The policy of this set's figures (as the top level's).")
+    prompts: int = Field(description="Prompts in the set.")
+    tau: float | None = like(SetFigures, "tau")
+    tau_prompt_mean: float | None = like(SetFigures, "tau_prompt_mean")
+    tau_uncapped: float | None = like(SetFigures, "tau_uncapped")
+    verify_steps: int = like(SetFigures, "verify_steps")
+    tokens: int = like(SetFigures, "tokens")
+    acceptance_histogram: dict[str, int] = like(SetFigures, "acceptance_histogram")
+    acceptance_distribution: dict[str, float] = like(SetFigures, "acceptance_distribution")
+    acceptance_per_position: list[float | None] = like(SetFigures, "acceptance_per_position")
+    drafted_per_position: list[int] = like(SetFigures, "drafted_per_position")
+    speculative: Decoding = like(SetFigures, "speculative")
+    plain: Decoding = Field(description="Plain decoding, once per prompt for every policy (`Decoding`).")
+    speedup: float | None = like(SetFigures, "speedup")
     by_proposal: dict[str, SetFigures] = Field(description="{policy: its figures on this set} (`SetFigures`).")
     lossless: bool = Field(description="Greedy speculative output token-identical to plain greedy on every prompt.")
     mismatches: list[Mismatch] = Field(description="Where they differ (`Mismatch`).")
 
 
-class Acceptance(Figures):
+class Evaluated(BaseModel):
+    """What was evaluated and how: the head of acceptance.json (`Acceptance`), before the figures."""
     model_config = WRITTEN
 
     run_name: str = Field(description="The config's run_name.")
@@ -110,6 +135,13 @@ class Acceptance(Figures):
     stop_token_ids: list[int] = Field(description="Tokens that end a generation.")
     proposal: str = Field(description=(
         "The draft policy of the top-level figures: argmax (when decoded; always at temperature 0) or sample."))
+
+
+class Acceptance(Figures, Evaluated):
+    """acceptance.json: the head (`Evaluated`), the top-level policy's pooled figures (`Figures`), every policy's,
+    every prompt set's (the order of its keys in the file: the classes' in reverse)."""
+    model_config = WRITTEN
+
     by_proposal: dict[str, Figures] = Field(description="{policy: its pooled figures} (`Figures`).")
     engines: dict[str, list[str]] = Field(description="{policy: serving engines that run it}.")
     lossless: bool = Field(description="Every set lossless.")
@@ -117,9 +149,9 @@ class Acceptance(Figures):
         "{name: figures per prompt set}: `holdout`, then one per evaluate.prompt_files stem (`PromptSet`)."))
 
 
-def _as(name: str, default=None):
-    """A reader's field: `default` where a file lacks the key, the writer's meaning."""
-    return Field(default, description=Acceptance.model_fields[name].description)
+def _as(name: str):
+    """A reader's field with the writer's meaning: None where a file lacks the key."""
+    return like(Acceptance, name, None)
 
 
 class TauCore(Read):
@@ -160,6 +192,12 @@ class AcceptanceCore(Read):
             raise ValueError("a prompt set's tau is not a number")
         taus = [t for t in taus if t is not None and not math.isnan(t)]
         return sum(taus) / len(taus) if taus else None
+
+    def policy_taus(self) -> dict[str, float | None]:
+        """{draft policy: tau}: `by_proposal`'s, else (a file without it) its one tau under its policy (`OLDEST`)."""
+        if self.by_proposal:
+            return {k: b.tau for k, b in self.by_proposal.items()}
+        return {self.proposal or OLDEST: self.tau}
 
 
 def key_table() -> str:

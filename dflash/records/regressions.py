@@ -1,44 +1,23 @@
 """regressions.json, the report stage's verdicts: one typed description for its writer (report/__init__.py `build`,
-from the records of report/regress.py and report/placement.py), its reader (stages/gate.py, through `read`) and the
-docs (docs/architecture.md, checked against it by a test).
+from the records of report/regress.py and report/placement.py), its reader (stages/gate.py, through
+`dflash.records.read`) and the docs (docs/architecture.md, checked against it by a test).
 
-`Regressions` is every key the writer writes, with its meaning (it validates the file, as JSON, before writing);
+`Regressions` is every key the writer writes, with its meaning, in the file's order (the report builds it and writes it
+through records.write);
 `RegressionsCore` is what the gate relies on: each run's id, run name, verdicts and sentence (a record written before
 quality was judged lacks `regressed` and `quality`: its Ktok/s verdict alone).
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field
 
-from dflash.errors import UserError
-from dflash.records import WRITTEN, Read, key_table as records_table
+from dflash.records import WRITTEN, Read, key_table as records_table, like
 
 Verdict = Literal["regression", "improvement", "ok", "not measured", "baseline", "first run", "no baseline"]
 VERDICTS = ("regression (the change below `threshold`), improvement (above -`threshold`), ok, not measured, baseline "
             "(the pinned report.baseline_run itself), first run or no baseline.")
-
-
-class QualityCore(Read):
-    verdict: str = Field(description=f"The tau verdict: {VERDICTS}")
-
-
-class RunCore(Read):
-    run_id: str = Field(description="The run (runs are in history order: by start time).")
-    run_name: str | None = Field(description="Its run name (the gate judges the newest run of its own).")
-    verdict: str = Field(description=(
-        f"The Ktok/s verdict: {VERDICTS[:-1]}; a Ktok/s drop of 50% or more is a regression whatever the threshold."))
-    sentence: str = Field(description="Both verdicts in words: the Ktok/s sentence, then the quality one.")
-    regressed: list[str] | None = Field(None, description=(
-        "What regressed: [\"throughput\", \"quality\"] or a part of it ([]: nothing)."))
-    quality: QualityCore | None = Field(None, description="The same judgement for tau (`Quality`).")
-
-
-class RegressionsCore(Read):
-    runs: list[RunCore] = Field(description="One record per run of the history, in its order (`RunVerdict`).")
 
 
 class Change(BaseModel):
@@ -110,7 +89,7 @@ class Anomaly(BaseModel):
     util_mean: float | None = Field(None, description="low_utilisation: its mean utilisation, %.")
 
 
-class Quality(QualityCore):
+class Quality(BaseModel):
     model_config = WRITTEN
 
     tau: float | None = Field(description="tau at temperature 0 (null: no such evaluation).")
@@ -129,15 +108,16 @@ class Quality(QualityCore):
     changed: Changed = Field(description="What differs from the newest baseline run, evaluation settings included "
                                          "(`Changed`; empty lists without a baseline).")
     outlier: bool = Field(description="As the run's, for tau.")
-    verdict: Verdict = Field(description=QualityCore.model_fields["verdict"].description)
+    verdict: Verdict = Field(description=f"The tau verdict: {VERDICTS}")
     what_changed: str = Field(description="`changed` in words ('' without a baseline).")
     sentence: str = Field(description="The quality verdict in words ('' without tau and without a quality baseline).")
 
 
-class RunVerdict(RunCore):
+class RunVerdict(BaseModel):
     model_config = WRITTEN
 
-    run_name: str | None = Field(description=RunCore.model_fields["run_name"].description)
+    run_id: str = Field(description="The run (runs are in history order: by start time).")
+    run_name: str | None = Field(description="Its run name (the gate judges the newest run of its own).")
     started_at: str | None = Field(description="Its start time (the history's `started_at`).")
     status: str | None = Field(description="completed, interrupted or failed.")
     ktok_per_s: float | None = Field(description="Its trained Ktok/s (null: not measured).")
@@ -162,13 +142,16 @@ class RunVerdict(RunCore):
         "What differs from the newest baseline run, per category (`Changed`; empty lists without a baseline)."))
     outlier: bool = Field(description=(
         "A regression with nothing changed (noise: a loaded machine): left out of later baselines and spreads."))
-    verdict: Verdict = Field(description=RunCore.model_fields["verdict"].description)
+    verdict: Verdict = Field(description=(
+        f"The Ktok/s verdict: {VERDICTS[:-1]}; a Ktok/s drop of 50% or more is a regression whatever the threshold."))
     what_changed: str = Field(description="`changed` in words ('' without a baseline or when nothing changed).")
     previous: Previous | None = Field(description=(
         "Without a baseline (and not the pinned one): how it compares with the run before it (`Previous`); else null."))
-    quality: Quality = Field(description=RunCore.model_fields["quality"].description)
-    regressed: list[Literal["throughput", "quality"]] = Field(description=RunCore.model_fields["regressed"].description)
+    quality: Quality = Field(description="The same judgement for tau (`Quality`).")
+    regressed: list[Literal["throughput", "quality"]] = Field(description=(
+        "What regressed: [\"throughput\", \"quality\"] or a part of it ([]: nothing)."))
     anomalies: list[Anomaly] = Field(description="What looks wrong in the run itself (`Anomaly`).")
+    sentence: str = Field(description="Both verdicts in words: the Ktok/s sentence, then the quality one.")
 
 
 class Split(BaseModel):
@@ -212,7 +195,7 @@ class Skipped(BaseModel):
     reason: str = Field(description="Why.")
 
 
-class Regressions(RegressionsCore):
+class Regressions(BaseModel):
     model_config = WRITTEN
 
     settings: dict = Field(description="The config's `report` section, every key.")
@@ -226,24 +209,25 @@ class Regressions(RegressionsCore):
         "The target:drafter split suggested for the newest run (`Placement`); null when it used no GPU, measured no "
         "time split, or ran on one GPU without co-locating."))
     skipped: list[Skipped] = Field(description="Inputs the report could not use, named (`Skipped`).")
-    runs: list[RunVerdict] = Field(description=RegressionsCore.model_fields["runs"].description)
+    runs: list[RunVerdict] = Field(description="One record per run of the history, in its order (`RunVerdict`).")
 
 
-def read(path: str | Path) -> RegressionsCore:
-    """The report's regressions.json through the reader's view, else a UserError naming the file and the key."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise UserError(f"{path}: cannot read the report's verdicts ({e}); run the report stage first") from None
-    if not isinstance(data, dict):
-        raise UserError(f"{path}: expected a JSON object; rerun the report stage")
-    try:
-        return RegressionsCore.model_validate(data)
-    except ValidationError as e:
-        err = e.errors()[0]
-        raise UserError(f"{path}: key '{'.'.join(map(str, err['loc']))}': {err['msg']}; rerun the report stage") \
-            from None
+class QualityCore(Read):
+    verdict: str = like(Quality, "verdict")
+
+
+class RunCore(Read):
+    run_id: str = like(RunVerdict, "run_id")
+    run_name: str | None = like(RunVerdict, "run_name")
+    verdict: str = like(RunVerdict, "verdict")
+    sentence: str = like(RunVerdict, "sentence")
+    regressed: list[str] | None = like(RunVerdict, "regressed", None)
+    quality: QualityCore | None = like(RunVerdict, "quality", None)
+
+
+class RegressionsCore(Read):
+    """What the gate reads of regressions.json (the module's docstring)."""
+    runs: list[RunCore] = like(Regressions, "runs")
 
 
 def key_table() -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from dflash.records import WRITTEN, Read, key_table as records_table
+from dflash.records import WRITTEN, Read, key_table as records_table, like
 
 
 class GitCore(Read):
@@ -19,22 +19,6 @@ class ThroughputCore(Read):
     ktok_per_s: float | None = Field(description=(
         "Trained Ktok/s: unpadded sequence tokens consumed by optimizer steps per wall second after the warm-up "
         "(null: too few steps to measure, or a diverged or non-finite run)."))
-
-
-class SummaryCore(Read):
-    run_id: str = Field(description="`<run_name>-<start time, UTC>`: the run's key in the history.")
-    started_at: str = Field(description="ISO-8601 start time.")
-    status: str = Field(description="completed, interrupted or failed.")
-    git: GitCore = Field(description="The checkout: `commit`, `dirty` (uncommitted changes to tracked files).")
-    config_hash: str = Field(description="dflash.config.config_hash of `config` (16 hex).")
-    config: dict = Field(description="The resolved config (the YAML's keys plus every default).")
-    env_hash: str = Field(description="Hash of the environment fingerprint (16 hex).")
-    env: dict = Field(description="The environment fingerprint (results/env/fingerprint.json).")
-    data_hash: str | None = Field(description="The dataset manifest's content hash (null without one).")
-    data: dict = Field(description=(
-        "The manifest's content_hash, num_samples, total_tokens, supervised_tokens, buckets, length_histogram, "
-        "bucket_edges, max_length, truncation."))
-    throughput: ThroughputCore = Field(description="Throughput figures (`Throughput`).")
 
 
 class Git(GitCore):
@@ -96,10 +80,10 @@ class LiveEval(BaseModel):
     share: float | None = Field(description="Their share of the training loop's wall time.")
     tau: float | None = Field(description="tau of the last evaluation.")
     step: int | None = Field(description="Its step.")
-    tau_history: list[float | None] = Field(description="tau of every evaluation, in order (null: nothing decoded).")
     method: str | None = Field(description=(
         "How tau was measured: `replay` (greedy speculative decoding replayed on the target's greedy continuation, "
         "dflash/evaluate/replay.py)."))
+    tau_history: list[float | None] = Field(description="tau of every evaluation, in order (null: nothing decoded).")
     curve: list[EvalPoint] = Field(description=(
         "tau against training seconds and GPU-seconds, one point per evaluation of this process (metrics.jsonl's "
         "`tau`, `tau_step`, `tau_train_s` hold every process's)."))
@@ -117,15 +101,27 @@ class CheckpointRef(CheckpointCore):
     model_config = WRITTEN
 
 
-class RunSummary(SummaryCore):
+class RunSummary(BaseModel):
+    """summary.json, every key in the file's order (train/summary.py builds it, records.write writes it)."""
     model_config = WRITTEN
 
+    run_id: str = Field(description="`<run_name>-<start time, UTC>`: the run's key in the history.")
     run_name: str = Field(description="train's run_name.")
+    started_at: str = Field(description="ISO-8601 start time.")
     finished_at: str = Field(description="ISO-8601 time the summary was written.")
+    status: str = Field(description="completed, interrupted or failed.")
     failure: dict | None = Field(description=(
         "What stopped a failed run: {kind: diverged, non_finite, worker, stall or not_ready; worker; message}."))
     resumed_from_step: int | None = Field(description="The checkpoint step this process resumed from (null: none).")
     git: Git = Field(description="The checkout (`Git`).")
+    config_hash: str = Field(description="dflash.config.config_hash of `config` (16 hex).")
+    config: dict = Field(description="The resolved config (the YAML's keys plus every default).")
+    env_hash: str = Field(description="Hash of the environment fingerprint (16 hex).")
+    env: dict = Field(description="The environment fingerprint (results/env/fingerprint.json).")
+    data_hash: str | None = Field(description="The dataset manifest's content hash (null without one).")
+    data: dict = Field(description=(
+        "The manifest's content_hash, num_samples, total_tokens, supervised_tokens, buckets, length_histogram, "
+        "bucket_edges, max_length, truncation."))
     target_files: dict = Field(description=(
         "The target folder the run trained on: {file: {size, mtime_ns, sha256 (files up to 16 MiB, and larger ones "
         "build.json records)}}, build.json (the build's log) left out; `evaluate` refuses a target changed since, "
@@ -170,6 +166,21 @@ class RunSummary(SummaryCore):
         "Mean feature-queue depth seen at the optimizer steps of this process (a resumed run: its own steps)."))
     checkpoint: CheckpointRef | None = Field(description=(
         "The checkpoint the run ended with (null: none at its last step); evaluate and export read exactly it."))
+
+
+class SummaryCore(Read):
+    """What the report needs of a summary.json of any age (the module's docstring)."""
+    run_id: str = like(RunSummary, "run_id")
+    started_at: str = like(RunSummary, "started_at")
+    status: str = like(RunSummary, "status")
+    git: GitCore = like(RunSummary, "git")
+    config_hash: str = like(RunSummary, "config_hash")
+    config: dict = like(RunSummary, "config")
+    env_hash: str = like(RunSummary, "env_hash")
+    env: dict = like(RunSummary, "env")
+    data_hash: str | None = like(RunSummary, "data_hash")
+    data: dict = like(RunSummary, "data")
+    throughput: ThroughputCore = like(RunSummary, "throughput")
 
 
 def key_table() -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from dflash.records import WRITTEN, Read, key_table as records_table
+from dflash.records import WRITTEN, Read, key_table as records_table, like
 
 
 class ManifestCore(Read):
@@ -94,15 +94,15 @@ class Manifest(ManifestCore):
     model_config = WRITTEN
 
     dataset: str = Field(description="The dataset's name (data.name).")
-    content_hash: str = Field(description=ManifestCore.model_fields["content_hash"].description)
-    num_samples: int = Field(description=ManifestCore.model_fields["num_samples"].description)
+    content_hash: str = like(ManifestCore, "content_hash")
+    num_samples: int = like(ManifestCore, "num_samples")
     total_tokens: int = Field(description="Tokens of all training rows.")
     supervised_tokens: int = Field(description="Of them, those the loss mask scores (assistant turns).")
     bucket_edges: list[int] = Field(description="data.bucket_edges, sorted.")
-    buckets: dict[str, int] = Field(description=ManifestCore.model_fields["buckets"].description)
+    buckets: dict[str, int] = like(ManifestCore, "buckets")
     length_histogram: dict[str, int] = Field(description="{\"lo-hi\": rows}: 16 equal-width bins over 1..max_length.")
     sources: dict[str, Source] = Field(description="{name: counts per source} (`Source`).")
-    holdout: int = Field(description=ManifestCore.model_fields["holdout"].description)
+    holdout: int = like(ManifestCore, "holdout")
     regeneration: Regeneration = Field(description="The regeneration's figures (`Regeneration`).")
     max_length: int = Field(description="data.max_length.")
     truncation: str = Field(description="data.truncation: drop or truncate.")

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from dflash.records import WRITTEN, Read, key_table as records_table
-from dflash.run_summary import CheckpointCore, CheckpointRef
+from dflash.records import WRITTEN, Read, key_table as records_table, like
+from dflash.records.summary import CheckpointCore, CheckpointRef
 
 
 class TrainerCore(Read):
@@ -53,13 +53,13 @@ class TrainerCore(Read):
 class TrainerState(TrainerCore):
     model_config = WRITTEN
 
-    result_hash: str = Field(description=TrainerCore.model_fields["result_hash"].description)
-    data_hash: str | None = Field(description=TrainerCore.model_fields["data_hash"].description)
-    inputs_hash: str | None = Field(description=TrainerCore.model_fields["inputs_hash"].description)
-    metrics: list[dict] = Field(description=TrainerCore.model_fields["metrics"].description)
-    finished: bool = Field(description=TrainerCore.model_fields["finished"].description)
-    finished_by: str | None = Field(description=TrainerCore.model_fields["finished_by"].description)
-    summary: dict | None = Field(description=TrainerCore.model_fields["summary"].description)
+    result_hash: str = like(TrainerCore, "result_hash")
+    data_hash: str | None = like(TrainerCore, "data_hash")
+    inputs_hash: str | None = like(TrainerCore, "inputs_hash")
+    metrics: list[dict] = like(TrainerCore, "metrics")
+    finished: bool = like(TrainerCore, "finished")
+    finished_by: str | None = like(TrainerCore, "finished_by")
+    summary: dict | None = like(TrainerCore, "summary")
 
 
 class FinishedCore(Read):
@@ -74,7 +74,7 @@ class FinishedCore(Read):
 class Finished(FinishedCore):
     model_config = WRITTEN
 
-    checkpoint: CheckpointRef = Field(description=FinishedCore.model_fields["checkpoint"].description)
+    checkpoint: CheckpointRef = like(FinishedCore, "checkpoint")
 
 
 def trainer_key_table() -> str:
