@@ -317,6 +317,26 @@ def split_map(config, devices) -> dict[str, str]:
     return out
 
 
+def fp8_loading(path: Path) -> dict:
+    """from_pretrained's extra arguments for a block-wise FP8 checkpoint (`quant_method: fp8`, Qwen3-*-FP8's format):
+    transformers runs its FP8 matmuls through the `kernels` package, which fetches its kernel from the Hub at the first
+    forward; without it (or at a version transformers does not take) the forward fails on a GPU. Nothing here may
+    download, so such a checkpoint is loaded dequantized to the target dtype (each weight its blocks times their
+    scales, exactly: the same values, bf16 matmuls), said in the log. With a usable `kernels` installed (and its
+    kernel in the Hub cache), transformers' own FP8 layers are kept."""
+    try:
+        qc = json.loads((Path(path) / "config.json").read_text()).get("quantization_config") or {}
+    except (OSError, ValueError):
+        return {}   # from_pretrained reports it
+    from transformers.utils import is_kernels_available
+    if qc.get("quant_method") != "fp8" or is_kernels_available():
+        return {}
+    from transformers import FineGrainedFP8Config
+    log.warning("target %s: an FP8 checkpoint, loaded dequantized (transformers' FP8 layers need the `kernels` "
+                "package, which downloads its kernel: not installed here)", path)
+    return {"quantization_config": FineGrainedFP8Config.from_dict({**qc, "dequantize": True})}
+
+
 def load_target(target_cfg: TargetSection, device="cpu", dtype=None, seed=0, devices=None):
     """The target in eval mode with requires_grad False, on `device` in `dtype` (default: target.dtype). `devices`
     (train.target_split, `device` first): its layers split over them (`split_map`), loaded there directly.
@@ -349,7 +369,7 @@ def load_target(target_cfg: TargetSection, device="cpu", dtype=None, seed=0, dev
         if has_weights(path):
             where = {"device_map": split_map(target_config(target_cfg), devices)} if split else {}
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation=attn,
-                                                         trust_remote_code=trust, **where)
+                                                         trust_remote_code=trust, **where, **fp8_loading(path))
         else:
             config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust)
             torch.manual_seed(seed)
