@@ -2,6 +2,7 @@
 dflash/); no record model outside dflash/records/ (a pydantic model of a file, defined anywhere else, is a second
 door); a run folder's file names spelled in one place (`"summary.json"` on at most 2 lines of dflash/)."""
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -106,3 +107,14 @@ def test_summary_json_is_spelled_at_most_twice():
               for p in sorted(PACKAGE.rglob("*")) if p.is_file() and "__pycache__" not in p.parts}
     assert sum(counts.values()) <= 2, {k: v for k, v in counts.items() if v}
     assert quoted_lines('a = "summary.json"\nb = "summary.json.tmp"\nc = "x/summary.json"') == 1
+
+
+def test_the_module_map_names_every_module():
+    """docs/architecture.md's Layout names every module of the package (a stage by its name in the stages' list)."""
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    layout = text[text.index("## Layout"):text.index("## Tensors")]
+    stages = layout[layout.index("stages/<stage>.py"):layout.index("  target.py")]
+    missing = [str(p.relative_to(PACKAGE)) for p in py_files() if p.name != "__init__.py" and not (
+        p.name in layout or (p.parent.name == "stages" and re.search(rf"\b{p.stem}\b", stages)))]
+    assert missing == []
+    assert "data/README.md" in layout
