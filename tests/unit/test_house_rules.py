@@ -118,3 +118,12 @@ def test_the_module_map_names_every_module():
         p.name in layout or (p.parent.name == "stages" and re.search(rf"\b{p.stem}\b", stages)))]
     assert missing == []
     assert "data/README.md" in layout
+
+
+def test_the_report_spells_no_draft_policy():
+    """The draft-policy vocabulary lives beside the acceptance model (records/acceptance.py: ENGINES, WORDS): the
+    report's tables and plots take the policies' names and words from there, spelling none as a string of their own."""
+    from dflash.records.acceptance import ENGINES
+    spelled = [f"{p.name}:{n.lineno} {n.value!r}" for p in py_files(PACKAGE / "report")
+               for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, ast.Constant) and n.value in ENGINES]
+    assert spelled == []
