@@ -7,7 +7,7 @@ from datetime import datetime
 from pathlib import Path
 
 from dflash.records.acceptance import ENGINES, WORDS, engines
-from dflash.records.regressions import RunVerdict
+from dflash.records.regressions import Placement, RunVerdict, Skipped
 from dflash.config_model import ReportSection
 from dflash.report.history import Run, evaluation, hardware_of, parse_time, proposal_text, tau_of, to_float
 from dflash.report.placement import gpu_roles
@@ -31,10 +31,10 @@ def _num(value, fmt="{:.2f}") -> str:
     return "" if value is None else fmt.format(value)
 
 
-def _placement(run: Run | None, split: dict | None) -> list[str]:
+def _placement(run: Run | None, split: Placement | None) -> list[str]:
     """The Placement section: the suggested target:drafter split of the newest run; one line on a CPU-only run."""
     if split is not None:
-        return ["## Placement", "", f"Run {split['run_id']}: {split['sentence']}", ""]
+        return ["## Placement", "", f"Run {split.run_id}: {split.sentence}", ""]
     if run is not None and run.snapshot and not gpu_roles(run.snapshot):     # (a restored run: no details to judge)
         return ["## Placement", "", "A target:drafter split is suggested for GPU runs only (the newest run used no GPU).", ""]
     return []
@@ -239,7 +239,7 @@ def _anomalies(records: list[RunVerdict]) -> list[str]:
 
 
 def render(runs: list[Run], records: list[RunVerdict], plots: dict[str, Path], out: Path, settings: ReportSection,
-           skipped: list[dict], placement: dict | None = None) -> str:
+           skipped: list[Skipped], placement: Placement | None = None) -> str:
     lines = ["# dflash report: throughput and quality", ""] + answers(runs[-1] if runs else None)
     sampled = {r.run_id: r.row.get("tau_by_proposal") or "" for r in runs}
     if not records:
@@ -260,7 +260,7 @@ def render(runs: list[Run], records: list[RunVerdict], plots: dict[str, Path], o
         lines += _anomalies(records)
         lines += _placement(runs[-1] if runs else None, placement)
     if skipped:
-        lines += ["## Skipped inputs", ""] + [f"- `{s['file']}`: {s['reason']}" for s in skipped] + [""]
+        lines += ["## Skipped inputs", ""] + [f"- `{s.file}`: {s.reason}" for s in skipped] + [""]
     lines += ["## Plots", ""]
     for key, path in plots.items():
         rel = Path(path).relative_to(out) if Path(path).is_relative_to(out) else Path(path)
