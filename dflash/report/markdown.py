@@ -238,10 +238,16 @@ def _anomalies(records: list[RunVerdict]) -> list[str]:
     return lines
 
 
+def _by_policy(run: Run) -> str:
+    """tau at temperature > 0 by draft policy, from the run's evaluation (its AcceptanceCore view); a run restored from
+    history.csv has only its row's copy of that text."""
+    return (proposal_text(run.snapshot.get("acceptance")) if run.snapshot else run.row.get("tau_by_proposal")) or ""
+
+
 def render(runs: list[Run], records: list[RunVerdict], plots: dict[str, Path], out: Path, settings: ReportSection,
            skipped: list[Skipped], placement: Placement | None = None) -> str:
     lines = ["# dflash report: throughput and quality", ""] + answers(runs[-1] if runs else None)
-    sampled = {r.run_id: r.row.get("tau_by_proposal") or "" for r in runs}
+    sampled = {r.run_id: _by_policy(r) for r in runs}
     if not records:
         lines += ["No runs in the history yet.", ""]
     else:
