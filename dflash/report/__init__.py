@@ -54,8 +54,8 @@ def build(runs_dir: str | Path, out: str | Path, settings: ReportSection) -> Res
     )
     write(out / "regressions.json", verdicts)
     pngs = plots.make_all(runs, verdicts.runs, settings, out)       # the typed verdicts to the end
-    atomic_write_text(out / "report.md", markdown.render(runs, verdicts.runs, pngs, out, settings,
-                                                                   verdicts.skipped, verdicts.placement))
+    text = markdown.render(runs, verdicts.runs, pngs, out, settings, verdicts.skipped, verdicts.placement)
+    atomic_write_text(out / "report.md", text)
     log.info("report: %d run(s) in the history (%d new, %d skipped) -> %s", len(runs), len(appended), len(skipped), out)
     if records:
         log.info("%s", records[-1]["sentence"])
