@@ -20,6 +20,7 @@ Public entry points used by other stages:
   in-process generation driver and its batch size
 - `dflash.data.shards.verify_dataset(dir)`: the folder exactly as the data stage wrote it (the reader's check);
   `read_manifest(dir)` (the manifest matching its own hash), `verify_file(dir, name)` (e.g. holdout.jsonl),
-  `write_manifest(dir, manifest)` (adds the file hashes and the manifest's own hash), `bucket_dirs(dir)`,
+  `sealed(dir, manifest)` (adds the file hashes and the manifest's own hash; `gather.write_manifest` writes it as
+  the `records.manifest.Manifest`, `shards.write_manifest` any other dict), `bucket_dirs(dir)`,
   `read_holdout(dir)`
 """

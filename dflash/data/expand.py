@@ -56,7 +56,8 @@ def expand(loaded: Loaded, out_dir, progress: bool = True, threads: int | None =
     None leaves torch's). `cache_dir`: finished regeneration chunks (default `regen.default_cache_dir`)."""
     from dflash.data.tiny_target import cpu_threads
     with cpu_threads(threads):
-        return gather.write_manifest(out_dir, build(loaded, out_dir, progress=progress, cache_dir=cache_dir))
+        record = gather.write_manifest(out_dir, build(loaded, out_dir, progress=progress, cache_dir=cache_dir))
+    return record.model_dump(exclude_unset=True)
 
 
 def expand_part(loaded: Loaded, shard: int, nshards: int, part_dir, cache_dir=None, progress: bool = True) -> dict:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from dflash.config import Loaded
 from dflash.config_model import DflashConfig
+from dflash import records
 from dflash.data import shards
 from dflash.records.manifest import Manifest
 from dflash.data.rows import min_supervised_tokens, rank, reasons
@@ -144,14 +145,19 @@ def _tokenizer_facts(cfg: DflashConfig) -> dict:
             "eos_token_id": tokenizer.eos_token_id, "mask_token_id": mask_token_id(tokenizer, vocab_size)}
 
 
-def finish(loaded: Loaded, parts: list[dict], out_dir) -> dict:
+def finish(loaded: Loaded, parts: list[dict], out_dir) -> Manifest:
     """`gathered`, then the manifest written (`write_manifest`); returns what was written."""
     return write_manifest(out_dir, gathered(loaded, parts, out_dir))
 
 
-def write_manifest(out_dir, manifest: dict) -> dict:
-    """manifest.json into `out_dir`, with the file hashes and its own hash, checked by the manifest's model."""
-    return shards.write_manifest(out_dir, manifest, Manifest)
+def write_manifest(out_dir, manifest: dict) -> Manifest:
+    """manifest.json into `out_dir`: `manifest` sealed (the file hashes and its own hash, `shards.sealed`) made the
+    `Manifest` record (strict: a key it lacks, does not describe or types otherwise is refused before anything is
+    written) and written through `records.write`; returns the record."""
+    record = Manifest.model_validate(shards.sealed(out_dir, manifest))
+    record.manifest_hash = shards.seal(record.model_dump(exclude_unset=True))     # of what is written, whatever the
+    records.write(Path(out_dir) / shards.MANIFEST, record)                        # model made of a value
+    return record
 
 
 def gathered(loaded: Loaded, parts: list[dict], out_dir) -> dict:

@@ -75,21 +75,26 @@ def file_hashes(root) -> dict[str, str]:
     return {f.relative_to(root).as_posix(): _sha256(f) for f in files if f.is_file()}
 
 
-def _seal(manifest: dict) -> str:
+def seal(manifest: dict) -> str:
     """The manifest's hash of its own content (every key but manifest_hash): 16 hex."""
     body = {k: v for k, v in manifest.items() if k != "manifest_hash"}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def write_manifest(root, manifest: dict, model=None) -> dict:
-    """Write root/manifest.json (atomically): `manifest` plus `files` (file_hashes) and `manifest_hash` (its own
-    hash, so an edit is caught), validated first by `model` when given (the data stage's: manifest.Manifest).
-    Returns what was written."""
-    from dflash.atomic import atomic_write_json
+def sealed(root, manifest: dict) -> dict:
+    """`manifest` as JSON holds it, plus `files` (file_hashes) and, last, `manifest_hash` (its own hash, so an edit is
+    caught): what manifest.json holds."""
     manifest = json.loads(json.dumps({**manifest, "files": file_hashes(root)}, default=str))
-    manifest["manifest_hash"] = _seal(manifest)
-    if model is not None:
-        model.model_validate(manifest)
+    manifest["manifest_hash"] = seal(manifest)
+    return manifest
+
+
+def write_manifest(root, manifest: dict) -> dict:
+    """Write root/manifest.json (atomically) from a plain dict, `sealed`; returns what was written. The data stage
+    writes its own through `gather.write_manifest`, as the `records.manifest.Manifest` record; this writes any other
+    (the tests' partial ones, a manifest of another age)."""
+    from dflash.atomic import atomic_write_json
+    manifest = sealed(root, manifest)
     atomic_write_json(Path(root) / MANIFEST, manifest)
     return manifest
 
@@ -108,7 +113,7 @@ def read_manifest(root) -> dict:
     if not isinstance(m, dict) or not isinstance(m.get("files"), dict):
         raise UserError(f"{path}: no file hashes (`files`): made by an older data stage or edited, so the shards "
                         f"and holdout.jsonl cannot be verified and are not used; rerun the data stage")
-    if m.get("manifest_hash") != _seal(m):
+    if m.get("manifest_hash") != seal(m):
         found = _diagnose(Path(root), m)
         raise UserError(f"{path}: edited after the data stage (it no longer matches its manifest_hash"
                         f"{': ' + '; '.join(found) if found else ''}); rerun the data stage")

@@ -241,58 +241,88 @@ def speculative_generate(target, draft: Draft, prompt_ids, max_new_tokens: int, 
 
     _sync(device)
     t0 = time.perf_counter()
-    logits, feats = target_forward(target, prompt, 0, cache, layer_ids, last_only=True)
-    crop_cache(cache)
-    first = int(_choose(logits[0, -1], temperature, generator).item())
-    _sync(device)
-    out = Generation(tokens=[first], target_forwards=1, prefill_seconds=time.perf_counter() - t0)
-    seq = prompt[0].tolist() + [first]
-    ctx_ids, ctx_feats = prompt, feats
-    start = n
-    stopped = first in stops
+    out, ctx_feats = _prefill(target, prompt, cache, layer_ids, temperature, generator, t0)
+    seq = prompt[0].tolist() + out.tokens
+    ctx_ids, start, stopped = prompt, n, out.tokens[0] in stops
     while start + 1 < max_length and not stopped:
         vs = min(bsz, max_length - start)
-        block = torch.full((1, vs), int(mask_token_id), dtype=torch.long, device=device)
-        block[0, 0] = seq[start]
-        dlogits = draft.propose(ctx_ids, ctx_feats, block, start)[0, : vs - 1]     # [vs-1, V]
-        if sample:
-            q = _probs(dlogits, temperature)
-            dtoks = _sample(q, generator)
-        else:
-            dtoks = dlogits.argmax(-1)
-        block[0, 1:] = dtoks
+        block, dtoks, q = _draft_block(draft, ctx_ids, ctx_feats, seq[start], start, vs, mask_token_id,
+                                       temperature if sample else 0.0, generator)
         snap = snapshot(cache)
         tlogits, tfeats = target_forward(target, block, start, cache, layer_ids)
-        out.target_forwards += 1
-        if sample:
-            acc, bonus = accept_sampling(dtoks, q, _probs(tlogits[0], temperature), generator)
-        elif temperature > 0:
-            acc, bonus = accept_onehot(dtoks, _probs(tlogits[0], temperature), generator)
-        else:
-            acc, bonus = accept_greedy(dtoks, tlogits[0])
-        new = dtoks[:acc].tolist() + [bonus]
-        produced = min(acc + 1, max_length - start - 1)
-        for i, t in enumerate(new[:produced]):
-            if t in stops:
-                produced, stopped = i + 1, True
-                break
-        seq.extend(new[:produced])
+        acc, bonus = _accept(dtoks, q, tlogits[0], temperature, generator)
+        kept, stopped = _kept(dtoks[:acc].tolist() + [bonus], max_length - start - 1, stops)
+        produced = len(kept)
+        seq.extend(kept)
         out.produced.append(produced)
         out.accepted.append(acc)
         out.drafted.append(vs - 1)
+        out.target_forwards += 1
         ctx_ids = block[:, :produced]
         ctx_feats = tfeats[:, :produced] if tfeats is not None else None
-        if snap is not None and produced < vs:
-            rewind(target, cache, snap, block[:, :produced], start)
-            out.target_forwards += 1
-        else:
-            crop_cache(cache, start + produced)
+        out.target_forwards += _keep_cache(target, cache, snap, block, start, produced)
         start += produced
     _sync(device)
     out.seconds = time.perf_counter() - t0
     out.tokens = seq[n:max_length]
     out.stopped = stopped
     return out
+
+
+def _prefill(target, prompt: torch.Tensor, cache, layer_ids, temperature: float, generator, t0: float):
+    """The prompt through the target: (the Generation begun with its first token, the prompt's features)."""
+    logits, feats = target_forward(target, prompt, 0, cache, layer_ids, last_only=True)
+    crop_cache(cache)
+    first = int(_choose(logits[0, -1], temperature, generator).item())
+    _sync(prompt.device)
+    return Generation(tokens=[first], target_forwards=1, prefill_seconds=time.perf_counter() - t0), feats
+
+
+def _draft_block(draft: Draft, ctx_ids, ctx_feats, anchor: int, start: int, vs: int, mask_token_id: int,
+                 temperature: float, generator):
+    """The block at `start` ([anchor, drafts x vs-1]), its drafts [vs-1] and their proposal q [vs-1, V] (sampled at
+    `temperature` > 0; argmax drafts, q None, at 0)."""
+    block = torch.full((1, vs), int(mask_token_id), dtype=torch.long, device=ctx_ids.device)
+    block[0, 0] = anchor
+    dlogits = draft.propose(ctx_ids, ctx_feats, block, start)[0, : vs - 1]     # [vs-1, V]
+    q = None
+    if temperature > 0:
+        q = _probs(dlogits, temperature)
+        dtoks = _sample(q, generator)
+    else:
+        dtoks = dlogits.argmax(-1)
+    block[0, 1:] = dtoks
+    return block, dtoks, q
+
+
+def _accept(dtoks: torch.Tensor, q: torch.Tensor | None, tlogits: torch.Tensor, temperature: float,
+            generator) -> tuple[int, int]:
+    """(accepted drafts, the bonus token): speculative sampling of sampled (q) or argmax drafts at temperature > 0,
+    the greedy match at 0."""
+    if q is not None:
+        return accept_sampling(dtoks, q, _probs(tlogits, temperature), generator)
+    if temperature > 0:
+        return accept_onehot(dtoks, _probs(tlogits, temperature), generator)
+    return accept_greedy(dtoks, tlogits)
+
+
+def _kept(new: list[int], room: int, stops: set[int]) -> tuple[list[int], bool]:
+    """The tokens a step adds: `new` up to `room` and up to the first stop token, included; (them, stopped)."""
+    new = new[:room]
+    for i, t in enumerate(new):
+        if t in stops:
+            return new[: i + 1], True
+    return new, False
+
+
+def _keep_cache(target, cache, snap, block: torch.Tensor, start: int, produced: int) -> int:
+    """The cache cut back to the accepted tokens (a cache with recurrent states: rewound and those run again);
+    returns the target forwards it took."""
+    if snap is not None and produced < block.shape[1]:
+        rewind(target, cache, snap, block[:, :produced], start)
+        return 1
+    crop_cache(cache, start + produced)
+    return 0
 
 
 @torch.inference_mode()

@@ -23,6 +23,9 @@ from dflash.records import WRITTEN, Read, key_table as records_table, like
 ENGINES = {"argmax": ["vLLM (default)", "SGLang", "TensorRT-LLM"],
            "sample": ["DeepSpec", "dflash 0.1.0 (reference package)",
                       "vLLM draft_sample_method: probabilistic (lossless from vLLM PR #54282)"]}
+# Each policy in words: (its label in a plot's legend, what it is in a sentence).
+WORDS = {"argmax": ("argmax drafts", "argmax drafts verified against a one-hot proposal"),
+         "sample": ("sampled drafts", "drafts sampled from the drafter")}
 OLDEST = "sample"   # the policy of a file written before `proposal` was (the first evaluations sampled their drafts)
 
 

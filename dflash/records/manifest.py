@@ -1,6 +1,6 @@
-"""manifest.json, the data stage's record of a dataset folder: one typed description for its writer (data/gather.py,
-through shards.write_manifest), its readers (shards.read_manifest for train, evaluate and export) and the docs
-(docs/architecture.md, checked against it by a test).
+"""manifest.json, the data stage's record of a dataset folder: one typed description for its writer (data/gather.py's
+write_manifest builds a `Manifest` and writes it through `records.write`), its readers (shards.read_manifest for
+train, evaluate and export) and the docs (docs/architecture.md, checked against it by a test).
 
 `Manifest` is every key the gather writes, with its meaning; `ManifestCore` is what a reader relies on, which any
 manifest the data stage sealed holds (older ones may lack the rest; readers take those with `.get`).
@@ -12,10 +12,15 @@ from pydantic import Field
 from dflash.records import WRITTEN, Read, key_table as records_table, like
 
 
+# A config's number as it wrote it (the config keeps `2` an int, dflash/config_model.py): a float key of the config
+# copied into the manifest stays an int where it was one, so the record writes the bytes the gather's figures make.
+Number = int | float
+
+
 class ManifestCore(Read):
     files: dict[str, str] = Field(description=(
         "{path relative to the folder: sha256} of every shard under `train/` and of `holdout.jsonl` (added by "
-        "`shards.write_manifest`; readers refuse a file not listed, missing or different)."))
+        "`shards.sealed`; readers refuse a file not listed, missing or different)."))
     manifest_hash: str = Field(description=(
         "16 hex: sha256 of the manifest's canonical JSON without this key (added last; an edit is refused)."))
     content_hash: str | None = Field(None, description=(
@@ -34,11 +39,11 @@ class Source(Read):
     samples: int = Field(description="Training rows made from it (weights repeat rows).")
     holdout: int = Field(description="Its held-out prompts.")
     truncated: int = Field(description="Rows cut at data.max_length (data.truncation: truncate).")
-    weight: float = Field(description="Its sampling weight.")
-    rejected: dict[str, int] = Field(description="{reason: conversations} of the rejected ones.")
     from_pretrain_files: int | None = Field(None, description=(
         "The `code` source only: its conversations from files of the target's pretraining split."))
     from_heldout_files: int | None = Field(None, description="The `code` source only: those from held-out files.")
+    weight: Number = Field(description="Its sampling weight.")
+    rejected: dict[str, int] = Field(description="{reason: conversations} of the rejected ones.")
 
 
 class Regeneration(Read):
@@ -50,7 +55,7 @@ class Regeneration(Read):
     tokens_per_s: float = Field(description="tokens / seconds.")
     engine: str | None = Field(None, description="data.regenerate.engine (only when enabled, as the rest).")
     max_new_tokens: int | None = Field(None, description="data.regenerate.max_new_tokens.")
-    temperature: float | None = Field(None, description="data.regenerate.temperature.")
+    temperature: Number | None = Field(None, description="data.regenerate.temperature.")
     conversations: int | None = Field(None, description="Conversations regenerated or taken from the cache.")
     cached: int | None = Field(None, description="Of them, taken from the regeneration cache.")
     cache: str | None = Field(None, description="The cache folder of finished chunks.")
@@ -62,8 +67,8 @@ class TooFew(Read):
 
     rejected: int = Field(description="Conversations with fewer supervised tokens than min_supervised_tokens.")
     min_supervised_tokens: int = Field(description="The threshold.")
-    keys: dict[str, float] = Field(description="The config keys it comes from (data.min_supervised_blocks, "
-                                             "drafter.block_size).")
+    keys: dict[str, Number] = Field(description="The config keys it comes from (data.min_supervised_blocks, "
+                                              "drafter.block_size).")
 
 
 class TooLong(Read):
@@ -90,7 +95,8 @@ class Tokenizer(Read):
     mask_token_id: int = Field(description="The drafter's mask token.")
 
 
-class Manifest(ManifestCore):
+class Manifest(Read):
+    """In the file's order: the gather's figures, then what sealing adds (`files`, `manifest_hash`, last)."""
     model_config = WRITTEN
 
     dataset: str = Field(description="The dataset's name (data.name).")
@@ -116,6 +122,8 @@ class Manifest(ManifestCore):
     seed: int = Field(description="The config's seed.")
     seconds: float = Field(description="Seconds of the data stage (the slowest part plus the gather).")
     created_at: str = Field(description="ISO-8601 UTC time of the gather.")
+    files: dict[str, str] = like(ManifestCore, "files")
+    manifest_hash: str = like(ManifestCore, "manifest_hash")
 
 
 def key_table() -> str:

@@ -40,7 +40,7 @@ def build(runs_dir: str | Path, out: str | Path, settings: ReportSection) -> Res
     records = regress.evaluate(runs, settings)
     split = placement.suggest(runs[-1].snapshot) if runs else None
     latest = records[-1] if records else {}
-    write(out / "regressions.json", Regressions(
+    verdicts = Regressions(
         settings=settings.model_dump(),
         latest=latest.get("run_id"),
         latest_run_name=latest.get("run_name"),
@@ -51,9 +51,11 @@ def build(runs_dir: str | Path, out: str | Path, settings: ReportSection) -> Res
         placement=split,
         skipped=skipped,
         runs=records,
-    ))
-    pngs = plots.make_all(runs, records, settings, out)
-    atomic_write_text(out / "report.md", markdown.render(runs, records, pngs, out, settings, skipped, split))
+    )
+    write(out / "regressions.json", verdicts)
+    pngs = plots.make_all(runs, verdicts.runs, settings, out)       # the typed verdicts to the end
+    text = markdown.render(runs, verdicts.runs, pngs, out, settings, verdicts.skipped, verdicts.placement)
+    atomic_write_text(out / "report.md", text)
     log.info("report: %d run(s) in the history (%d new, %d skipped) -> %s", len(runs), len(appended), len(skipped), out)
     if records:
         log.info("%s", records[-1]["sentence"])

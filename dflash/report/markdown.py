@@ -6,7 +6,8 @@ from __future__ import annotations
 from datetime import datetime
 from pathlib import Path
 
-from dflash.records.acceptance import engines
+from dflash.records.acceptance import ENGINES, WORDS, engines
+from dflash.records.regressions import Placement, RunVerdict, Skipped
 from dflash.config_model import ReportSection
 from dflash.report.history import Run, evaluation, hardware_of, parse_time, proposal_text, tau_of, to_float
 from dflash.report.placement import gpu_roles
@@ -30,10 +31,10 @@ def _num(value, fmt="{:.2f}") -> str:
     return "" if value is None else fmt.format(value)
 
 
-def _placement(run: Run | None, split: dict | None) -> list[str]:
+def _placement(run: Run | None, split: Placement | None) -> list[str]:
     """The Placement section: the suggested target:drafter split of the newest run; one line on a CPU-only run."""
     if split is not None:
-        return ["## Placement", "", f"Run {split['run_id']}: {split['sentence']}", ""]
+        return ["## Placement", "", f"Run {split.run_id}: {split.sentence}", ""]
     if run is not None and run.snapshot and not gpu_roles(run.snapshot):     # (a restored run: no details to judge)
         return ["## Placement", "", "A target:drafter split is suggested for GPU runs only (the newest run used no GPU).", ""]
     return []
@@ -145,29 +146,29 @@ def tau_while_training(run: Run | None) -> list[str]:
             + " (plot: training_latest.png).", ""]
 
 
-def headline(rec: dict) -> str:
+def headline(rec: RunVerdict) -> str:
     """'regression', 'quality regression', 'throughput and quality regression', else the Ktok/s verdict."""
-    kinds = rec.get("regressed") or []
+    kinds = rec.regressed
     if not kinds:
-        return rec["verdict"]
+        return rec.verdict
     return "regression" if kinds == ["throughput"] else f"{' and '.join(kinds)} regression"
 
 
-def _tau_cell(rec: dict, sampled: str = "") -> str:
+def _tau_cell(rec: RunVerdict, sampled: str = "") -> str:
     """The temperature-0 tau (earlier evaluations beside it), else that of temperature > 0 by draft policy."""
-    q = rec["quality"]
-    earlier = [f"{t:.3f}" for t in q["tau_earlier"] if q["tau"] is None or round(t, 3) != round(q["tau"], 3)]
-    if q["tau"] is None and sampled:
+    q = rec.quality
+    earlier = [f"{t:.3f}" for t in q.tau_earlier if q.tau is None or round(t, 3) != round(q.tau, 3)]
+    if q.tau is None and sampled:
         return f"({sampled})"
-    return _num(q["tau"], "{:.3f}") + (f" (earlier {', '.join(earlier)})" if earlier else "")
+    return _num(q.tau, "{:.3f}") + (f" (earlier {', '.join(earlier)})" if earlier else "")
 
 
-def _quality_cell(rec: dict) -> str:
-    q = rec["quality"]
-    return q["verdict"] + (f" ({q['change']:+.3f})" if q["change"] is not None else "")
+def _quality_cell(rec: RunVerdict) -> str:
+    q = rec.quality
+    return q.verdict + (f" ({q.change:+.3f})" if q.change is not None else "")
 
 
-def _quality(records: list[dict], settings: ReportSection, sampled: dict[str, str]) -> list[str]:
+def _quality(records: list[RunVerdict], settings: ReportSection, sampled: dict[str, str]) -> list[str]:
     """The Quality section: the rule, then each quality regression or improvement, then the re-evaluated runs, then
     the runs evaluated at temperature > 0 (`sampled`: run id -> their tau by draft policy), not judged."""
     lines = ["## Quality (tau)", "",
@@ -175,77 +176,83 @@ def _quality(records: list[dict], settings: ReportSection, sampled: dict[str, st
              f"drop below {settings.tau_threshold:+.3f} vs the same baseline rule, or below {settings.noise_sigmas:g}x "
              f"the run-to-run spread of tau of identical runs when that is wider (never beyond "
              f"{settings.tau_threshold_cap:+.3f}), is a quality regression; the gate treats it like a throughput one.", ""]
-    judged = [r for r in reversed(records) if r["quality"]["verdict"] in ("regression", "improvement")]
-    lines += [f"- **{_cell(r['run_id'])}** ({r['quality']['verdict']}): {r['quality']['sentence']}" for r in judged] or \
+    judged = [r for r in reversed(records) if r.quality.verdict in ("regression", "improvement")]
+    lines += [f"- **{_cell(r.run_id)}** ({r.quality.verdict}): {r.quality.sentence}" for r in judged] or \
         ["No quality regression or improvement beyond the threshold."]
-    again = [r for r in reversed(records) if r["quality"]["tau_earlier"]]
+    again = [r for r in reversed(records) if r.quality.tau_earlier]
     if again:
         lines += ["", "Re-evaluated runs (the table shows the latest evaluation; the earlier ones stay in "
                   "`history/<run_id>.json` under `earlier_evaluations`):", ""]
-        lines += [f"- **{_cell(r['run_id'])}**: tau {_num(r['quality']['tau'], '{:.3f}')}, earlier "
-                  f"{', '.join(f'{t:.3f}' for t in r['quality']['tau_earlier'])}" for r in again]
-    hot = [r["run_id"] for r in reversed(records) if sampled.get(r["run_id"])]
+        lines += [f"- **{_cell(r.run_id)}**: tau {_num(r.quality.tau, '{:.3f}')}, earlier "
+                  f"{', '.join(f'{t:.3f}' for t in r.quality.tau_earlier)}" for r in again]
+    hot = [r.run_id for r in reversed(records) if sampled.get(r.run_id)]
     if hot:
-        lines += ["", "Evaluated at temperature > 0 (not judged: no temperature-0 tau), tau by draft policy: argmax "
-                  f"(argmax drafts verified against a one-hot proposal: {engines('argmax')}) and sample (drafts "
-                  f"sampled from the drafter: {engines('sample')}):", ""]
+        lines += ["", "Evaluated at temperature > 0 (not judged: no temperature-0 tau), tau by draft policy: "
+                  + " and ".join(f"{p} ({WORDS[p][1]}: {engines(p)})" for p in ENGINES) + ":", ""]
         lines += [f"- **{_cell(rid)}**: {sampled[rid]}" for rid in hot]
     return lines + [""]
 
 
-def _runs_table(records: list[dict], sampled: dict[str, str]) -> list[str]:
+def _runs_table(records: list[RunVerdict], sampled: dict[str, str]) -> list[str]:
     """The Runs section: one row per run, newest first, with its baseline, verdicts and what changed."""
     lines = ["## Runs", "",
              "| run | date | Ktok/s | tau | loss | MFU | status | baseline | vs baseline | verdict | quality | "
              "what changed |",
              "|---|---|---:|---:|---:|---:|---|---|---:|---|---|---|"]
     for rec in reversed(records):
-        if rec["baseline"]:
-            vs, what = f"{rec['ratio']:.2f}x ({rec['change']:+.0%})", rec["what_changed"] or "nothing recorded"
-            n = len(rec["baseline"].get("runs") or [])
-            base_id = f"median of {n} up to {rec['baseline']['run_id']}" if n > 1 else rec["baseline"]["run_id"]
+        if rec.baseline:
+            vs, what = f"{rec.ratio:.2f}x ({rec.change:+.0%})", rec.what_changed or "nothing recorded"
+            n = len(rec.baseline.runs)
+            base_id = f"median of {n} up to {rec.baseline.run_id}" if n > 1 else rec.baseline.run_id
         else:
             vs, base_id = "", ""
-            prev = rec.get("previous")
-            what = f"vs previous {prev['run_id']}: {changed_text(prev['changed']) or 'nothing recorded'}" if prev else ""
-        mfu = rec["mfu"]
+            prev = rec.previous
+            what = (f"vs previous {prev.run_id}: {changed_text(prev.changed.model_dump()) or 'nothing recorded'}"
+                    if prev else "")
+        mfu = rec.mfu
         lines.append("| " + " | ".join(_cell(c) for c in (
-            rec["run_id"], (rec["started_at"] or "")[:16].replace("T", " "), _num(rec["ktok_per_s"]),
-            _tau_cell(rec, sampled.get(rec["run_id"], "")), _num(rec["loss"], "{:.3f}"),
-            "" if mfu is None else f"{mfu:.1%}", rec["status"],
-            base_id, vs, rec["verdict"] + (" (outlier)" if rec["outlier"] else ""), _quality_cell(rec), what,
+            rec.run_id, (rec.started_at or "")[:16].replace("T", " "), _num(rec.ktok_per_s),
+            _tau_cell(rec, sampled.get(rec.run_id, "")), _num(rec.loss, "{:.3f}"),
+            "" if mfu is None else f"{mfu:.1%}", rec.status,
+            base_id, vs, rec.verdict + (" (outlier)" if rec.outlier else ""), _quality_cell(rec), what,
         )) + " |")
     lines.append("")
-    restored = [r for r in records if r["restored_from"]]
+    restored = [r for r in records if r.restored_from]
     if restored:
         lines += [f"Restored from `history.csv` (their snapshots were missing; flat figures only, attribution by "
-                  f"hash): {', '.join(_cell(r['run_id']) for r in restored)}.", ""]
+                  f"hash): {', '.join(_cell(r.run_id) for r in restored)}.", ""]
     return lines
 
 
-def _anomalies(records: list[dict]) -> list[str]:
+def _anomalies(records: list[RunVerdict]) -> list[str]:
     """The Anomalies section: what looks wrong in each run itself, newest first."""
     lines = ["## Anomalies", ""]
-    flagged = [r for r in reversed(records) if r["anomalies"]]
+    flagged = [r for r in reversed(records) if r.anomalies]
     if not flagged:
         lines.append("None: every run completed, no diverged replicas, no recompiles after warm-up, no eager "
                      "fallbacks, no memory imbalance, no idle GPU, no silent worker.")
     for rec in flagged:
-        lines.append(f"- **{_cell(rec['run_id'])}**")
-        lines += [f"  - {a['kind']}: {a['message']}" for a in rec["anomalies"]]
+        lines.append(f"- **{_cell(rec.run_id)}**")
+        lines += [f"  - {a.kind}: {a.message}" for a in rec.anomalies]
     lines.append("")
     return lines
 
 
-def render(runs: list[Run], records: list[dict], plots: dict[str, Path], out: Path, settings: ReportSection,
-           skipped: list[dict], placement: dict | None = None) -> str:
+def _by_policy(run: Run) -> str:
+    """tau at temperature > 0 by draft policy, from the run's evaluation (its AcceptanceCore view); a run restored from
+    history.csv has only its row's copy of that text."""
+    return (proposal_text(run.snapshot.get("acceptance")) if run.snapshot else run.row.get("tau_by_proposal")) or ""
+
+
+def render(runs: list[Run], records: list[RunVerdict], plots: dict[str, Path], out: Path, settings: ReportSection,
+           skipped: list[Skipped], placement: Placement | None = None) -> str:
     lines = ["# dflash report: throughput and quality", ""] + answers(runs[-1] if runs else None)
-    sampled = {r.run_id: r.row.get("tau_by_proposal") or "" for r in runs}
+    sampled = {r.run_id: _by_policy(r) for r in runs}
     if not records:
         lines += ["No runs in the history yet.", ""]
     else:
         latest = records[-1]
-        lines += [f"**Latest run — {headline(latest)}.** {latest['sentence']}", ""]
+        lines += [f"**Latest run — {headline(latest)}.** {latest.sentence}", ""]
         base = f"pinned run `{settings.baseline_run}`" if settings.baseline_run else (
             f"the median of up to {settings.baseline_window} earlier runs of the same run name, hardware and "
             "placement that were identical to the previous one (a drop across a change is measured against the runs "
@@ -259,7 +266,7 @@ def render(runs: list[Run], records: list[dict], plots: dict[str, Path], out: Pa
         lines += _anomalies(records)
         lines += _placement(runs[-1] if runs else None, placement)
     if skipped:
-        lines += ["## Skipped inputs", ""] + [f"- `{s['file']}`: {s['reason']}" for s in skipped] + [""]
+        lines += ["## Skipped inputs", ""] + [f"- `{s.file}`: {s.reason}" for s in skipped] + [""]
     lines += ["## Plots", ""]
     for key, path in plots.items():
         rel = Path(path).relative_to(out) if Path(path).is_relative_to(out) else Path(path)

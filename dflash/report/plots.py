@@ -12,7 +12,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from dflash.records.acceptance import engines  # noqa: E402
+from dflash.records.acceptance import ENGINES, WORDS, engines  # noqa: E402
+from dflash.records.regressions import RunVerdict  # noqa: E402
 from dflash.config_model import ReportSection  # noqa: E402
 from dflash.report.history import TIME_KEYS, Run, proposal_taus, to_float  # noqa: E402
 
@@ -58,21 +59,21 @@ def _labels(runs: list[Run]) -> list[str]:
     return [f"{r.run_id}\n{(r.row.get('started_at') or '')[:10]}" for r in runs]
 
 
-def ktok_history(runs: list[Run], records: list[dict], path: Path) -> Path:
+def ktok_history(runs: list[Run], records: list[RunVerdict], path: Path) -> Path:
     """Ktok/s per run, the baseline (median) and its band (baseline x (1 +- threshold)), regressions crossed."""
-    base = [rec["baseline"]["ktok_per_s"] if rec["baseline"] else float("nan") for rec in records]
+    base = [rec.baseline.ktok_per_s if rec.baseline else float("nan") for rec in records]
     return _history(runs, [r.num("ktok_per_s") for r in runs], base,
-                    [b * (1 + rec["threshold"]) for b, rec in zip(base, records)],
-                    [b * (1 - rec["threshold"]) for b, rec in zip(base, records)],
-                    [(i, f"{rec['ratio']:.2f}x") for i, rec in enumerate(records) if rec["verdict"] == "regression"],
+                    [b * (1 + rec.threshold) for b, rec in zip(base, records)],
+                    [b * (1 - rec.threshold) for b, rec in zip(base, records)],
+                    [(i, f"{rec.ratio:.2f}x") for i, rec in enumerate(records) if rec.verdict == "regression"],
                     "Ktok/s per run", "trained throughput (Ktok/s)", "trained Ktok/s", path)
 
 
-SAMPLED = {"argmax": ("^", "tab:purple", f"argmax drafts ({engines('argmax')})"),
-           "sample": ("v", "tab:orange", f"sampled drafts ({engines('sample')})")}  # marker, color, draft policy
+SAMPLED = {policy: (marker, color, f"{WORDS[policy][0]} ({engines(policy)})")     # marker, color, draft policy
+           for policy, marker, color in zip(ENGINES, "^v", ("tab:purple", "tab:orange"))}
 
 
-def tau_history(runs: list[Run], records: list[dict], path: Path) -> Path:
+def tau_history(runs: list[Run], records: list[RunVerdict], path: Path) -> Path:
     """tau per run (temperature 0), the baseline and its band (baseline +- the tau threshold), quality regressions
     crossed; an earlier evaluation of a re-evaluated run as a hollow marker; a run evaluated at temperature > 0 (not
     judged) as one triangle per draft policy, labelled with the policy and the temperature."""
@@ -84,12 +85,12 @@ def tau_history(runs: list[Run], records: list[dict], path: Path) -> Path:
         marker, color, policy = SAMPLED.get(k, ("s", "tab:gray", f"{k} drafts"))
         temps = ", ".join(dict.fromkeys(f"{t:g}" for _, t, taus in hot if k in taus))
         extra.append(([(i, taus[k]) for i, _, taus in hot if k in taus], marker, color, f"tau at T={temps}, {policy}"))
-    q = [rec["quality"] for rec in records]
-    base = [x["baseline"]["tau"] if x["baseline"] else float("nan") for x in q]
-    earlier = [(i, t) for i, x in enumerate(q) for t in x["tau_earlier"]]
+    q = [rec.quality for rec in records]
+    base = [x.baseline.tau if x.baseline else float("nan") for x in q]
+    earlier = [(i, t) for i, x in enumerate(q) for t in x.tau_earlier]
     return _history(runs, [r.num("tau") for r in runs], base,
-                    [b + x["threshold"] for b, x in zip(base, q)], [b - x["threshold"] for b, x in zip(base, q)],
-                    [(i, f"{x['change']:+.2f}") for i, x in enumerate(q) if x["verdict"] == "regression"],
+                    [b + x.threshold for b, x in zip(base, q)], [b - x.threshold for b, x in zip(base, q)],
+                    [(i, f"{x.change:+.2f}") for i, x in enumerate(q) if x.verdict == "regression"],
                     "tau per run (acceptance length, temperature 0)", "tau (tokens per verification step)",
                     "tau (latest evaluation)", path, earlier=earlier, bottom=1.0, extra=extra)
 
@@ -295,7 +296,7 @@ def _acceptance(ax, rows: list[dict]) -> None:
         ax.legend(fontsize=7)
 
 
-def make_all(runs: list[Run], records: list[dict], settings: ReportSection, out: Path) -> dict[str, Path]:
+def make_all(runs: list[Run], records: list[RunVerdict], settings: ReportSection, out: Path) -> dict[str, Path]:
     latest = runs[-1] if runs else None
     return {
         "ktok": ktok_history(runs, records, out / PLOTS["ktok"]),

@@ -86,17 +86,17 @@ def _log_part(part: dict, out):
              regen.get("tokens", 0), regen.get("cached", 0), out)
 
 
-def _log_dataset(m: dict, out):
-    regen = m["regeneration"]
+def _log_dataset(m, out):
+    """The written manifest (a records.manifest.Manifest) in a few lines."""
+    regen = m.regeneration
     log.info("dataset %s: %d samples, %d tokens (%d supervised), buckets %s, holdout %d, content %s%s, %.1fs -> %s",
-             m["dataset"], m["num_samples"], m["total_tokens"], m["supervised_tokens"], m["buckets"], m["holdout"],
-             m["content_hash"], f", regenerated {regen['tokens']} tokens at {regen['tokens_per_s']} tok/s "
-             f"({regen.get('engine')}, {regen.get('cached', 0)} conversations from the cache)"
-             if regen["enabled"] else "", m["seconds"], out)
-    for name, s in m["sources"].items():
-        log.info("  source %s: %d rows, %d kept, %d samples, rejected %s", name, s["rows"], s["kept"], s["samples"],
-                 s["rejected"] or "none")
-    few = m["filters"]["too_few_supervised"]
-    if few["rejected"]:
-        log.info("  too_few_supervised: fewer than %d supervised tokens (%s)", few["min_supervised_tokens"],
-                 ", ".join(f"{k} {v}" for k, v in few["keys"].items()))
+             m.dataset, m.num_samples, m.total_tokens, m.supervised_tokens, m.buckets, m.holdout, m.content_hash,
+             f", regenerated {regen.tokens} tokens at {regen.tokens_per_s} tok/s ({regen.engine}, {regen.cached or 0} "
+             f"conversations from the cache)" if regen.enabled else "", m.seconds, out)
+    for name, s in m.sources.items():
+        log.info("  source %s: %d rows, %d kept, %d samples, rejected %s", name, s.rows, s.kept, s.samples,
+                 s.rejected or "none")
+    few = m.filters.too_few_supervised
+    if few.rejected:
+        log.info("  too_few_supervised: fewer than %d supervised tokens (%s)", few.min_supervised_tokens,
+                 ", ".join(f"{k} {v}" for k, v in few.keys.items()))

@@ -3,12 +3,13 @@ writer's record is exactly the model, the readers' views take what they need and
 import hashlib
 import json
 import re
+import shutil
 
 import pytest
 from pydantic import ValidationError
 
 from dflash.cli import main
-from dflash.data import shards
+from dflash.data import gather, shards
 from dflash.errors import UserError
 from dflash.evaluate.modelcard import read_evaluation as _acceptance
 from dflash.records import acceptance as acceptance_rec, checkpoint as checkpoint_rec, compile as compile_rec, manifest
@@ -42,10 +43,46 @@ def test_docs_list_the_keys_of_the_model(repo, name, table, keys):
 
 def test_manifest_writer_refuses_a_key_the_model_does_not_describe(tmp_path):
     with pytest.raises(ValidationError, match="dataset"):          # a partial record: the keys it lacks are named
-        shards.write_manifest(tmp_path, {"content_hash": "0" * 16}, manifest.Manifest)
+        gather.write_manifest(tmp_path, {"content_hash": "0" * 16})
     assert not (tmp_path / shards.MANIFEST).exists()               # refused before anything is written
     fields = {k: f for k, f in manifest.Manifest.model_fields.items() if f.is_required()}
     assert {"files", "manifest_hash", "dataset", "sources", "tokenizer", "created_at"} <= set(fields)
+
+
+def _manifest_body() -> dict:
+    """A whole manifest as the gather makes it (unsealed): a code source (its from_* counts between truncated and
+    weight), regeneration on, config numbers written as integers (a weight, the temperature, the filter's keys)."""
+    source = {"rows": 9, "kept": 7, "samples": 7, "holdout": 1, "truncated": 2}
+    return {"dataset": "d", "content_hash": "0" * 16, "num_samples": 7, "total_tokens": 700, "supervised_tokens": 350,
+            "bucket_edges": [64, 128], "buckets": {"64": 3, "128": 4}, "length_histogram": {"1-8": 7},
+            "sources": {"code": {**source, "from_pretrain_files": 6, "from_heldout_files": 3, "weight": 1.0,
+                                 "rejected": {"duplicate": 2}},
+                        "sg": {**source, "weight": 2, "rejected": {}}},
+            "holdout": 2, "regeneration": {"enabled": True, "tokens": 10, "seconds": 1.5, "tokens_per_s": 6.7,
+                                           "engine": "hf", "max_new_tokens": 96, "temperature": 0,
+                                           "conversations": 7, "cached": 0, "cache": "results/x", "device": "cpu"},
+            "max_length": 128, "truncation": "truncate", "min_supervised_tokens": 32,
+            "filters": {"too_few_supervised": {"rejected": 0, "min_supervised_tokens": 32,
+                                               "keys": {"data.min_supervised_blocks": 2, "drafter.block_size": 16}},
+                        "too_long": {"rejected": 0, "keys": {"data.max_length": 128, "data.truncation": "truncate"}}},
+            "block_size": 16, "synthetic": False, "data_shards": 2,
+            "tokenizer": {"size": 64, "vocab_size": 64, "pad_token_id": None, "eos_token_id": 2, "mask_token_id": 63},
+            "target_path": "results/target", "seed": 0, "seconds": 3.25, "created_at": "2026-12-07T00:00:00Z"}
+
+
+def test_the_manifest_record_writes_the_bytes_of_its_dict(tmp_path):
+    """gather.write_manifest (the Manifest record through records.write) writes byte for byte what the plain dict
+    writes (the key order, 2 as 2 and 1.0 as 1.0), so no manifest_hash or content moves."""
+    (tmp_path / "a" / "train").mkdir(parents=True)
+    (tmp_path / "a" / shards.HOLDOUT).write_text("{}\n")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    record = gather.write_manifest(tmp_path / "a", _manifest_body())
+    plain = shards.write_manifest(tmp_path / "b", _manifest_body())
+    assert (tmp_path / "a" / shards.MANIFEST).read_bytes() == (tmp_path / "b" / shards.MANIFEST).read_bytes()
+    assert isinstance(record, manifest.Manifest) and record.manifest_hash == plain["manifest_hash"]
+    assert record.sources["sg"].from_pretrain_files is None and "from_pretrain_files" not in plain["sources"]["sg"]
+    assert shards.read_manifest(tmp_path / "a") == plain
+    assert '"weight": 2,' in (tmp_path / "a" / shards.MANIFEST).read_text() and record.regeneration.temperature == 0
 
 
 def test_manifest_reader_checks_the_types_of_the_keys_it_uses(tmp_path):
