@@ -251,11 +251,15 @@ def test_a_target_folder_bounds_the_mask_token_and_the_heads(tmp_path):
 
 
 # ---- Ctrl-C outside train -----------------------------------------------------------------------------------------
-def test_ctrl_c_in_any_stage_is_one_line_exit_130_and_nothing_half_written(tmp_path, monkeypatch, capsys):
+def test_ctrl_c_in_any_stage_is_one_line_exit_130_and_nothing_half_written(tmp_path, monkeypatch, capsys, request):
     """It printed a KeyboardInterrupt traceback. A stage interrupted mid-write (here env, inside its atomic folder)
     exits 130 with one line; the temporary folder is gone."""
     from dflash.atomic import atomic_dir
     out = tmp_path / "out"
+    # Ctrl-C as a stage's own process meets it: Python's default handler (an earlier test in this process may have
+    # left another one installed: a server or a launcher it ran in-process)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
 
     def interrupted(loaded, args):
         with atomic_dir(out) as tmp:

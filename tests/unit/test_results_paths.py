@@ -78,7 +78,9 @@ def test_a_record_is_saved_without_the_machine_paths(tmp_path, monkeypatch):
                      "error": 'Traceback:\n  File "dflash/cli.py", line 3\n  in .\n',
                      "summary": {"out": "~/out/x", "run_dir": "results/runs/h200", "rel": "results/runs/h"}}
     assert not machine_paths(tmp_path)
-    assert common.portable(f"{REPO}x /tmpfoo a/tmp/b") == f"{REPO}x /tmpfoo a/tmp/b"   # only where a path starts
+    root = Path("/srv/checkout")   # a checkout outside the temporary folder (this one may be under /tmp itself)
+    assert common.portable("/srv/checkoutx /tmpfoo a/tmp/b", root) == "/srv/checkoutx /tmpfoo a/tmp/b"   # only where
+    assert common.portable("/srv/checkout/dflash /srv/checkout", root) == "dflash ."                     # a path starts
 
 
 def test_an_archive_of_the_runs_is_written_without_machine_paths(tmp_path, monkeypatch):
