@@ -317,17 +317,15 @@ def split_map(config, devices) -> dict[str, str]:
     return out
 
 
-def fp8_loading(path: Path) -> dict:
+def fp8_loading(config, path: Path) -> dict:
     """from_pretrained's extra arguments for a block-wise FP8 checkpoint (`quant_method: fp8`, Qwen3-*-FP8's format):
     transformers runs its FP8 matmuls through the `kernels` package, which fetches its kernel from the Hub at the first
     forward; without it (or at a version transformers does not take) the forward fails on a GPU. Nothing here may
     download, so such a checkpoint is loaded dequantized to the target dtype (each weight its blocks times their
     scales, exactly: the same values, bf16 matmuls), said in the log. With a usable `kernels` installed (and its
-    kernel in the Hub cache), transformers' own FP8 layers are kept."""
-    try:
-        qc = json.loads((Path(path) / "config.json").read_text()).get("quantization_config") or {}
-    except (OSError, ValueError):
-        return {}   # from_pretrained reports it
+    kernel in the Hub cache), transformers' own FP8 layers are kept. `config`: the target's (target_config), `path`
+    named in the log."""
+    qc = getattr(config, "quantization_config", None) or {}
     from transformers.utils import is_kernels_available
     if qc.get("quant_method") != "fp8" or is_kernels_available():
         return {}
@@ -345,7 +343,7 @@ def load_target(target_cfg: TargetSection, device="cpu", dtype=None, seed=0, dev
     initialised directly on the device in the target dtype (an 8B-shaped model is created on a GPU in seconds).
     """
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     path = _path(target_cfg)
     device = resolve_device(device)
@@ -357,7 +355,8 @@ def load_target(target_cfg: TargetSection, device="cpu", dtype=None, seed=0, dev
         raise UserError(f"target.path {path}: no weight files (*.safetensors or pytorch_model*.bin) and "
                         f"target.build is {target_cfg.build!r} (only `random` builds weights at load time)")
     from dflash.families import check_config, check_model
-    why = check_config(target_config(target_cfg), attn)
+    config = target_config(target_cfg)   # read once: checked, split, quantization, a random build's
+    why = check_config(config, attn)
     if why:
         raise UserError(f"target.path {path}: {why}")
     damaged = weights_problem(path)
@@ -367,11 +366,10 @@ def load_target(target_cfg: TargetSection, device="cpu", dtype=None, seed=0, dev
     from safetensors import SafetensorError
     try:
         if has_weights(path):
-            where = {"device_map": split_map(target_config(target_cfg), devices)} if split else {}
+            where = {"device_map": split_map(config, devices)} if split else {}
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation=attn,
-                                                         trust_remote_code=trust, **where, **fp8_loading(path))
+                                                         trust_remote_code=trust, **where, **fp8_loading(config, path))
         else:
-            config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust)
             torch.manual_seed(seed)
             default_dtype = torch.get_default_dtype()
             try:

@@ -10,7 +10,7 @@ import torch
 from dflash.config_model import TargetSection
 from dflash.evaluate import specdec as S
 from dflash.families import check_model
-from dflash.target import fp8_loading, load_target
+from dflash.target import fp8_loading, load_target, target_config
 from support import families as F
 
 
@@ -48,13 +48,15 @@ def test_an_fp8_checkpoint_is_dequantized_where_its_kernel_would_download(built,
     cfg.write_text(cfg.read_text().replace('"weight_block_size"', '"modules_to_not_convert": ["lm_head"], '
                                                                    '"weight_block_size"'))
     monkeypatch.setattr(transformers.utils, "is_kernels_available", lambda *a, **k: False)
-    qc = fp8_loading(tmp_path / "fp8")["quantization_config"]
+    def loading(path):
+        return fp8_loading(target_config(TargetSection.model_validate({"path": str(path), "build": "none"})), path)
+    qc = loading(tmp_path / "fp8")["quantization_config"]
     assert qc.dequantize and qc.weight_block_size == [16, 16] and qc.modules_to_not_convert == ["lm_head"]
     got = dict(_load(tmp_path / "fp8").named_parameters())
     assert all(torch.equal(got[k].float(), v) for k, v in want.items())
-    assert fp8_loading(tmp_path / "fp8" / "nowhere") == {} and fp8_loading(built["llama"]) == {}
+    assert loading(built["llama"]) == {}                          # not quantized
     monkeypatch.setattr(transformers.utils, "is_kernels_available", lambda *a, **k: True)
-    assert fp8_loading(tmp_path / "fp8") == {}                     # transformers' own FP8 layers where they can run
+    assert loading(tmp_path / "fp8") == {}                        # transformers' own FP8 layers where they can run
 
 
 @pytest.mark.gpu
